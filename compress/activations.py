@@ -1,0 +1,91 @@
+"""Activation fake-quantization: the inputs of quantized layers rounded at run time, so that the
+evaluated model really computes with A8 (or FP8) inputs.
+
+Dynamic (per-token) ranges come from each input; static (per-tensor) ranges are observed on the
+calibration set first and then frozen. The hooks are plain forward pre-hooks; the ranges are saved
+with the checkpoint so that `compress eval` reattaches them when it loads the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compress.quant import compute_qparams, fake_quantize, fake_quantize_fp8, zeropoint_qparams, absmax_qparams
+from compress.schemes import QuantArgs
+
+HOOK_ATTR = "_compress_activation_hook"
+
+
+class ActivationFakeQuant:
+    """Forward pre-hook that fake-quantizes a linear layer's input."""
+
+    def __init__(self, args: QuantArgs, static_range: tuple[float, float] | None = None):
+        self.args = args
+        self.static_range = static_range
+        if not args.dynamic and static_range is None:
+            raise ValueError("static activation quantization needs a range observed on calibration data")
+
+    def __call__(self, module: torch.nn.Module, inputs: tuple) -> tuple:
+        x = inputs[0]
+        flat = x.reshape(-1, x.shape[-1])
+        a = self.args
+        if a.type == "float":
+            absmax = None if a.dynamic else torch.tensor(max(abs(self.static_range[0]), abs(self.static_range[1])))
+            out = fake_quantize_fp8(flat, a.strategy, absmax)
+        else:
+            qparams = None
+            if not a.dynamic:
+                lo, hi = self.static_range
+                if a.symmetric:
+                    qparams = absmax_qparams(torch.tensor(max(abs(lo), abs(hi)), device=x.device), a.num_bits)
+                else:
+                    qparams = zeropoint_qparams(torch.tensor(lo, device=x.device), torch.tensor(hi, device=x.device), a.num_bits)
+            out = fake_quantize(flat, a.num_bits, a.symmetric, a.strategy, qparams=qparams)
+        return (out.to(x.dtype).reshape(x.shape), *inputs[1:])
+
+
+def attach(module: torch.nn.Module, args: QuantArgs, static_range: tuple[float, float] | None = None) -> None:
+    detach(module)
+    handle = module.register_forward_pre_hook(ActivationFakeQuant(args, static_range))
+    setattr(module, HOOK_ATTR, handle)
+
+
+def detach(module: torch.nn.Module) -> None:
+    handle = getattr(module, HOOK_ATTR, None)
+    if handle is not None:
+        handle.remove()
+        delattr(module, HOOK_ATTR)
+
+
+@torch.no_grad()
+def observe_ranges(
+    model: torch.nn.Module, modules: dict[str, torch.nn.Module], samples: list[dict], device: torch.device
+) -> dict[str, tuple[float, float]]:
+    """Min and max of each module's input over all calibration samples (padding excluded)."""
+    ranges: dict[str, list[float]] = {}
+    mask_holder: dict[str, torch.Tensor | None] = {"mask": None}
+
+    def make_hook(name: str):
+        def hook(module, inputs):
+            x = inputs[0].detach().float()
+            mask = mask_holder["mask"]
+            if mask is not None and x.dim() == 3 and x.shape[:2] == mask.shape:
+                x = x[mask.bool()]
+            lo, hi = float(x.min()), float(x.max())
+            if not (torch.isfinite(torch.tensor([lo, hi])).all()):
+                raise FloatingPointError(f"non-finite activation at the input of {name}")
+            old = ranges.get(name)
+            ranges[name] = [min(lo, old[0]), max(hi, old[1])] if old else [lo, hi]
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in modules.items()]
+    try:
+        for sample in samples:
+            batch = {k: v.to(device) for k, v in sample.items()}
+            mask_holder["mask"] = batch.get("attention_mask")
+            model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: (r[0], r[1]) for n, r in ranges.items()}

@@ -1,0 +1,166 @@
+"""Calibration sets: text from a local file or a hub dataset, tokenized into samples.
+
+Packed (causal LMs): the texts are joined, tokenized without special tokens and cut into
+consecutive non-overlapping windows of `seq_len` tokens; the first `num_samples` windows are taken
+(or a seeded random choice with `shuffle`). Unpacked (encoders): one sample per line or record,
+truncated at `seq_len`. The fingerprint (sha256 of the token ids) goes into the report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from compress.errors import CompressError
+from compress.modeling import REPO_DIR
+
+FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+
+
+@dataclass
+class CalibrationSet:
+    samples: list[dict[str, torch.Tensor]]  # model inputs, one batch of 1 per sample
+    fingerprint: str
+    source: str
+    num_tokens: int
+
+
+def resolve_data_path(spec: str) -> Path | None:
+    """A local file: as given, else relative to the project checkout (for the bundled corpus)."""
+    p = Path(spec).expanduser()
+    if p.exists():
+        return p
+    if not p.is_absolute() and (REPO_DIR / p).exists():
+        return REPO_DIR / p
+    return None
+
+
+def is_local_spec(spec: str) -> bool:
+    return spec.endswith(FILE_SUFFIXES) or spec.startswith((".", "/", "~")) or resolve_data_path(spec) is not None
+
+
+def read_texts(spec: str, text_field: str = "text", split: str = "train", config_name: str | None = None,
+               lines: bool = False) -> list[str]:
+    """Texts of a local .txt/.jsonl/.parquet file or a hub dataset. `lines` splits .txt by line."""
+    path = resolve_data_path(spec)
+    if path is None and is_local_spec(spec):
+        raise CompressError(f"calibration/evaluation file not found: {spec}", "check the path (relative paths are tried from the current directory, then the project root)")
+    if path is not None:
+        if path.is_dir():
+            raise CompressError(f"{spec} is a directory", "give a .txt, .jsonl or .parquet file")
+        return _read_file(path, text_field, lines)
+    return _read_hub(spec, text_field, split, config_name)
+
+
+def _read_file(path: Path, text_field: str, lines: bool) -> list[str]:
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+            if text_field not in table.column_names:
+                raise CompressError(f"{path}: no column '{text_field}' (columns: {', '.join(table.column_names)})", "set calibration.text_field")
+            texts = [t for t in table.column(text_field).to_pylist() if isinstance(t, str)]
+        elif suffix in (".jsonl", ".json"):
+            texts = []
+            with open(path, encoding="utf-8") as fh:
+                for n, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise CompressError(f"{path}:{n}: not valid JSON ({exc.msg})", "each line must be one JSON object") from None
+                    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                        raise CompressError(f"{path}:{n}: no string field '{text_field}'", "set calibration.text_field to the field holding the text")
+                    texts.append(record[text_field])
+        else:
+            raw = path.read_bytes()
+            if b"\x00" in raw[:8192]:
+                raise CompressError(f"{path}: looks like binary data, not text", "give a UTF-8 text file")
+            text = raw.decode("utf-8")
+            texts = text.splitlines() if lines else [text]
+    except UnicodeDecodeError:
+        raise CompressError(f"{path}: not UTF-8 text", "convert the file to UTF-8") from None
+    except CompressError:
+        raise
+    except Exception as exc:  # pyarrow errors on a damaged file
+        raise CompressError(f"{path}: cannot read: {str(exc).splitlines()[0]}") from None
+    return texts
+
+
+def _read_hub(name: str, text_field: str, split: str, config_name: str | None) -> list[str]:
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, config_name, split=split)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CompressError(
+            f"cannot load dataset '{name}' from the hub: {first[:200]}",
+            "check the name and your network (offline, use a local .txt/.jsonl/.parquet file)",
+        ) from None
+    if text_field not in ds.column_names:
+        raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(ds.column_names)})", "set calibration.text_field")
+    return [t for t in ds[text_field] if isinstance(t, str)]
+
+
+def token_windows(tokenizer, text: str, seq_len: int) -> torch.Tensor:
+    """[n_windows, seq_len] consecutive non-overlapping windows, remainder dropped."""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    n = len(ids) // seq_len
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).reshape(n, seq_len)
+
+
+def build_calibration(cfg, tokenizer) -> CalibrationSet:
+    """Tokenize a recipe's `calibration` section into samples."""
+    if cfg.packing:
+        texts = read_texts(cfg.dataset, cfg.text_field, cfg.split, cfg.config_name)
+        text = "\n\n".join(t for t in texts if t.strip())
+        if not text.strip():
+            raise CompressError(f"calibration data {cfg.dataset} is empty", "give a file with text in it")
+        windows = token_windows(tokenizer, text, cfg.seq_len)
+        if len(windows) < cfg.num_samples:
+            raise CompressError(
+                f"calibration data {cfg.dataset} gives {len(windows)} windows of {cfg.seq_len} tokens, "
+                f"{cfg.num_samples} asked",
+                "lower num_samples or seq_len, or give more text",
+            )
+        if cfg.shuffle:
+            g = torch.Generator().manual_seed(cfg.seed)
+            idx = torch.randperm(len(windows), generator=g)[: cfg.num_samples].sort().values
+        else:
+            idx = torch.arange(cfg.num_samples)
+        chosen = windows[idx]
+        samples = [{"input_ids": row.unsqueeze(0)} for row in chosen]
+        digest = hashlib.sha256(chosen.numpy().tobytes()).hexdigest()
+        return CalibrationSet(samples, digest, cfg.dataset, int(chosen.numel()))
+
+    texts = [t.strip() for t in read_texts(cfg.dataset, cfg.text_field, cfg.split, cfg.config_name, lines=True)]
+    texts = [t for t in texts if t and len(t) > cfg.min_chars]
+    if len(texts) < cfg.num_samples:
+        raise CompressError(
+            f"calibration data {cfg.dataset} has {len(texts)} lines/records longer than {cfg.min_chars} characters, "
+            f"{cfg.num_samples} asked",
+            "lower num_samples or min_chars, or give more text",
+        )
+    if cfg.shuffle:
+        g = torch.Generator().manual_seed(cfg.seed)
+        texts = [texts[i] for i in torch.randperm(len(texts), generator=g)[: cfg.num_samples].sort().values.tolist()]
+    else:
+        texts = texts[: cfg.num_samples]
+    h = hashlib.sha256()
+    samples = []
+    total = 0
+    for t in texts:
+        enc = tokenizer(t, truncation=True, max_length=cfg.seq_len, return_tensors="pt")
+        sample = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+        samples.append(sample)
+        h.update(sample["input_ids"].numpy().tobytes())
+        total += int(sample["input_ids"].numel())
+    return CalibrationSet(samples, h.hexdigest(), cfg.dataset, total)

@@ -1,0 +1,149 @@
+"""Model plumbing: resolving a model reference, loading it and its tokenizer, reading and writing
+linear weights (GPT-2's Conv1D stores them transposed), hashing weights for provenance."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from compress.errors import CompressError
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL_DIR = PACKAGE_DIR / "assets" / "ref-llama"
+REPO_DIR = PACKAGE_DIR.parent
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model(ref: str) -> str:
+    """A local directory, `default` (the bundled ref-llama), or a hub id passed through as is."""
+    if ref == "default":
+        return str(DEFAULT_MODEL_DIR)
+    p = Path(ref).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise CompressError(f"model path {ref} is a file", "pass the directory that holds config.json")
+        if not (p / "config.json").is_file():
+            raise CompressError(f"model directory {ref} has no config.json", "pass a Hugging Face model directory")
+        return str(p)
+    if ref.startswith((".", "/", "~")) or not _looks_like_hub_id(ref):
+        raise CompressError(f"model path {ref} does not exist", "check the path, or give a hub id such as org/name")
+    return ref  # a hub id: transformers resolves it (from the local cache when offline)
+
+
+def _looks_like_hub_id(ref: str) -> bool:
+    parts = ref.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and "\\" not in ref
+
+
+def load_config(ref: str):
+    from transformers import AutoConfig
+
+    path = resolve_model(ref)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise CompressError(f"cannot load model config for {ref}: {str(exc).splitlines()[0]}",
+                            "check the id or path; offline, the model must be in the local cache") from None
+
+
+def is_causal_lm(config) -> bool:
+    archs = getattr(config, "architectures", None) or []
+    return any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs)
+
+
+def model_class(config):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    return AutoModelForCausalLM if is_causal_lm(config) else AutoModel
+
+
+def load_model(ref: str, dtype: str = "auto", device: str | torch.device = "cpu"):
+    """Load (model, tokenizer, config) for a local dir, hub id or `default`."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model(ref)
+    config = load_config(ref)
+    if dtype != "auto" and dtype not in DTYPES:
+        raise CompressError(f"unknown dtype {dtype!r}", f"use auto or one of {', '.join(DTYPES)}")
+    torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
+    if Path(path).is_dir() and not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
+        raise CompressError(f"model directory {ref} holds no weights (*.safetensors or *.bin)", "point --model at a complete checkpoint")
+    try:
+        model = model_class(config).from_pretrained(path, dtype=torch_dtype)
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CompressError(f"cannot load model weights from {ref}: {first}", "the checkpoint may be truncated or corrupted") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise CompressError(f"cannot load the tokenizer of {ref}: {str(exc).splitlines()[0]}", "the model directory needs tokenizer files") from None
+    model.eval()
+    model.to(device)
+    if getattr(model.config, "use_cache", None) is not None:
+        model.config.use_cache = False
+    _reattach_activation_quant(model, path)
+    return model, tokenizer, config
+
+
+def _reattach_activation_quant(model: torch.nn.Module, path: str) -> None:
+    """A compress checkpoint with quantized activations records their scheme and static ranges."""
+    meta_file = Path(path) / "compress.json"
+    if not meta_file.is_file():
+        return
+    from compress import activations
+    from compress.schemes import QuantArgs
+
+    meta = json.loads(meta_file.read_text())
+    modules = dict(model.named_modules())
+    for name, rec in meta.get("layers", {}).items():
+        if "input_activations" in rec and name in modules:
+            rng = rec.get("activation_range")
+            activations.attach(modules[name], QuantArgs(**rec["input_activations"]), tuple(rng) if rng else None)
+
+
+def get_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The weight as a float32 [out_features, in_features] tensor (a copy)."""
+    w = module.weight.detach()
+    if type(module).__name__ == "Conv1D":  # GPT-2 stores [in, out]
+        w = w.t()
+    return w.float().clone()
+
+
+def set_weight(module: torch.nn.Module, weight: torch.Tensor) -> None:
+    """Write a [out, in] weight back in the module's own layout, dtype and device."""
+    if type(module).__name__ == "Conv1D":
+        weight = weight.t()
+    with torch.no_grad():
+        module.weight.copy_(weight.to(module.weight.dtype))
+
+
+def weights_hash(ref: str) -> str | None:
+    """sha256 over the model's weight files (sorted by name), for provenance."""
+    path = Path(resolve_model(ref))
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(ref, local_files_only=True))
+        except Exception:
+            return None
+    h = hashlib.sha256()
+    files = sorted(list(path.glob("*.safetensors")) + list(path.glob("*.bin")))
+    for f in files:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest() if files else None
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,0 +1,194 @@
+"""Running a recipe end to end, and evaluating a checkpoint: the Python API behind the CLI.
+
+    load model -> build calibration set (if a stage needs one) -> run stages in order
+    -> save into a temporary directory -> evaluate against the untouched original -> move into place
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from compress import modeling
+from compress.calibration import build_calibration
+from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes
+from compress.errors import CompressError
+from compress.evaluate import evaluate, gate
+from compress.recipe import EvaluationConfig, Recipe
+from compress.report import run_markdown, versions, write_json
+from compress.schemes import QuantArgs, packed_weight_bits
+from compress.stages import STAGES
+from compress.stages.base import StageContext
+
+Progress = Callable[[str, int, int], None]
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CompressError("--device cuda was asked but no CUDA device is available", "use --device auto or cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise CompressError(f"unknown device {device!r}", "use auto, cpu or cuda")
+    return torch.device(device)
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = None, force: bool = False,
+               device: str = "auto", dtype: str = "auto", seed: int = 0,
+               progress: Progress = lambda *_: None) -> dict:
+    """Run every stage of `recipe` and write the compressed checkpoint; returns report.json's content."""
+    model_ref = model or recipe.model
+    if not model_ref:
+        raise CompressError(f"{recipe.source}: no model given", "set `model:` in the recipe or pass --model")
+    out_dir = output or recipe.output
+    if not out_dir:
+        raise CompressError(f"{recipe.source}: no output directory given", "set `output:` in the recipe or pass --output")
+    model_path = modeling.resolve_model(model_ref)
+    protect = [model_path] if Path(model_path).exists() else []
+    atomic = AtomicOutput(out_dir, force=force, protect=protect)  # refuses a bad destination before any work
+    dev = pick_device(device)
+    seed_everything(seed)
+
+    progress("loading model", 0, 1)
+    net, tokenizer, config = modeling.load_model(model_ref, dtype=dtype, device="cpu")
+    source = {
+        "ref": model_ref,
+        "path": model_path,
+        "weights_sha256": modeling.weights_hash(model_ref),
+        "dtype": str(next(net.parameters()).dtype).removeprefix("torch."),
+        "parameters": modeling.count_parameters(net),
+        "bytes": modeling.model_bytes(net),
+        "architecture": (getattr(config, "architectures", None) or [type(net).__name__])[0],
+    }
+    net.to(dev)
+
+    calibration = None
+    if recipe.calibration is not None:  # built even for stages that do not need it: its fingerprint is provenance
+        progress("tokenizing calibration data", 0, 1)
+        calibration = build_calibration(recipe.calibration, tokenizer)
+
+    ctx = StageContext(device=dev, calibration=calibration, seed=seed, progress=progress)
+    stage_reports = []
+    for name, stage in recipe.stages:
+        with PeakMemory() as mem:
+            summary = stage.apply(net, ctx)
+        stage_reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
+                              "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary})
+    net.to("cpu")
+
+    report = {
+        "versions": versions(),
+        "recipe_source": recipe.source,
+        "seed": seed,
+        "device": str(dev),
+        "source_model": source,
+        "calibration": None if calibration is None else {
+            "source": calibration.source, "fingerprint": calibration.fingerprint,
+            "num_samples": len(calibration.samples), "tokens": calibration.num_tokens},
+        "stages": stage_reports,
+        "layers": ctx.layers,
+    }
+
+    with atomic as tmp:
+        progress("saving", 0, 1)
+        net.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        effective = recipe.effective()
+        effective["model"] = model_ref
+        effective["output"] = str(out_dir)
+        (tmp / "recipe.yaml").write_text(yaml.safe_dump(effective, sort_keys=False))
+        write_json(tmp / "compress.json", {"format": "compress-dequantized/1", "source_model": source,
+                                           "stages": [n for n, _ in recipe.stages], "layers": ctx.layers})
+        report["output"] = size_summary(net, ctx.layers, tmp)
+        if recipe.evaluation is not None and recipe.evaluation.datasets:
+            _reset_model_dtype(net)
+            baseline, _, _ = modeling.load_model(model_ref, dtype="float32", device=dev)
+            report["evaluation"] = evaluate(
+                net.to(dev), tokenizer, recipe.evaluation.datasets, baseline=baseline,
+                causal=modeling.is_causal_lm(config), **_eval_kwargs(recipe.evaluation), device=dev, progress=progress)
+            del baseline
+        write_json(tmp / "report.json", report)
+        (tmp / "report.md").write_text(run_markdown(report))
+    return report
+
+
+def _reset_model_dtype(net: torch.nn.Module) -> None:
+    net.float()  # the protocol evaluates in float32; the checkpoint is already saved in its own dtype
+
+
+def _eval_kwargs(cfg: EvaluationConfig) -> dict:
+    return {"seq_len": cfg.seq_len, "max_windows": cfg.max_windows, "max_sentences": cfg.max_sentences,
+            "batch_size": cfg.batch_size}
+
+
+def size_summary(net: torch.nn.Module, layers: dict, checkpoint_dir: Path | None = None,
+                 stored_bits: int | None = None) -> dict:
+    """Parameters, bytes on disk, and bits/parameter on disk and once packed.
+
+    `stored_bits`: width of the unquantized parameters as saved (defaults to the model's dtype)."""
+    params = modeling.count_parameters(net)
+    modules = dict(net.named_modules())
+    packed_bits = 0
+    quantized_params = 0
+    for name, rec in layers.items():
+        if "weights" in rec and name in modules:
+            out_f, in_f = rec["shape"]
+            packed_bits += packed_weight_bits(out_f, in_f, QuantArgs(**rec["weights"]))
+            quantized_params += out_f * in_f
+    stored_bits = stored_bits or next(net.parameters()).element_size() * 8
+    other_bits = (params - quantized_params) * stored_bits
+    on_disk = dir_weight_bytes(checkpoint_dir) if checkpoint_dir else modeling.model_bytes(net)
+    return {
+        "parameters": params,
+        "quantized_parameters": quantized_params,
+        "bytes_on_disk": on_disk,
+        "bits_per_parameter_on_disk": on_disk * 8 / params,
+        "bits_per_parameter_packed": (packed_bits + other_bits) / params,
+    }
+
+
+def evaluate_model(model: str, datasets: list[str], baseline: str | None = None, device: str = "auto",
+                   seq_len: int = 256, max_windows: int = 256, max_sentences: int = 200, batch_size: int = 8,
+                   thresholds: dict | None = None, progress: Progress = lambda *_: None) -> dict:
+    """`compress eval` as a function: metrics per dataset, size, and threshold checks."""
+    dev = pick_device(device)
+    progress("loading model", 0, 1)
+    net, tokenizer, config = modeling.load_model(model, dtype="float32", device=dev)
+    base = None
+    if baseline is not None:
+        base, base_tok, base_config = modeling.load_model(baseline, dtype="float32", device=dev)
+        if modeling.is_causal_lm(base_config) != modeling.is_causal_lm(config):
+            raise CompressError(f"--baseline {baseline} and --model {model} are not the same kind of model", "compare a model with its uncompressed original")
+        if getattr(base_config, "vocab_size", None) != getattr(config, "vocab_size", None):
+            raise CompressError(f"--baseline {baseline} has a different vocabulary from {model}", "compare a model with its uncompressed original")
+    causal = modeling.is_causal_lm(config)
+    if not datasets:
+        raise CompressError("no evaluation data given", "pass --data FILE (a text file; e.g. calibration/heldout-tinyshakespeare.txt)")
+    start = time.perf_counter()
+    results = evaluate(net, tokenizer, datasets, baseline=base, causal=causal, seq_len=seq_len, max_windows=max_windows,
+                       max_sentences=max_sentences, batch_size=batch_size, device=dev, progress=progress)
+    meta_file = Path(modeling.resolve_model(model)) / "compress.json"
+    layers = json.loads(meta_file.read_text()).get("layers", {}) if meta_file.is_file() else {}
+    path = Path(modeling.resolve_model(model))
+    saved_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(saved_dtype, str):
+        saved_dtype = getattr(torch, saved_dtype, torch.float32)
+    size = size_summary(net.cpu(), layers, path if path.is_dir() else None, stored_bits=saved_dtype.itemsize * 8)
+    checks = gate(results, **(thresholds or {}))
+    return {"model": model, "baseline": baseline, "kind": "causal-lm" if causal else "encoder",
+            "results": results, "size": size, "checks": checks,
+            "passed": all(c["passed"] for c in checks), "wall_s": time.perf_counter() - start}
+
+
+__all__ = ["run_recipe", "evaluate_model", "pick_device", "size_summary", "STAGES"]

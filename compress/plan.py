@@ -1,0 +1,85 @@
+"""`compress plan`: what a recipe would do to a model, from its config alone (no weights loaded).
+
+The model is built on the meta device, so shapes and names are exact while no memory is used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compress import modeling
+from compress.recipe import Recipe
+from compress.schemes import QuantArgs, packed_weight_bits
+from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
+
+
+def build_meta_model(model_ref: str):
+    config = modeling.load_config(model_ref)
+    with torch.device("meta"):
+        net = modeling.model_class(config).from_config(config)
+    return net, config
+
+
+def make_plan(recipe: Recipe, model_ref: str) -> dict:
+    net, config = build_meta_model(model_ref)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, torch.float32)
+    dtype_bits = dtype.itemsize * 8
+    linear = {n: m for n, m in net.named_modules() if type(m).__name__ in LINEAR_TYPES}
+    params = sum(p.numel() for p in net.parameters())
+    assignments: dict[str, dict] = {}
+    warnings: list[str] = []
+    for i, (name, stage) in enumerate(recipe.stages):
+        targets = getattr(stage, "targets", None)
+        if targets is None:
+            continue
+        ignore = getattr(stage, "ignore", [])
+        for p in unused_patterns(net, targets):
+            warnings.append(f"stage {i + 1} ({name}): target '{p}' matches no linear layer")
+        for p in unused_patterns(net, ignore):
+            warnings.append(f"stage {i + 1} ({name}): ignore entry '{p}' matches no linear layer")
+        chosen = select_modules(net, targets, ignore)
+        if not chosen:
+            warnings.append(f"stage {i + 1} ({name}): selects no layer at all")
+        elif len(chosen) == len(linear):
+            warnings.append(f"stage {i + 1} ({name}): selects every linear layer, lm_head included; is that meant?")
+        scheme = stage.resolved_scheme() if hasattr(stage, "resolved_scheme") else None
+        for n, m in chosen.items():
+            w = m.weight
+            out_f, in_f = (w.shape[1], w.shape[0]) if type(m).__name__ == "Conv1D" else tuple(w.shape)
+            assignments[n] = {"stage": name, "shape": [out_f, in_f],
+                              "scheme": scheme.describe() if scheme else name,
+                              "weights": scheme.weights if scheme else None,
+                              "activations": scheme.input_activations if scheme else None}
+            if scheme and scheme.weights and scheme.weights.strategy == "group" and in_f % scheme.weights.group_size:
+                warnings.append(f"layer {n}: width {in_f} is not a multiple of group_size {scheme.weights.group_size}; its last group is partial")
+
+    quantized_params = sum(a["shape"][0] * a["shape"][1] for a in assignments.values() if a["weights"])
+    packed_bits = sum(packed_weight_bits(*a["shape"], a["weights"]) for a in assignments.values() if a["weights"])
+    packed_bits += (params - quantized_params) * dtype_bits
+    model_bytes = params * dtype.itemsize
+    largest = max((a["shape"][0] * a["shape"][1] for a in assignments.values()), default=0)
+    cal = recipe.calibration
+    hidden = getattr(config, "hidden_size", 0) or 0
+    act_bytes = (cal.num_samples * cal.seq_len * hidden * 4) if cal else 0
+    eval_bytes = params * 4 * 2 if recipe.evaluation and recipe.evaluation.datasets else 0
+    return {
+        "model": model_ref,
+        "architecture": (getattr(config, "architectures", None) or ["?"])[0],
+        "dtype": str(dtype).removeprefix("torch."),
+        "parameters": params,
+        "linear_layers": len(linear),
+        "assignments": {n: {k: (v.describe() if isinstance(v, QuantArgs) else v) for k, v in a.items()} for n, a in assignments.items()},
+        "unassigned": [n for n in linear if n not in assignments],
+        "warnings": warnings,
+        "estimates": {
+            # The model in its dtype, a float32 working copy of the largest layer (x3: weight,
+            # its quantized copy, and scratch), the calibration activations of one layer input,
+            # and for the evaluation a float32 copy of the model and of the baseline.
+            "peak_memory_bytes": model_bytes + 3 * largest * 4 + act_bytes + eval_bytes,
+            "output_bytes_dequantized": model_bytes,
+            "output_bytes_packed": packed_bits // 8,
+            "bits_per_parameter_packed": packed_bits / params,
+        },
+    }

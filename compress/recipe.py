@@ -1,0 +1,248 @@
+"""The recipe: one YAML file naming the model, the calibration set, the ordered stages, the
+evaluation to run after, and the output. The whole file is validated before any model is loaded;
+an error names the file, the line and the key, and suggests the nearest valid key for a typo.
+
+    model: default                      # hub id, local directory, or `default` (bundled ref-llama)
+    calibration:
+      dataset: calibration/default.txt  # .txt, .jsonl, .parquet, or a hub dataset name
+      num_samples: 128
+      seq_len: 256
+    stages:
+      - rtn:                            # a stage name from compress.stages.STAGES
+          scheme: W8A16
+    evaluation:
+      datasets: [calibration/heldout-tinyshakespeare.txt]
+    output: out/w8a16
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from compress.errors import CompressError
+
+
+class CalibrationConfig(BaseModel):
+    """Calibration samples: `num_samples` windows of `seq_len` tokens (or one per line/record)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str = Field("calibration/default.txt", description="file path (.txt/.jsonl/.parquet) or hub dataset name")
+    config_name: Optional[str] = Field(None, description="hub dataset configuration, e.g. wikitext-2-raw-v1")
+    split: str = "train"
+    text_field: str = Field("text", description="field holding the text in .jsonl/.parquet/hub records")
+    num_samples: int = Field(128, gt=0)
+    seq_len: int = Field(256, gt=0)
+    packing: bool = Field(True, description="true: concatenate and cut into windows; false: one sample per line/record")
+    min_chars: int = Field(0, ge=0, description="skip lines/records shorter than this (unpacked mode)")
+    shuffle: bool = Field(False, description="pick windows at random (with seed) instead of the first ones")
+    seed: int = 0
+
+
+class EvaluationConfig(BaseModel):
+    """What `compress quantize` measures after the stages, against the uncompressed model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    datasets: list[str] = Field(default_factory=list, description="text files for perplexity / KL / top-1 (or embedding fidelity on encoders)")
+    seq_len: int = Field(256, gt=0)
+    max_windows: int = Field(256, gt=0)
+    max_sentences: int = Field(200, gt=0, description="encoders: sentences taken from each file")
+    batch_size: int = Field(8, gt=0)
+
+
+class RecipeFile(BaseModel):
+    """The top level of a recipe file. Each stage entry is `{stage-name: {its keys}}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = Field(None, description="hub id or local directory; --model overrides it")
+    calibration: Optional[CalibrationConfig] = None
+    stages: list[Any] = Field(..., min_length=1)
+    evaluation: Optional[EvaluationConfig] = None
+    output: Optional[str] = None
+
+    @field_validator("stages")
+    @classmethod
+    def _entries_are_single_key_mappings(cls, stages: list[Any]) -> list[Any]:
+        for entry in stages:
+            if isinstance(entry, str):
+                continue  # a bare stage name: all defaults
+            if not isinstance(entry, dict) or len(entry) != 1:
+                raise ValueError("each stage is a mapping with one key, the stage name, e.g. `- rtn: {scheme: W8A16}`")
+        return stages
+
+
+class Recipe:
+    """A validated recipe: the top-level fields plus one config object per stage, in order."""
+
+    def __init__(self, source: str, top: RecipeFile, stages: list[tuple[str, BaseModel]]):
+        self.source = source
+        self.model = top.model
+        self.calibration = top.calibration
+        self.evaluation = top.evaluation
+        self.output = top.output
+        self.stages = stages
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(getattr(cfg, "needs_calibration", False) for _, cfg in self.stages)
+
+    def effective(self) -> dict:
+        """Every value the run used, defaults filled in: saved next to the output."""
+        return {
+            "model": self.model,
+            "calibration": self.calibration.model_dump() if self.calibration else None,
+            "stages": [{name: cfg.model_dump(mode="json")} for name, cfg in self.stages],
+            "evaluation": self.evaluation.model_dump() if self.evaluation else None,
+            "output": self.output,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and error reporting
+
+
+def _node_at(root: yaml.Node | None, loc: tuple) -> tuple[yaml.Node | None, yaml.Node | None]:
+    """Walk a composed YAML tree along a pydantic error location.
+
+    Returns (deepest node reached, the key node of the last mapping step) so that an unknown key
+    is reported at the key's own line.
+    """
+    node, key_node = root, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == str(part):
+                    node, key_node = v, k
+                    break
+            else:
+                return node, key_node
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node, key_node = node.value[part], None
+        else:
+            return node, key_node
+    return node, key_node
+
+
+def _fields_at(loc: tuple, stage_classes: dict[str, type[BaseModel]]) -> list[str]:
+    """The valid keys of the mapping that holds the last element of `loc`."""
+    cls: Any = RecipeFile
+    parts = list(loc[:-1])
+    if parts[:1] == ["stages"] and len(parts) >= 3:
+        cls = stage_classes.get(str(parts[2]))
+        parts = parts[3:]
+    for part in parts:
+        if cls is None or isinstance(part, int):
+            continue
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        for arg in getattr(ann, "__args__", ()) or (ann,):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                cls = arg
+                break
+        else:
+            cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return list(getattr(cls, "model_fields", {}) or {})
+
+
+def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: dict) -> str:
+    loc = tuple(err["loc"])
+    node, key_node = _node_at(root, loc)
+    where = key_node if err["type"] == "extra_forbidden" and key_node is not None else node
+    line = f":{where.start_mark.line + 1}" if where is not None else ""
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        valid = _fields_at(loc, stage_classes)
+        close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(valid)}"
+        return f"{path}{line}: unknown key '{key}'; {hint}"
+    if err["type"] == "missing":
+        return f"{path}{line}: missing required key '{key}'"
+    return f"{path}{line}: {key}: {msg}"
+
+
+def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
+    """Validate a recipe's text completely; raise CompressError on the first problem."""
+    from compress.stages import STAGES
+
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise CompressError(f"{path}{line}: invalid YAML: {problem}", "fix the syntax at that line") from None
+    if not isinstance(data, dict):
+        raise CompressError(f"{path}: a recipe is a YAML mapping with keys model, calibration, stages, evaluation, output")
+
+    stage_classes = dict(STAGES)
+    errors: list[dict] = []
+    top = None
+    try:
+        top = RecipeFile.model_validate(data)
+    except ValidationError as exc:
+        errors.extend(exc.errors())
+
+    stages: list[tuple[str, BaseModel]] = []
+    raw_stages = data.get("stages") if isinstance(data.get("stages"), list) else []
+    for i, entry in enumerate(raw_stages):
+        if isinstance(entry, str):
+            name, body = entry, {}
+        elif isinstance(entry, dict) and len(entry) == 1:
+            name, body = next(iter(entry.items()))
+            body = body or {}
+        else:
+            continue  # reported by RecipeFile
+        if name not in STAGES:
+            close = difflib.get_close_matches(str(name), list(STAGES), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known stages: {', '.join(STAGES)}"
+            node, key_node = _node_at(root, ("stages", i, name))
+            line = f":{(key_node or node).start_mark.line + 1}" if (key_node or node) is not None else ""
+            raise CompressError(f"{path}{line}: unknown stage '{name}'", hint)
+        if not isinstance(body, dict):
+            errors.append({"loc": ("stages", i, name), "msg": "stage settings must be a mapping of keys", "type": "type"})
+            continue
+        try:
+            stages.append((name, stage_classes[name].model_validate(body)))
+        except ValidationError as exc:
+            for e in exc.errors():
+                errors.append({**e, "loc": ("stages", i, name, *e["loc"])})
+
+    if errors:
+        first = _format_error(path, root, errors[0], stage_classes)
+        more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+        raise CompressError(first + more)
+    assert top is not None
+    recipe = Recipe(path, top, stages)
+    _check_contradictions(recipe, path)
+    return recipe
+
+
+def _check_contradictions(recipe: Recipe, path: str) -> None:
+    for name, cfg in recipe.stages:
+        if getattr(cfg, "needs_calibration", False) and recipe.calibration is None:
+            raise CompressError(
+                f"{path}: stage '{name}' needs calibration data (static activation ranges) but the recipe has no 'calibration' section",
+                "add calibration: {dataset: ...} or use dynamic activations",
+            )
+
+
+def load_recipe(path: Union[str, Path]) -> Recipe:
+    p = Path(path)
+    if not p.is_file():
+        raise CompressError(f"recipe file not found: {p}", "check the path, or run `compress recipes` to list the bundled ones")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as exc:
+        raise CompressError(f"{p}: cannot read recipe: {exc}") from None
+    return parse_recipe(text, str(p))

@@ -1,0 +1,119 @@
+"""Reports: report.json (everything, machine-readable), report.md (for people and pull-request
+comments), and JUnit XML for CI systems."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from xml.sax.saxutils import escape, quoteattr
+
+import torch
+
+
+def versions() -> dict:
+    import transformers
+
+    from compress import __version__
+
+    return {"compress": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+            return f"{v:.3e}"
+        return f"{v:.4f}"
+    return str(v)
+
+
+METRIC_LABELS = {
+    "token_perplexity": "token perplexity",
+    "baseline_token_perplexity": "baseline token perplexity",
+    "ppl_increase_pct": "token perplexity increase (%)",
+    "word_perplexity": "word perplexity (lm-eval: exp(NLL / words))",
+    "baseline_word_perplexity": "baseline word perplexity",
+    "kl_divergence": "KL(base ‖ model), mean per position",
+    "top1_agreement": "top-1 agreement",
+    "mean_cosine": "mean embedding cosine",
+    "embedding_error": "embedding error (1 - cosine)",
+    "min_cosine": "min embedding cosine",
+    "nn_agreement": "nearest-neighbour agreement",
+    "windows": "windows",
+    "tokens_predicted": "tokens predicted",
+    "words": "words",
+    "sentences": "sentences",
+}
+
+
+def evaluation_markdown(results: dict, size: dict | None = None, checks: list[dict] | None = None) -> str:
+    lines = []
+    if checks:
+        failed = [c for c in checks if not c["passed"]]
+        lines += [f"**{'FAIL' if failed else 'PASS'}**: {len(checks) - len(failed)}/{len(checks)} thresholds met", ""]
+        lines += ["| dataset | metric | value | threshold | result |", "| --- | --- | ---: | ---: | --- |"]
+        for c in checks:
+            lines.append(f"| {c['dataset']} | {c['metric']} | {_fmt(c['value'])} | {_fmt(c['threshold'])} | {'pass' if c['passed'] else '**fail**'} |")
+        lines.append("")
+    for spec, r in results.items():
+        lines += [f"### {spec}", "", "| metric | value |", "| --- | ---: |"]
+        for k, v in r.items():
+            lines.append(f"| {METRIC_LABELS.get(k, k)} | {_fmt(v)} |")
+        lines.append("")
+    if size:
+        lines += ["### size", "", "| | value |", "| --- | ---: |"]
+        for k, v in size.items():
+            lines.append(f"| {k.replace('_', ' ')} | {_fmt(v)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def junit_xml(checks: list[dict], name: str = "compress-eval") -> str:
+    failures = sum(not c["passed"] for c in checks)
+    cases = []
+    for c in checks:
+        case = f'  <testcase classname={quoteattr(name + "." + c["dataset"])} name={quoteattr(c["metric"])}>'
+        if not c["passed"]:
+            msg = f"{c['metric']} = {c['value']:.6g} against threshold {c['threshold']:.6g}"
+            case += f"\n    <failure message={quoteattr(msg)}>{escape(msg)}</failure>\n  "
+        cases.append(case + "</testcase>")
+    return (f'<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name={quoteattr(name)} tests="{len(checks)}" '
+            f'failures="{failures}">\n' + "\n".join(cases) + "\n</testsuite>\n")
+
+
+def run_markdown(report: dict) -> str:
+    src = report["source_model"]
+    lines = [
+        "# compress report",
+        "",
+        f"- source model: `{src['ref']}` (sha256 of weights `{(src.get('weights_sha256') or 'unknown')[:16]}…`, {src['parameters']:,} parameters, {src['dtype']})",
+        f"- recipe: `{report['recipe_source']}`; seed {report['seed']}; device {report['device']}",
+    ]
+    cal = report.get("calibration")
+    if cal:
+        lines.append(f"- calibration: `{cal['source']}`, {cal['num_samples']} samples, {cal['tokens']:,} tokens, fingerprint `{cal['fingerprint'][:16]}…`")
+    v = report["versions"]
+    lines.append(f"- versions: compress {v['compress']}, torch {v['torch']}, transformers {v['transformers']}, python {v['python']}")
+    lines += ["", "## Stages", "", "| stage | wall s | peak RSS MiB | summary |", "| --- | ---: | ---: | --- |"]
+    for s in report["stages"]:
+        summary = ", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items())
+        lines.append(f"| {s['name']} | {s['wall_s']:.2f} | {s['peak_rss_mib']:.0f} | {summary} |")
+    lines += ["", "## Layers", "", "| layer | shape | weights | activations | relative error |", "| --- | --- | --- | --- | ---: |"]
+    for name, rec in report["layers"].items():
+        w = rec.get("weights") or {}
+        a = rec.get("input_activations")
+        wdesc = f"int{w.get('num_bits')} {w.get('strategy')}" + (f" g{w['group_size']}" if w.get("group_size") else "") + (" sym" if w.get("symmetric") else " asym") if w else "-"
+        adesc = f"{a['type']}{a['num_bits']} {a['strategy']}{' dynamic' if a.get('dynamic') else ' static'}" if a else "-"
+        lines.append(f"| {name} | {'x'.join(map(str, rec.get('shape', [])))} | {wdesc} | {adesc} | {_fmt(rec.get('relative_error', float('nan')))} |")
+    out = report["output"]
+    lines += ["", "## Size", "", f"- parameters: {out['parameters']:,}",
+              f"- weights on disk: {out['bytes_on_disk']:,} bytes ({out['bits_per_parameter_on_disk']:.2f} bits/parameter; weights are stored dequantized in {src['dtype']})",
+              f"- bits/parameter once packed (weights at their quantized width plus 16-bit scales and zero-points): {out['bits_per_parameter_packed']:.2f}"]
+    if report.get("evaluation"):
+        lines += ["", "## Evaluation", "", evaluation_markdown(report["evaluation"])]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")

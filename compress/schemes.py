@@ -1,0 +1,145 @@
+"""Quantization schemes: what a layer's weights and input activations are rounded to.
+
+Field names and preset names follow compressed-tensors, so a recipe reads the same as one written
+for llm-compressor and vLLM:
+
+    scheme: W4A16            # a preset ...
+    weights:                 # ... with any field overridden
+      group_size: 64
+      symmetric: false
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class QuantArgs(BaseModel):
+    """How one tensor (a weight, or a layer's input activations) is quantized."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_bits: int = Field(8, description="bit width: 2..8 for int, 8 for float (FP8 e4m3)")
+    type: Literal["int", "float"] = "int"
+    symmetric: bool = Field(True, description="true: absmax; false: zero-point (asymmetric)")
+    strategy: Literal["tensor", "channel", "group", "token"] = "channel"
+    group_size: Optional[int] = Field(None, description="columns per scale when strategy is group")
+    dynamic: bool = Field(False, description="activations: ranges from each input (true) or from calibration (false)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "QuantArgs":
+        if self.type == "int" and not 2 <= self.num_bits <= 8:
+            raise ValueError(f"num_bits must be between 2 and 8 for int quantization, got {self.num_bits}")
+        if self.type == "float":
+            if self.num_bits != 8:
+                raise ValueError("float quantization is FP8 (e4m3): num_bits must be 8")
+            if not self.symmetric:
+                raise ValueError("FP8 quantization is symmetric: set symmetric: true")
+            if self.strategy == "group":
+                raise ValueError("FP8 supports tensor, channel and token strategies, not group")
+        if self.strategy == "group":
+            if self.group_size is None:
+                raise ValueError("strategy group needs group_size (e.g. 64 or 128)")
+            if self.group_size <= 0:
+                raise ValueError(f"group_size must be positive, got {self.group_size}")
+        elif self.group_size is not None:
+            # A group size implies grouping; accept it as the user's intent only when unambiguous.
+            if self.group_size <= 0:
+                raise ValueError(f"group_size must be positive, got {self.group_size}")
+            raise ValueError(f"group_size is set but strategy is {self.strategy!r}: set strategy: group")
+        return self
+
+    def describe(self) -> str:
+        kind = f"{'fp' if self.type == 'float' else 'int'}{self.num_bits}"
+        gran = f"g{self.group_size}" if self.strategy == "group" else f"per-{self.strategy}"
+        sym = "sym" if self.symmetric else "asym"
+        dyn = "" if not self.dynamic else " dynamic"
+        return f"{kind} {gran} {sym}{dyn}"
+
+
+def _w(bits: int, strategy: str = "channel", group_size: int | None = None, symmetric: bool = True, type: str = "int"):
+    return dict(num_bits=bits, type=type, symmetric=symmetric, strategy=strategy, group_size=group_size)
+
+
+def _a(bits: int = 8, strategy: str = "token", dynamic: bool = True, type: str = "int"):
+    return dict(num_bits=bits, type=type, symmetric=True, strategy=strategy, dynamic=dynamic)
+
+
+# The compressed-tensors preset names. Each maps to weights and (optionally) input activations.
+PRESETS: dict[str, dict] = {
+    "W8A16": {"weights": _w(8)},
+    "W4A16": {"weights": _w(4, "group", 128)},
+    "W4A16_ASYM": {"weights": _w(4, "group", 128, symmetric=False)},
+    "W8A8": {"weights": _w(8), "input_activations": _a()},
+    "INT8": {"weights": _w(8), "input_activations": _a()},
+    "W4A8": {"weights": _w(4, "group", 128), "input_activations": _a()},
+    "FP8": {"weights": _w(8, "tensor", type="float"), "input_activations": _a(8, "tensor", False, "float")},
+    "FP8_DYNAMIC": {"weights": _w(8, "channel", type="float"), "input_activations": _a(8, "token", True, "float")},
+}
+
+
+class QuantScheme(BaseModel):
+    """A preset plus overrides, resolved into the weights and activations arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    weights: Optional[QuantArgs] = None
+    input_activations: Optional[QuantArgs] = None
+
+    @model_validator(mode="after")
+    def _activations_are_per_token_or_tensor(self) -> "QuantScheme":
+        a = self.input_activations
+        if a is not None and a.strategy not in ("token", "tensor"):
+            raise ValueError("input_activations strategy must be token (dynamic) or tensor")
+        if a is not None and a.strategy == "token" and not a.dynamic:
+            raise ValueError("per-token activation quantization is dynamic: set dynamic: true")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.input_activations is not None and not self.input_activations.dynamic
+
+    def describe(self) -> str:
+        w = self.weights.describe() if self.weights else "none"
+        a = self.input_activations.describe() if self.input_activations else "none"
+        return f"W[{w}] A[{a}]"
+
+
+def resolve_scheme(preset: str | None, weights: dict | None, input_activations: dict | None) -> QuantScheme:
+    """Merge a preset's fields with per-field overrides from the recipe."""
+    base: dict = {}
+    if preset is not None:
+        key = preset.upper()
+        if key not in PRESETS:
+            raise ValueError(f"unknown scheme {preset!r}; presets are {', '.join(PRESETS)}")
+        base = {k: dict(v) for k, v in PRESETS[key].items()}
+    merged = {}
+    for part, override in (("weights", weights), ("input_activations", input_activations)):
+        fields = dict(base.get(part) or {})
+        if override:
+            # Switching strategy away from group must drop the preset's group size.
+            if override.get("strategy", "group") != "group" and "group_size" not in override:
+                fields.pop("group_size", None)
+            if "group_size" in override and "strategy" not in override and override["group_size"] is not None:
+                fields["strategy"] = "group"
+            fields.update(override)
+        if fields:
+            if fields.get("strategy") != "group" and fields.get("group_size") is None:
+                fields.pop("group_size", None)
+            merged[part] = fields
+    return QuantScheme.model_validate(merged)
+
+
+def packed_weight_bits(out_features: int, in_features: int, args: QuantArgs) -> int:
+    """Storage of one quantized weight once packed: codes at num_bits, 16-bit scales, and
+    zero-points at num_bits when asymmetric (the compressed-tensors layout)."""
+    if args.strategy == "group":
+        n_scales = out_features * -(-in_features // args.group_size)
+    elif args.strategy == "channel":
+        n_scales = out_features
+    else:
+        n_scales = 1
+    zp_bits = 0 if args.symmetric else args.num_bits
+    return out_features * in_features * args.num_bits + n_scales * (16 + zp_bits)
