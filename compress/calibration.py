@@ -48,7 +48,7 @@ def read_texts(spec: str, text_field: str = "text", split: str = "train", config
     """Texts of a local .txt/.jsonl/.parquet file or a hub dataset. `lines` splits .txt by line."""
     path = resolve_data_path(spec)
     if path is None and is_local_spec(spec):
-        raise CompressError(f"calibration/evaluation file not found: {spec}", "check the path (relative paths are tried from the current directory, then the project root)")
+        raise CompressError(f"calibration/evaluation file not found: {spec}", "check the path; relative paths are tried from the current directory, then the project root")
     if path is not None:
         if path.is_dir():
             raise CompressError(f"{spec} is a directory", "give a .txt, .jsonl or .parquet file")
@@ -90,7 +90,8 @@ def _read_file(path: Path, text_field: str, lines: bool) -> list[str]:
     except CompressError:
         raise
     except Exception as exc:  # pyarrow errors on a damaged file
-        raise CompressError(f"{path}: cannot read: {str(exc).splitlines()[0]}") from None
+        raise CompressError(f"{path}: cannot read: {str(exc).splitlines()[0]}",
+                            "the file may be damaged; give a valid .parquet file, or the text as .txt/.jsonl") from None
     return texts
 
 
@@ -103,7 +104,7 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None) -
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CompressError(
             f"cannot load dataset '{name}' from the hub: {first[:200]}",
-            "check the name and your network (offline, use a local .txt/.jsonl/.parquet file)",
+            "check the name and your network; offline, use a local .txt/.jsonl/.parquet file",
         ) from None
     if text_field not in ds.column_names:
         raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(ds.column_names)})", "set calibration.text_field")
@@ -119,15 +120,17 @@ def token_windows(tokenizer, text: str, seq_len: int) -> torch.Tensor:
 
 def build_calibration(cfg, tokenizer) -> CalibrationSet:
     """Tokenize a recipe's `calibration` section into samples."""
+    specs = [cfg.dataset] if isinstance(cfg.dataset, str) else list(cfg.dataset)
+    source = ", ".join(specs)
     if cfg.packing:
-        texts = read_texts(cfg.dataset, cfg.text_field, cfg.split, cfg.config_name)
+        texts = [t for spec in specs for t in read_texts(spec, cfg.text_field, cfg.split, cfg.config_name)]
         text = "\n\n".join(t for t in texts if t.strip())
         if not text.strip():
-            raise CompressError(f"calibration data {cfg.dataset} is empty", "give a file with text in it")
+            raise CompressError(f"calibration data {source} is empty", "give a file with text in it")
         windows = token_windows(tokenizer, text, cfg.seq_len)
         if len(windows) < cfg.num_samples:
             raise CompressError(
-                f"calibration data {cfg.dataset} gives {len(windows)} windows of {cfg.seq_len} tokens, "
+                f"calibration data {source} gives {len(windows)} windows of {cfg.seq_len} tokens, "
                 f"{cfg.num_samples} asked",
                 "lower num_samples or seq_len, or give more text",
             )
@@ -139,13 +142,13 @@ def build_calibration(cfg, tokenizer) -> CalibrationSet:
         chosen = windows[idx]
         samples = [{"input_ids": row.unsqueeze(0)} for row in chosen]
         digest = hashlib.sha256(chosen.numpy().tobytes()).hexdigest()
-        return CalibrationSet(samples, digest, cfg.dataset, int(chosen.numel()))
+        return CalibrationSet(samples, digest, source, int(chosen.numel()))
 
-    texts = [t.strip() for t in read_texts(cfg.dataset, cfg.text_field, cfg.split, cfg.config_name, lines=True)]
+    texts = [t.strip() for spec in specs for t in read_texts(spec, cfg.text_field, cfg.split, cfg.config_name, lines=True)]
     texts = [t for t in texts if t and len(t) > cfg.min_chars]
     if len(texts) < cfg.num_samples:
         raise CompressError(
-            f"calibration data {cfg.dataset} has {len(texts)} lines/records longer than {cfg.min_chars} characters, "
+            f"calibration data {source} has {len(texts)} lines/records longer than {cfg.min_chars} characters, "
             f"{cfg.num_samples} asked",
             "lower num_samples or min_chars, or give more text",
         )
@@ -163,4 +166,4 @@ def build_calibration(cfg, tokenizer) -> CalibrationSet:
         samples.append(sample)
         h.update(sample["input_ids"].numpy().tobytes())
         total += int(sample["input_ids"].numel())
-    return CalibrationSet(samples, h.hexdigest(), cfg.dataset, total)
+    return CalibrationSet(samples, h.hexdigest(), source, total)

@@ -315,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     try:
-        app(args=argv, prog_name="compress", standalone_mode=False)
-        return 0
+        # Without standalone mode click returns typer.Exit's code instead of raising it.
+        rc = app(args=argv, prog_name="compress", standalone_mode=False)
+        return rc if isinstance(rc, int) else 0
     except CompressError as exc:
         if debug:
             raise

@@ -32,12 +32,14 @@ class CalibrationConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dataset: str = Field("calibration/default.txt", description="file path (.txt/.jsonl/.parquet) or hub dataset name")
+    dataset: Union[str, list[str]] = Field(
+        "calibration/default.txt",
+        description="file path (.txt/.jsonl/.parquet) or hub dataset name; a list is concatenated in order")
     config_name: Optional[str] = Field(None, description="hub dataset configuration, e.g. wikitext-2-raw-v1")
     split: str = "train"
     text_field: str = Field("text", description="field holding the text in .jsonl/.parquet/hub records")
-    num_samples: int = Field(128, gt=0)
-    seq_len: int = Field(256, gt=0)
+    num_samples: int = Field(128, gt=0, description="how many calibration samples, a positive integer")
+    seq_len: int = Field(256, gt=0, description="tokens per sample, a positive integer")
     packing: bool = Field(True, description="true: concatenate and cut into windows; false: one sample per line/record")
     min_chars: int = Field(0, ge=0, description="skip lines/records shorter than this (unpacked mode)")
     shuffle: bool = Field(False, description="pick windows at random (with seed) instead of the first ones")
@@ -56,6 +58,10 @@ class EvaluationConfig(BaseModel):
     batch_size: int = Field(8, gt=0)
 
 
+STAGES_HELP = "a list of one or more stages, each `- name: {keys}`, e.g. `- rtn: {scheme: W8A16}`"
+RECIPE_HELP = "start from a bundled recipe: `compress recipes` lists them"
+
+
 class RecipeFile(BaseModel):
     """The top level of a recipe file. Each stage entry is `{stage-name: {its keys}}`."""
 
@@ -63,7 +69,7 @@ class RecipeFile(BaseModel):
 
     model: Optional[str] = Field(None, description="hub id or local directory; --model overrides it")
     calibration: Optional[CalibrationConfig] = None
-    stages: list[Any] = Field(..., min_length=1)
+    stages: list[Any] = Field(..., min_length=1, description=STAGES_HELP)
     evaluation: Optional[EvaluationConfig] = None
     output: Optional[str] = None
 
@@ -132,6 +138,26 @@ def _node_at(root: yaml.Node | None, loc: tuple) -> tuple[yaml.Node | None, yaml
 
 def _fields_at(loc: tuple, stage_classes: dict[str, type[BaseModel]]) -> list[str]:
     """The valid keys of the mapping that holds the last element of `loc`."""
+    return list(getattr(_model_at(loc, stage_classes), "model_fields", {}) or {})
+
+
+def _description_at(loc: tuple, stage_classes: dict[str, type[BaseModel]]) -> str | None:
+    """The description of the field at `loc` (for a hint), if it has one."""
+    from compress.schemes import QuantArgs
+
+    if not loc or isinstance(loc[-1], int):
+        return None
+    name = str(loc[-1])
+    field = (getattr(_model_at(loc, stage_classes), "model_fields", {}) or {}).get(name)
+    desc = getattr(field, "description", None)
+    if desc is None and len(loc) >= 2 and loc[-2] in ("weights", "input_activations"):
+        # stage overrides mirror QuantArgs, which documents each field
+        desc = getattr(QuantArgs.model_fields.get(name), "description", None)
+    return f"{name}: {desc}" if desc else None
+
+
+def _model_at(loc: tuple, stage_classes: dict[str, type[BaseModel]]) -> Any:
+    """The pydantic model class of the mapping that holds the last element of `loc`."""
     cls: Any = RecipeFile
     parts = list(loc[:-1])
     if parts[:1] == ["stages"] and len(parts) >= 3:
@@ -142,7 +168,7 @@ def _fields_at(loc: tuple, stage_classes: dict[str, type[BaseModel]]) -> list[st
             continue
         field = getattr(cls, "model_fields", {}).get(part)
         if field is None:
-            return []
+            return None
         ann = field.annotation
         for arg in getattr(ann, "__args__", ()) or (ann,):
             if isinstance(arg, type) and issubclass(arg, BaseModel):
@@ -150,10 +176,11 @@ def _fields_at(loc: tuple, stage_classes: dict[str, type[BaseModel]]) -> list[st
                 break
         else:
             cls = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-    return list(getattr(cls, "model_fields", {}) or {})
+    return cls
 
 
-def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: dict) -> str:
+def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: dict) -> tuple[str, str | None]:
+    """(message, hint) for one validation error: file, line and key, and what to do."""
     loc = tuple(err["loc"])
     node, key_node = _node_at(root, loc)
     where = key_node if err["type"] == "extra_forbidden" and key_node is not None else node
@@ -164,10 +191,14 @@ def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: d
         valid = _fields_at(loc, stage_classes)
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(valid)}"
-        return f"{path}{line}: unknown key '{key}'; {hint}"
+        return f"{path}{line}: unknown key '{key}'; {hint}", None
     if err["type"] == "missing":
-        return f"{path}{line}: missing required key '{key}'"
-    return f"{path}{line}: {key}: {msg}"
+        return f"{path}{line}: missing required key '{key}'", _description_at(loc, stage_classes) or f"add '{loc[-1]}'"
+    value = err.get("input")
+    if not err["type"].startswith("value_error") and isinstance(value, (str, int, float, bool)) and not isinstance(value, type):
+        msg += f", got {value!r}"
+    hint = err.get("hint") or _description_at(loc, stage_classes) or RECIPE_HELP
+    return f"{path}{line}: {key}: {msg}", hint
 
 
 def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
@@ -183,7 +214,9 @@ def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise CompressError(f"{path}{line}: invalid YAML: {problem}", "fix the syntax at that line") from None
     if not isinstance(data, dict):
-        raise CompressError(f"{path}: a recipe is a YAML mapping with keys model, calibration, stages, evaluation, output")
+        found = "an empty file" if data is None else f"a YAML {type(data).__name__}"
+        raise CompressError(f"{path}: a recipe is a YAML mapping with keys model, calibration, stages, evaluation, output; "
+                            f"found {found}", RECIPE_HELP)
 
     stage_classes = dict(STAGES)
     errors: list[dict] = []
@@ -210,7 +243,8 @@ def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
             line = f":{(key_node or node).start_mark.line + 1}" if (key_node or node) is not None else ""
             raise CompressError(f"{path}{line}: unknown stage '{name}'", hint)
         if not isinstance(body, dict):
-            errors.append({"loc": ("stages", i, name), "msg": "stage settings must be a mapping of keys", "type": "type"})
+            errors.append({"loc": ("stages", i, name), "msg": "stage settings must be a mapping of keys", "type": "type",
+                           "hint": f"write `- {name}: {{scheme: W8A16}}`, or `- {name}` alone for its defaults"})
             continue
         try:
             stages.append((name, stage_classes[name].model_validate(body)))
@@ -219,9 +253,9 @@ def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
                 errors.append({**e, "loc": ("stages", i, name, *e["loc"])})
 
     if errors:
-        first = _format_error(path, root, errors[0], stage_classes)
+        first, hint = _format_error(path, root, errors[0], stage_classes)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-        raise CompressError(first + more)
+        raise CompressError(first + more, hint)
     assert top is not None
     recipe = Recipe(path, top, stages)
     _check_contradictions(recipe, path)
@@ -239,10 +273,17 @@ def _check_contradictions(recipe: Recipe, path: str) -> None:
 
 def load_recipe(path: Union[str, Path]) -> Recipe:
     p = Path(path)
+    if p.is_dir():
+        raise CompressError(f"recipe {p} is a directory", "give the path of a .yaml recipe file")
     if not p.is_file():
         raise CompressError(f"recipe file not found: {p}", "check the path, or run `compress recipes` to list the bundled ones")
     try:
-        text = p.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError) as exc:
-        raise CompressError(f"{p}: cannot read recipe: {exc}") from None
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise CompressError(f"{p}: cannot read recipe: {exc.strerror or exc}", "check the file's permissions") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise CompressError(f"{p}:{line}: recipe is not UTF-8 text (byte 0x{raw[exc.start]:02x})", "save the file as UTF-8") from None
     return parse_recipe(text, str(p))

@@ -1,6 +1,7 @@
 """Which modules a stage applies to: `targets` and `ignore` lists as compressed-tensors writes them.
 
-An entry matches a module when it equals the module's class name (`Linear`), equals its full name
+An entry matches a module when it equals the module's class name (`Linear`, which also covers
+GPT-2's Conv1D), equals its full name
 (`model.layers.0.mlp.down_proj`), is a suffix of it at a dot boundary (`lm_head`, `mlp.down_proj`),
 or, with the `re:` prefix, is a regular expression matched from the start of the full name
 (`re:.*q_proj$`).
@@ -22,6 +23,8 @@ def matches(pattern: str, name: str, module: torch.nn.Module) -> bool:
         return re.match(pattern[3:], name) is not None
     if pattern == type(module).__name__:
         return True
+    if pattern == "Linear" and type(module).__name__ in LINEAR_TYPES:
+        return True  # GPT-2's Conv1D is a linear layer stored transposed: `Linear` covers it
     return name == pattern or name.endswith("." + pattern)
 
 

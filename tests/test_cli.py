@@ -1,0 +1,149 @@
+"""The command line end to end on the real reference models: quantize, eval as a CI gate,
+inspect, plan, recipes, --json."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+import yaml
+
+from compress.cli import main
+
+HELDOUT = "calibration/heldout-tinyshakespeare.txt"
+
+
+def run(capsys, *args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def w8_output(tmp_path_factory, ref_llama, repo):
+    """ref-llama (float32, from shared/) quantized with the bundled W8A16 recipe."""
+    out = tmp_path_factory.mktemp("w8") / "out"
+    rc = main(["--quiet", "quantize", "--recipe", str(repo / "recipes/w8a16-absmax.yaml"),
+               "--model", str(ref_llama), "--output", str(out)])
+    assert rc == 0
+    return out
+
+
+def test_quantize_writes_complete_checkpoint(w8_output, ref_llama):
+    names = {p.name for p in w8_output.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "recipe.yaml", "report.json", "report.md", "compress.json"} <= names
+    assert not list(w8_output.parent.glob(".*tmp*"))
+    report = json.loads((w8_output / "report.json").read_text())
+    # provenance
+    assert report["source_model"]["ref"] == str(ref_llama)
+    assert len(report["source_model"]["weights_sha256"]) == 64
+    assert len(report["calibration"]["fingerprint"]) == 64 and report["calibration"]["num_samples"] == 128
+    assert {"compress", "torch", "transformers"} <= set(report["versions"])
+    # per-stage time and memory, per-layer error
+    stage = report["stages"][0]
+    assert stage["name"] == "rtn" and stage["wall_s"] > 0 and stage["peak_rss_mib"] > 0
+    assert len(report["layers"]) == 28 and all(0 < r["relative_error"] < 0.02 for r in report["layers"].values())
+    # W8 per-channel barely moves ref-llama (the issue's bar: < 1 % perplexity, KL < 1e-4)
+    ev = report["evaluation"][HELDOUT]
+    assert abs(ev["ppl_increase_pct"]) < 1.0 and ev["kl_divergence"] < 1e-4 and ev["top1_agreement"] > 0.99
+    # effective recipe: defaults filled in
+    eff = yaml.safe_load((w8_output / "recipe.yaml").read_text())
+    rtn = eff["stages"][0]["rtn"]
+    assert rtn["ignore"] == ["lm_head"] and rtn["resolved"]["weights"]["num_bits"] == 8
+    assert eff["calibration"]["seq_len"] == 256
+    # packed bits: 8-bit codes + per-channel scales on 2.75 M of 3.8 M params, the rest float32
+    assert 14 < report["output"]["bits_per_parameter_packed"] < 16
+
+
+def test_existing_output_refused_without_force(w8_output, ref_llama, repo, capsys):
+    before = (w8_output / "model.safetensors").stat().st_mtime_ns
+    rc, _, err = run(capsys, "quantize", "--recipe", repo / "recipes/w8a16-absmax.yaml", "--model", ref_llama, "--output", w8_output)
+    assert rc == 2 and "already exists" in err and "--force" in err
+    assert (w8_output / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_eval_gate_pass_and_fail(w8_output, ref_llama, tmp_path, capsys):
+    md, junit = tmp_path / "eval.md", tmp_path / "eval.xml"
+    rc, _, _ = run(capsys, "--quiet", "eval", "--model", w8_output, "--baseline", ref_llama, "--data", HELDOUT,
+                   "--max-ppl-increase", 2, "--max-kl", 1e-3, "--report", md, "--junit", junit)
+    assert rc == 0
+    assert "PASS" in md.read_text() and "token perplexity" in md.read_text() and "word perplexity" in md.read_text()
+    suite = ET.parse(junit).getroot()
+    assert suite.get("tests") == "2" and suite.get("failures") == "0"
+
+    rc, out, _ = run(capsys, "--json", "eval", "--model", w8_output, "--baseline", ref_llama, "--data", HELDOUT,
+                     "--max-kl", 1e-9, "--junit", junit)
+    assert rc == 1
+    result = json.loads(out)
+    assert result["passed"] is False and result["checks"][0]["metric"] == "kl_divergence"
+    assert ET.parse(junit).getroot().get("failures") == "1"
+
+
+def test_eval_identical_model_has_zero_kl(ref_llama, capsys):
+    rc, out, _ = run(capsys, "--json", "eval", "--model", ref_llama, "--baseline", ref_llama, "--data", HELDOUT, "--max-windows", 8)
+    r = json.loads(out)["results"][HELDOUT]
+    assert rc == 0 and abs(r["kl_divergence"]) < 1e-7 and r["top1_agreement"] == 1.0 and r["ppl_increase_pct"] == 0
+
+
+def test_inspect(w8_output, capsys):
+    rc, out, _ = run(capsys, "--json", "inspect", w8_output)
+    data = json.loads(out)
+    assert rc == 0 and data["compress"]["stages"] == ["rtn"] and len(data["compress"]["layers"]) == 28
+    rc, _, err = run(capsys, "inspect", w8_output)
+    assert rc == 0
+
+
+def test_plan_loads_no_weights(repo, capsys, tmp_path, ref_llama):
+    # a model directory with only its config: plan needs nothing else
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg/config.json").write_text((ref_llama / "config.json").read_text())
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", repo / "recipes/w4a16-zeropoint-g64.yaml", "--model", tmp_path / "cfg")
+    p = json.loads(out)
+    assert rc == 0 and len(p["assignments"]) == 28 and p["unassigned"] == ["lm_head"]
+    assert p["assignments"]["model.layers.0.mlp.down_proj"]["shape"] == [256, 640]
+    # 4-bit codes + 16-bit scale and 4-bit zero-point per 64 weights, on 2.75 M of 3.8 M float32 params
+    assert 11 < p["estimates"]["bits_per_parameter_packed"] < 12.5
+
+
+def test_plan_warns_on_patterns_matching_nothing(tmp_path, capsys, ref_llama):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages:\n  - rtn: {scheme: W8A16, targets: ['re:.*qproj'], ignore: [lm_head]}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    warnings = json.loads(out)["warnings"]
+    assert rc == 0 and any("re:.*qproj" in w for w in warnings) and any("selects no layer" in w for w in warnings)
+
+
+def test_recipes_lists_bundled(capsys):
+    rc, out, _ = run(capsys, "--json", "recipes")
+    names = [r["recipe"] for r in json.loads(out)]
+    assert rc == 0 and "recipes/w8a16-absmax.yaml" in names
+
+
+def test_every_bundled_recipe_validates(repo):
+    from compress import load_recipe
+
+    for f in sorted((repo / "recipes").glob("*.yaml")):
+        assert load_recipe(f).stages, f
+
+
+def test_global_options_after_command(w8_output, capsys):
+    rc, out, _ = run(capsys, "inspect", w8_output, "--json")
+    assert rc == 0 and json.loads(out)["compress"]["stages"] == ["rtn"]
+
+
+def test_minilm_w8_per_channel_keeps_embeddings(minilm, shared, tmp_path, capsys):
+    recipe = tmp_path / "minilm.yaml"
+    recipe.write_text(f"""
+model: {minilm}
+stages:
+  - rtn: {{scheme: W8A16}}
+evaluation: {{datasets: [{shared / 'data/wikitext-2/test.txt'}]}}
+""")
+    rc, out, _ = run(capsys, "--json", "quantize", "--recipe", recipe, "--output", tmp_path / "out")
+    assert rc == 0
+    ev = next(iter(json.loads(out)["evaluation"].values()))
+    assert ev["mean_cosine"] > 0.999 and ev["sentences"] == 200
+    # compress eval on the saved encoder gives the same fidelity, and gates on cosine
+    rc, out, _ = run(capsys, "--json", "eval", "--model", tmp_path / "out", "--baseline", minilm,
+                     "--data", shared / "data/wikitext-2/test.txt", "--min-cosine", 0.999)
+    again = next(iter(json.loads(out)["results"].values()))
+    assert rc == 0 and again["mean_cosine"] == pytest.approx(ev["mean_cosine"], abs=1e-6)

@@ -1,0 +1,113 @@
+"""The quantization math alone: the course's worked examples, error bounds, code ranges."""
+
+import pytest
+import torch
+
+from compress.quant import (
+    absmax_qparams,
+    compute_qparams,
+    dequantize,
+    fake_quantize,
+    fake_quantize_fp8,
+    int_range,
+    quantize,
+    relative_error,
+    zeropoint_qparams,
+)
+
+
+def test_absmax_worked_example():
+    # max |X| = 3.2: 0.1 -> round(0.1 * 127 / 3.2) = 4 -> 4 * 3.2 / 127 = 0.1008
+    qp = absmax_qparams(torch.tensor(3.2), bits=8)
+    q = quantize(torch.tensor(0.1), qp)
+    assert q.item() == 4
+    assert dequantize(q, qp).item() == pytest.approx(0.1008, abs=5e-5)
+
+
+def test_zeropoint_worked_example():
+    # max 3.2, min -3.0: scale 255 / 6.2 = 41.13, zero-point -round(41.13 * -3.0) - 128 = -5, 0.1 -> -1
+    qp = zeropoint_qparams(torch.tensor(-3.0), torch.tensor(3.2), bits=8)
+    assert (1 / qp.scale).item() == pytest.approx(41.13, abs=5e-3)
+    assert qp.zero_point.item() == -5
+    assert quantize(torch.tensor(0.1), qp).item() == -1
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("strategy,group_size", [("tensor", None), ("channel", None), ("group", 16), ("group", 24)])
+def test_error_within_half_step_and_codes_in_range(bits, symmetric, strategy, group_size):
+    torch.manual_seed(bits)
+    w = torch.randn(12, 64) * torch.rand(12, 1) * 3
+    qp = compute_qparams(w, bits, symmetric, strategy, group_size)
+    qmin, qmax = int_range(bits, symmetric)
+    if strategy == "group":
+        from compress.quant import _grouped
+
+        grouped, _ = _grouped(w, group_size)
+        codes = quantize(grouped, qp)
+        err = (dequantize(codes, qp) - grouped).abs()
+        step = qp.scale.expand_as(grouped)
+    else:
+        codes = quantize(w, qp)
+        err = (dequantize(codes, qp) - w).abs()
+        step = qp.scale.expand_as(w)
+    assert codes.min() >= qmin and codes.max() <= qmax
+    assert torch.equal(codes, codes.round())
+    assert (err <= step / 2 + 1e-6).all()
+    # quantize-dequantize is idempotent: values on the grid stay where they are
+    once = fake_quantize(w, bits, symmetric, strategy, group_size)
+    twice = fake_quantize(once, bits, symmetric, strategy, group_size)
+    assert torch.allclose(once, twice, atol=1e-6)
+
+
+def test_finer_granularity_and_more_bits_lower_error():
+    torch.manual_seed(0)
+    w = torch.randn(64, 256) * torch.logspace(-1, 1, 64).unsqueeze(1)
+    e = lambda **kw: relative_error(w, fake_quantize(w, **kw))  # noqa: E731
+    assert e(bits=4, symmetric=True, strategy="group", group_size=32) < e(bits=4, symmetric=True, strategy="channel") < e(bits=4, symmetric=True, strategy="tensor")
+    assert e(bits=8, symmetric=True, strategy="channel") < e(bits=4, symmetric=True, strategy="channel") / 10
+    # zero-point uses the range better than absmax on a one-sided distribution
+    pos = w.abs()
+    assert relative_error(pos, fake_quantize(pos, 4, False, "channel")) < relative_error(pos, fake_quantize(pos, 4, True, "channel"))
+
+
+def test_partial_last_group_matches_separate_quantization():
+    torch.manual_seed(1)
+    w = torch.randn(4, 70)  # 64 + a partial group of 6
+    out = fake_quantize(w, 4, False, "group", 64)
+    assert out.shape == w.shape
+    assert torch.allclose(out[:, :64], fake_quantize(w[:, :64], 4, False, "channel"))
+    assert torch.allclose(out[:, 64:], fake_quantize(w[:, 64:], 4, False, "channel"))
+
+
+def test_zero_and_constant_inputs():
+    z = torch.zeros(3, 8)
+    for sym in (True, False):
+        assert torch.equal(fake_quantize(z, 4, sym, "channel"), z)
+    c = torch.full((2, 8), 0.37)
+    assert torch.allclose(fake_quantize(c, 8, True, "channel"), c, atol=1e-6)
+    assert torch.allclose(fake_quantize(c, 8, False, "channel"), c, atol=0.37 / 255)
+
+
+def test_zero_stays_exactly_zero():
+    w = torch.tensor([[0.0, 0.3, 1.7, 2.1, 0.0]])
+    for sym in (True, False):
+        out = fake_quantize(w, 3, sym, "tensor")
+        assert out[0, 0] == 0 and out[0, 4] == 0
+
+
+def test_fp8_rounds_to_e4m3():
+    torch.manual_seed(2)
+    w = torch.randn(16, 32)
+    out = fake_quantize_fp8(w, "channel")
+    rel = relative_error(w, out)
+    assert 0 < rel < 0.05  # e4m3 has 3 mantissa bits: ~2^-4 relative spacing
+    scale = w.abs().amax(-1, keepdim=True) / 448
+    assert torch.equal((out / scale).to(torch.float8_e4m3fn).float() * scale, out)
+
+
+def test_bits_out_of_range_refused():
+    with pytest.raises(ValueError):
+        int_range(1, True)
+    with pytest.raises(ValueError):
+        int_range(9, False)
