@@ -1,0 +1,79 @@
+"""Calibration sets from every supported source, packed and per line."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from compress import modeling
+from compress.calibration import build_calibration
+from compress.errors import CompressError
+from compress.recipe import CalibrationConfig
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR)
+
+
+TEXT = "\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog near the river bank." for i in range(200))
+
+
+def test_packed_windows_from_txt(tmp_path, tokenizer):
+    f = tmp_path / "c.txt"
+    f.write_text(TEXT)
+    cal = build_calibration(CalibrationConfig(dataset=str(f), num_samples=8, seq_len=64), tokenizer)
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert len(cal.samples) == 8 and cal.num_tokens == 8 * 64
+    # consecutive non-overlapping windows from the start, no special tokens
+    assert cal.samples[1]["input_ids"][0].tolist() == ids[64:128]
+    again = build_calibration(CalibrationConfig(dataset=str(f), num_samples=8, seq_len=64), tokenizer)
+    assert again.fingerprint == cal.fingerprint
+
+
+def test_shuffle_is_seeded(tmp_path, tokenizer):
+    f = tmp_path / "c.txt"
+    f.write_text(TEXT)
+    cfg = lambda seed: CalibrationConfig(dataset=str(f), num_samples=4, seq_len=32, shuffle=True, seed=seed)  # noqa: E731
+    a, b, c = (build_calibration(cfg(s), tokenizer) for s in (0, 0, 1))
+    assert a.fingerprint == b.fingerprint != c.fingerprint
+
+
+def test_jsonl_and_parquet_give_the_same_samples(tmp_path, tokenizer):
+    lines = TEXT.splitlines()
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"content": t, "id": i}) for i, t in enumerate(lines)))
+    pq.write_table(pa.table({"content": lines}), tmp_path / "c.parquet")
+    cfgs = [CalibrationConfig(dataset=str(tmp_path / n), text_field="content", num_samples=16, seq_len=24, packing=False)
+            for n in ("c.jsonl", "c.parquet")]
+    a, b = (build_calibration(c, tokenizer) for c in cfgs)
+    assert a.fingerprint == b.fingerprint and len(a.samples) == 16
+    assert a.samples[0]["input_ids"].shape[1] <= 24
+
+
+def test_list_of_files_is_concatenated(tmp_path, tokenizer):
+    (tmp_path / "a.txt").write_text(TEXT[:2000])
+    (tmp_path / "b.txt").write_text(TEXT[2000:])
+    cal = build_calibration(CalibrationConfig(dataset=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
+                                              num_samples=10, seq_len=64), tokenizer)
+    assert len(cal.samples) == 10 and "a.txt" in cal.source and "b.txt" in cal.source
+
+
+def test_too_short_names_the_file_and_counts(tmp_path, tokenizer):
+    f = tmp_path / "short.txt"
+    f.write_text("just a few words")
+    with pytest.raises(CompressError, match=r"short.txt gives 0 windows of 256 tokens, 128 asked"):
+        build_calibration(CalibrationConfig(dataset=str(f)), tokenizer)
+
+
+def test_bundled_corpus_found_from_any_directory(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cal = build_calibration(CalibrationConfig(), tokenizer)  # calibration/default.txt, 128 x 256
+    assert len(cal.samples) == 128 and all(s["input_ids"].shape == (1, 256) for s in cal.samples)
+
+
+def test_hub_dataset_unreachable_is_a_clear_error(tokenizer):
+    with pytest.raises(CompressError, match="cannot load dataset 'nonexistent-org/nonexistent-dataset'"):
+        build_calibration(CalibrationConfig(dataset="nonexistent-org/nonexistent-dataset"), tokenizer)
