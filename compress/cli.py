@@ -133,9 +133,9 @@ def eval_cmd(
     from compress.report import evaluation_markdown, junit_xml
 
     thresholds = {"max_ppl_increase": max_ppl_increase, "max_kl": max_kl, "min_top1": min_top1, "min_cosine": min_cosine}
-    if any(v is not None for k, v in thresholds.items() if k != "max_ppl_increase") or max_ppl_increase is not None:
-        if baseline is None:
-            raise CompressError("thresholds compare against the uncompressed model", "pass --baseline")
+    given = [k for k, v in thresholds.items() if v is not None]
+    if given and baseline is None:
+        raise CompressError(f"--{given[0].replace('_', '-')} compares against the uncompressed model", "pass --baseline")
     for f in (report, junit):
         if f is not None and f.is_dir():
             raise CompressError(f"report path {f} is a directory", "give a file path")
@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     except CompressError as exc:
         if debug:
             raise
-        console.print(f"[red]error:[/red] {exc.message}" + (f" [dim]({exc.hint})[/dim]" if exc.hint else ""), soft_wrap=True, highlight=False)
+        console.print(f"[red]error:[/red] {escape(exc.message)}" + (f" [dim]({escape(exc.hint)})[/dim]" if exc.hint else ""),
+                      soft_wrap=True, highlight=False)
         return 2
     except typer.Exit as exc:
         return exc.exit_code
@@ -332,16 +333,29 @@ def main(argv: list[str] | None = None) -> int:
         console.print("interrupted: no output was written")
         return 130
     except Exception as exc:  # click usage errors come here too
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
+        if isinstance(exc, _usage_error_types()):
+            console.print(f"[red]error:[/red] {escape(exc.format_message())} [dim](run `compress --help`)[/dim]",
+                          soft_wrap=True, highlight=False)
             return 2
         if debug:
             raise
-        console.print(f"[red]internal error:[/red] {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+        console.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc).splitlines()[0]) if str(exc) else ''} "
                       "[dim](rerun with --debug for the traceback, and please report it)[/dim]", soft_wrap=True, highlight=False)
         return 3
+
+
+def _usage_error_types() -> tuple:
+    """click's usage errors; recent typer vendors its own copy of click, so check both."""
+    import click
+
+    types: tuple = (click.exceptions.ClickException,)
+    try:
+        from typer._click.exceptions import ClickException as VendoredClickException
+
+        types += (VendoredClickException,)
+    except ImportError:
+        pass
+    return types
 
 
 if __name__ == "__main__":

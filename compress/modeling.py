@@ -47,8 +47,9 @@ def load_config(ref: str):
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise CompressError(f"cannot load model config for {ref}: {str(exc).splitlines()[0]}",
-                            "check the id or path; offline, the model must be in the local cache") from None
+        hint = ("its config.json is damaged: restore it from the model's source" if Path(path).is_dir()
+                else "check the id or path; offline, the model must be in the local cache")
+        raise CompressError(f"cannot load model config for {ref}: {str(exc).splitlines()[0]}", hint) from None
 
 
 def is_causal_lm(config) -> bool:
@@ -74,8 +75,12 @@ def load_model(ref: str, dtype: str = "auto", device: str | torch.device = "cpu"
     if Path(path).is_dir() and not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
         raise CompressError(f"model directory {ref} holds no weights (*.safetensors or *.bin)", "point --model at a complete checkpoint")
     try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors comes with transformers
+        SafetensorError = OSError
+    try:
         model = model_class(config).from_pretrained(path, dtype=torch_dtype)
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CompressError(f"cannot load model weights from {ref}: {first}", "the checkpoint may be truncated or corrupted") from None
     try:

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from compress import modeling
-from compress.calibration import build_calibration
+from compress.calibration import build_calibration, is_local_spec, resolve_data_path
 from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes
 from compress.errors import CompressError
 from compress.evaluate import evaluate, gate
@@ -57,6 +57,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     model_path = modeling.resolve_model(model_ref)
     protect = [model_path] if Path(model_path).exists() else []
     atomic = AtomicOutput(out_dir, force=force, protect=protect)  # refuses a bad destination before any work
+    _check_data_files(recipe)
     dev = pick_device(device)
     seed_everything(seed)
 
@@ -123,6 +124,18 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     return report
 
 
+def _check_data_files(recipe: Recipe) -> None:
+    """Missing local data files are reported before any model is loaded or compressed."""
+    specs = list(recipe.evaluation.datasets) if recipe.evaluation else []
+    if recipe.calibration is not None:
+        cal = recipe.calibration.dataset
+        specs += [cal] if isinstance(cal, str) else list(cal)
+    for spec in specs:
+        if resolve_data_path(spec) is None and is_local_spec(spec):
+            raise CompressError(f"{recipe.source}: data file not found: {spec}",
+                                "check the path; relative paths are tried from the current directory, then the project root")
+
+
 def _reset_model_dtype(net: torch.nn.Module) -> None:
     net.float()  # the protocol evaluates in float32; the checkpoint is already saved in its own dtype
 
@@ -174,7 +187,7 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
             raise CompressError(f"--baseline {baseline} has a different vocabulary from {model}", "compare a model with its uncompressed original")
     causal = modeling.is_causal_lm(config)
     if not datasets:
-        raise CompressError("no evaluation data given", "pass --data FILE (a text file; e.g. calibration/heldout-tinyshakespeare.txt)")
+        raise CompressError("no evaluation data given", "pass --data FILE, a text file; e.g. calibration/heldout-tinyshakespeare.txt")
     start = time.perf_counter()
     results = evaluate(net, tokenizer, datasets, baseline=base, causal=causal, seq_len=seq_len, max_windows=max_windows,
                        max_sentences=max_sentences, batch_size=batch_size, device=dev, progress=progress)

@@ -1,0 +1,554 @@
+"""Bad input gives a clear one-line error on stderr, exit code 2, and no traceback.
+
+Each case builds its input under tmp_path, calls the CLI in-process and checks:
+  * the exit code is 2;
+  * there is no Python traceback;
+  * stderr is one logical line (rich is told soft_wrap=True, so no wrapping);
+  * the message names the offending thing (file, key, line, layer), and a hint where asked;
+  * nothing was written: no output directory and no `.out.tmp-*` leftovers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from compress.cli import main
+from compress.modeling import DEFAULT_MODEL_DIR
+from compress.stages import STAGES
+
+CALIB_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n"
+GOOD_STAGE = "stages:\n  - rtn:\n      scheme: W8A16\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def copy_model(tmp: Path, name: str = "model") -> Path:
+    dst = tmp / name
+    shutil.copytree(DEFAULT_MODEL_DIR, dst)
+    return dst
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def quantize(tmp: Path, recipe_text: str, *extra: str, model: str | None = "default") -> list[str]:
+    """argv for `compress quantize` of a recipe written to tmp/r.yaml, output tmp/out."""
+    r = write(tmp / "r.yaml", recipe_text)
+    argv = ["--quiet", "quantize", "--recipe", str(r), "--output", str(tmp / "out")]
+    if model is not None:
+        argv += ["--model", model]
+    return argv + list(extra)
+
+
+def calib_recipe(dataset: str, num_samples: int = 2, seq_len: int = 16, extra: str = "") -> str:
+    return (f"calibration:\n  dataset: {dataset}\n  num_samples: {num_samples}\n  seq_len: {seq_len}\n{extra}"
+            + GOOD_STAGE)
+
+
+@dataclass
+class Case:
+    id: str
+    # (tmp_path) -> argv; may create files. Strings in `expect` may use {tmp} for tmp_path.
+    setup: Callable[[Path], list[str]]
+    expect: list[str]
+    hint: bool = True  # the message carries a hint in parentheses or a "did you mean"
+    marks: list = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------
+# recipe cases
+
+
+def _yaml_syntax(tmp):
+    return quantize(tmp, "model: default\nstages:\n  - rtn:\n      scheme: [W8A16\n      ignore: x\n")
+
+
+def _yaml_list(tmp):
+    return quantize(tmp, "- rtn:\n    scheme: W8A16\n")
+
+
+def _empty_recipe(tmp):
+    return quantize(tmp, "# nothing here\n")
+
+
+def _unknown_stage(tmp):
+    return quantize(tmp, "stages:\n  - gptqq:\n      scheme: W8A16\n")
+
+
+def _stage_typo(tmp):
+    return quantize(tmp, "stages:\n  - rtnn:\n      scheme: W8A16\n")
+
+
+def _top_key_typo(tmp):
+    return quantize(tmp, "model: default\ncalibraton:\n  dataset: calibration/default.txt\n" + GOOD_STAGE)
+
+
+def _stage_key_typo(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      shceme: W8A16\n")
+
+
+def _weights_key_typo(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n      weights:\n        num_bit: 4\n")
+
+
+def _calibration_key_typo(tmp):
+    return quantize(tmp, "calibration:\n  dataset: calibration/default.txt\n  num_sample: 4\n" + GOOD_STAGE)
+
+
+def _num_bits(n):
+    def setup(tmp):
+        return quantize(tmp, f"stages:\n  - rtn:\n      scheme: W8A16\n      weights:\n        num_bits: {n}\n")
+    return setup
+
+
+def _negative_group(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      weights:\n        strategy: group\n        group_size: -64\n")
+
+
+def _group_with_channel(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n      weights:\n        strategy: channel\n"
+                         "        group_size: 64\n")
+
+
+def _unknown_preset(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      scheme: W3A77\n")
+
+
+def _missing_stages(tmp):
+    return quantize(tmp, "model: default\noutput: out\n")
+
+
+def _empty_stages(tmp):
+    return quantize(tmp, "model: default\nstages: []\n")
+
+
+def _two_key_stage(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n    gptq:\n      scheme: W4A16\n")
+
+
+def _stage_body_not_mapping(tmp):
+    return quantize(tmp, "stages:\n  - rtn: W8A16\n")
+
+
+def _bad_type(tmp):
+    return quantize(tmp, "calibration:\n  dataset: calibration/default.txt\n  num_samples: many\n" + GOOD_STAGE)
+
+
+def _static_no_calibration(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A8\n      input_activations: {strategy: tensor, dynamic: false}\n")
+
+
+def _recipe_not_found(tmp):
+    return ["quantize", "--recipe", str(tmp / "nope.yaml"), "--model", "default", "--output", str(tmp / "out")]
+
+
+def _recipe_is_dir(tmp):
+    (tmp / "recipes.yaml").mkdir()
+    return ["quantize", "--recipe", str(tmp / "recipes.yaml"), "--model", "default", "--output", str(tmp / "out")]
+
+
+def _recipe_not_utf8(tmp):
+    write(tmp / "r.yaml", "model: caf\xe9\n".encode("latin-1") + GOOD_STAGE.encode())
+    return ["quantize", "--recipe", str(tmp / "r.yaml"), "--model", "default", "--output", str(tmp / "out")]
+
+
+# ------------------------------------------------------------------------------------------------
+# model cases
+
+
+def _no_model(tmp):
+    return quantize(tmp, GOOD_STAGE, model=None)
+
+
+def _no_output(tmp):
+    r = write(tmp / "r.yaml", GOOD_STAGE)
+    return ["quantize", "--recipe", str(r), "--model", "default"]
+
+
+def _model_missing(tmp):
+    return quantize(tmp, GOOD_STAGE, model=str(tmp / "no-such-model"))
+
+
+def _model_no_config(tmp):
+    (tmp / "empty-model").mkdir()
+    return quantize(tmp, GOOD_STAGE, model=str(tmp / "empty-model"))
+
+
+def _model_hub_offline(tmp):
+    return quantize(tmp, GOOD_STAGE, model="no-such-org/no-such-model")
+
+
+def _model_is_file(tmp):
+    write(tmp / "model.bin", b"\x00" * 16)
+    return quantize(tmp, GOOD_STAGE, model=str(tmp / "model.bin"))
+
+
+def _model_no_weights(tmp):
+    d = tmp / "cfg-only"
+    d.mkdir()
+    shutil.copy(DEFAULT_MODEL_DIR / "config.json", d / "config.json")
+    return quantize(tmp, GOOD_STAGE, model=str(d))
+
+
+def _model_bad_config(tmp):
+    d = tmp / "bad-config"
+    d.mkdir()
+    write(d / "config.json", "{not json")
+    return quantize(tmp, GOOD_STAGE, model=str(d))
+
+
+def _model_truncated(tmp):
+    d = copy_model(tmp)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return quantize(tmp, GOOD_STAGE, model=str(d))
+
+
+def _model_garbage(tmp):
+    d = copy_model(tmp)
+    (d / "model.safetensors").write_bytes(b"this is not a safetensors file at all" * 10)
+    return quantize(tmp, GOOD_STAGE, model=str(d))
+
+
+def _model_nan_layer(tmp):
+    from safetensors.torch import load_file, save_file
+
+    d = copy_model(tmp)
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return quantize(tmp, GOOD_STAGE, model=str(d))
+
+
+def _targets_match_nothing(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n      targets: [Conv2d]\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# calibration cases (the model loads first: about a second each)
+
+
+def _calib_empty(tmp):
+    write(tmp / "empty.txt", "")
+    return quantize(tmp, calib_recipe(str(tmp / "empty.txt")))
+
+
+def _calib_short(tmp):
+    write(tmp / "short.txt", CALIB_TEXT)
+    return quantize(tmp, calib_recipe(str(tmp / "short.txt"), num_samples=128, seq_len=256))
+
+
+def _calib_missing(tmp):
+    return quantize(tmp, calib_recipe(str(tmp / "missing.txt")))
+
+
+def _calib_binary(tmp):
+    write(tmp / "blob.txt", bytes(range(256)) * 8)
+    return quantize(tmp, calib_recipe(str(tmp / "blob.txt")))
+
+
+def _calib_latin1(tmp):
+    write(tmp / "latin.txt", ("caf\xe9 " * 100).encode("latin-1"))
+    return quantize(tmp, calib_recipe(str(tmp / "latin.txt")))
+
+
+def _calib_jsonl_field(tmp):
+    write(tmp / "c.jsonl", json.dumps({"text": CALIB_TEXT}) + "\n" + json.dumps({"content": CALIB_TEXT}) + "\n")
+    return quantize(tmp, calib_recipe(str(tmp / "c.jsonl")))
+
+
+def _calib_jsonl_bad_json(tmp):
+    write(tmp / "c.jsonl", json.dumps({"text": CALIB_TEXT}) + "\n{oops\n")
+    return quantize(tmp, calib_recipe(str(tmp / "c.jsonl")))
+
+
+def _calib_is_dir(tmp):
+    (tmp / "corpus.txt").mkdir()
+    return quantize(tmp, calib_recipe(str(tmp / "corpus.txt")))
+
+
+def _calib_parquet_bad(tmp):
+    write(tmp / "c.parquet", b"PAR1 definitely not parquet")
+    return quantize(tmp, calib_recipe(str(tmp / "c.parquet")))
+
+
+def _calib_hub_offline(tmp):
+    return quantize(tmp, calib_recipe("no-such-org/no-such-dataset"))
+
+
+# ------------------------------------------------------------------------------------------------
+# output cases
+
+
+def _output_is_file(tmp):
+    write(tmp / "out", "x")
+    return quantize(tmp, GOOD_STAGE)
+
+
+def _output_inside_model(tmp):
+    d = copy_model(tmp)
+    r = write(tmp / "r.yaml", GOOD_STAGE)
+    return ["quantize", "--recipe", str(r), "--model", str(d), "--output", str(d / "q")]
+
+
+def _output_exists(tmp):
+    (tmp / "out").mkdir()
+    write(tmp / "out" / "keep.txt", "mine")
+    return quantize(tmp, GOOD_STAGE)
+
+
+# ------------------------------------------------------------------------------------------------
+# global options
+
+
+def _device_cuda(tmp):
+    return quantize(tmp, GOOD_STAGE, "--device", "cuda")
+
+
+def _device_unknown(tmp):
+    return quantize(tmp, GOOD_STAGE, "--device", "tpu")
+
+
+def _dtype_unknown(tmp):
+    return quantize(tmp, GOOD_STAGE, "--dtype", "float8")
+
+
+# ------------------------------------------------------------------------------------------------
+# eval and inspect
+
+
+def _eval_threshold_no_baseline(tmp):
+    return ["eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt", "--max-kl", "0.1"]
+
+
+def _eval_data_missing(tmp):
+    return ["eval", "--model", "default", "--data", str(tmp / "heldout.txt")]
+
+
+def _eval_no_data(tmp):
+    return ["eval", "--model", "default"]
+
+
+def _eval_data_too_short(tmp):
+    write(tmp / "tiny.txt", "hello")
+    return ["eval", "--model", "default", "--data", str(tmp / "tiny.txt")]
+
+
+def _eval_report_is_dir(tmp):
+    (tmp / "report.md").mkdir()
+    return ["eval", "--model", "default", "--data", "x.txt", "--report", str(tmp / "report.md")]
+
+
+def _eval_model_missing(tmp):
+    return ["eval", "--model", str(tmp / "gone"), "--data", "calibration/heldout-tinyshakespeare.txt"]
+
+
+def _inspect_foreign(tmp):
+    d = copy_model(tmp, "plain")
+    return ["inspect", str(d)]
+
+
+def _inspect_missing(tmp):
+    return ["inspect", str(tmp / "nothing")]
+
+
+def _plan_no_model(tmp):
+    r = write(tmp / "r.yaml", GOOD_STAGE)
+    return ["plan", "--recipe", str(r)]
+
+
+# ------------------------------------------------------------------------------------------------
+# usage errors (click): should also be one line
+
+
+def _unknown_option(tmp):
+    return ["quantize", "--recipee", "r.yaml"]
+
+
+def _missing_option(tmp):
+    return ["quantize", "--model", "default"]
+
+
+def _bad_int_option(tmp):
+    return ["--seed", "many", "quantize", "--recipe", "r.yaml"]
+
+
+
+CASES = [
+    # recipe: YAML and shape
+    Case("yaml-syntax", _yaml_syntax, ["r.yaml:", "invalid YAML", ":5"]),
+    Case("yaml-list", _yaml_list, ["r.yaml", "mapping"]),
+    Case("yaml-empty", _empty_recipe, ["r.yaml", "mapping"]),
+    Case("recipe-not-found", _recipe_not_found, ["nope.yaml", "not found"]),
+    Case("recipe-is-dir", _recipe_is_dir, ["recipes.yaml"]),
+    Case("recipe-not-utf8", _recipe_not_utf8, ["r.yaml", "UTF-8"]),
+    # recipe: keys and values
+    Case("unknown-stage", _unknown_stage,
+         ["r.yaml:2", "gptqq", "did you mean 'gptq'" if "gptq" in STAGES else "known stages: rtn"]),
+    Case("stage-name-typo", _stage_typo, ["r.yaml:2", "rtnn", "did you mean 'rtn'"]),
+    Case("top-key-typo", _top_key_typo, ["r.yaml:2", "calibraton", "did you mean 'calibration'"]),
+    Case("stage-key-typo", _stage_key_typo, ["r.yaml:3", "shceme", "did you mean 'scheme'"]),
+    Case("weights-key-typo", _weights_key_typo, ["r.yaml:5", "num_bit", "did you mean 'num_bits'"]),
+    Case("calibration-key-typo", _calibration_key_typo, ["r.yaml:3", "num_sample", "did you mean 'num_samples'"]),
+    Case("num-bits-0", _num_bits(0), ["r.yaml:5", "num_bits", "2"]),
+    Case("num-bits-9", _num_bits(9), ["r.yaml:5", "num_bits", "8"]),
+    Case("negative-group-size", _negative_group, ["r.yaml:5", "group_size"]),
+    Case("group-size-with-channel", _group_with_channel, ["r.yaml", "group_size", "channel", "strategy: group"]),
+    Case("unknown-preset", _unknown_preset, ["r.yaml:3", "W3A77", "W8A16"]),
+    Case("missing-stages", _missing_stages, ["r.yaml", "stages"]),
+    Case("empty-stages", _empty_stages, ["r.yaml:2", "stages"]),
+    Case("two-key-stage", _two_key_stage, ["r.yaml:2", "one key"]),
+    Case("stage-body-not-mapping", _stage_body_not_mapping, ["r.yaml:2", "rtn", "mapping"]),
+    Case("bad-value-type", _bad_type, ["r.yaml:3", "num_samples", "integer"]),
+    Case("static-without-calibration", _static_no_calibration, ["r.yaml", "rtn", "calibration"]),
+    # model
+    Case("no-model", _no_model, ["r.yaml", "no model", "--model"]),
+    Case("no-output", _no_output, ["r.yaml", "no output", "--output"]),
+    Case("model-missing", _model_missing, ["no-such-model", "does not exist"]),
+    Case("model-hub-id-offline", _model_hub_offline, ["no-such-org/no-such-model", "local cache"]),
+    Case("model-is-file", _model_is_file, ["model.bin", "file"]),
+    Case("model-no-config", _model_no_config, ["empty-model", "config.json"]),
+    Case("model-bad-config", _model_bad_config, ["bad-config", "config.json"]),
+    Case("model-no-weights", _model_no_weights, ["cfg-only", "no weights"]),
+    Case("model-truncated", _model_truncated, ["{tmp}/model", "weights"]),
+    Case("model-garbage", _model_garbage, ["{tmp}/model", "weights"]),
+    Case("model-nan-layer", _model_nan_layer, ["model.layers.0.mlp.down_proj", "NaN"]),
+    Case("targets-match-nothing", _targets_match_nothing, ["Conv2d", "match no"]),
+    # calibration
+    Case("calib-empty", _calib_empty, ["empty.txt", "empty"]),
+    Case("calib-too-short", _calib_short, ["short.txt", "128", "256"]),
+    Case("calib-missing", _calib_missing, ["missing.txt", "not found"]),
+    Case("calib-binary", _calib_binary, ["blob.txt", "binary"]),
+    Case("calib-not-utf8", _calib_latin1, ["latin.txt", "UTF-8"]),
+    Case("calib-jsonl-missing-field", _calib_jsonl_field, ["c.jsonl:2", "'text'"]),
+    Case("calib-jsonl-bad-json", _calib_jsonl_bad_json, ["c.jsonl:2", "JSON"]),
+    Case("calib-is-dir", _calib_is_dir, ["corpus.txt", "directory"]),
+    Case("calib-parquet-damaged", _calib_parquet_bad, ["c.parquet"]),
+    Case("calib-hub-dataset-offline", _calib_hub_offline, ["no-such-org/no-such-dataset", "local"],
+         marks=[pytest.mark.skipif(importlib.util.find_spec("datasets") is None, reason="datasets not installed")]),
+    # output
+    Case("output-is-file", _output_is_file, ["{tmp}/out", "is a file"]),
+    Case("output-inside-model", _output_inside_model, ["{tmp}/model/q", "inside the input model"]),
+    Case("output-exists", _output_exists, ["{tmp}/out", "already exists", "--force"]),
+    # global options
+    Case("device-cuda", _device_cuda, ["--device cuda", "CUDA"],
+         marks=[pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")]),
+    Case("device-unknown", _device_unknown, ["tpu"]),
+    Case("dtype-unknown", _dtype_unknown, ["float8", "float32"]),
+    # eval, inspect, plan
+    Case("eval-threshold-no-baseline", _eval_threshold_no_baseline, ["--baseline"]),
+    Case("eval-data-missing", _eval_data_missing, ["heldout.txt", "not found"]),
+    Case("eval-no-data", _eval_no_data, ["--data"]),
+    Case("eval-data-too-short", _eval_data_too_short, ["tiny.txt", "window"]),
+    Case("eval-report-is-dir", _eval_report_is_dir, ["report.md", "directory"]),
+    Case("eval-model-missing", _eval_model_missing, ["gone", "does not exist"]),
+    Case("inspect-foreign-dir", _inspect_foreign, ["plain", "compress.json"]),
+    Case("inspect-missing", _inspect_missing, ["nothing", "not a directory"]),
+    Case("plan-no-model", _plan_no_model, ["r.yaml", "no model"]),
+    # click usage errors
+    Case("unknown-option", _unknown_option, ["--recipee", "--recipe"]),
+    Case("missing-required-option", _missing_option, ["--recipe"]),
+    Case("bad-int-option", _bad_int_option, ["--seed", "integer"]),
+]
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch, repo):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(repo)  # relative data paths resolve from the project, as documented
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = main(argv)
+    captured = capsys.readouterr()
+    return rc, captured.err
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
+def test_bad_input_is_one_clean_line(case: Case, tmp_path: Path, capsys):
+    argv = case.setup(tmp_path)
+    before = set(tmp_path.iterdir())
+    rc, err = run_cli(argv, capsys)
+    msg = err.strip()
+    print(msg)  # shown with -rA: the whole catalogue of messages
+
+    assert "Traceback" not in err, err
+    assert rc == 2, f"exit {rc}: {err}"
+    assert msg, "no message on stderr"
+    assert "\n" not in msg, f"not one line:\n{err}"
+    assert msg.startswith("error:"), msg
+    for needle in case.expect:
+        assert needle.format(tmp=tmp_path) in msg, f"{needle!r} not in: {msg}"
+    if case.hint:
+        assert msg.endswith(")") or "did you mean" in msg or "valid keys here" in msg, f"no hint: {msg}"
+
+    # a failed run writes nothing: no new output directory, no temporary leftovers
+    after = set(tmp_path.iterdir())
+    assert after == before, f"new paths after a failed run: {sorted(map(str, after - before))}"
+    assert not list(tmp_path.rglob(".*.tmp-*")), "temporary output left behind"
+
+
+# ------------------------------------------------------------------------------------------------
+# failures late in the run leave the input untouched and write nothing
+
+
+@pytest.mark.parametrize("setup", [_calib_short, _model_nan_layer, _output_inside_model],
+                         ids=["late-calibration-error", "late-layer-error", "output-inside-model"])
+def test_failed_run_leaves_input_model_unchanged(setup, tmp_path: Path, capsys):
+    argv = setup(tmp_path)
+    model_dir = Path(argv[argv.index("--model") + 1]) if argv[argv.index("--model") + 1] != "default" \
+        else DEFAULT_MODEL_DIR
+    before = tree_digest(model_dir)
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    rc, err = run_cli(argv, capsys)
+    assert rc == 2, err
+    assert tree_digest(model_dir) == before, "the input model directory changed"
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.rglob(".*.tmp-*"))
+    assert not list(model_dir.parent.glob(".*.tmp-*"))
+
+
+def test_existing_output_kept_without_force(tmp_path: Path, capsys):
+    argv = _output_exists(tmp_path)
+    before = tree_digest(tmp_path / "out")
+    rc, err = run_cli(argv, capsys)
+    assert rc == 2, err
+    assert tree_digest(tmp_path / "out") == before
+
+
+def test_evaluation_dataset_missing_writes_nothing(tmp_path: Path, capsys):
+    """An evaluation file that does not exist fails the run (exit 2) without leaving any output."""
+    recipe = GOOD_STAGE + f"evaluation:\n  datasets: [{tmp_path / 'eval-missing.txt'}]\n"
+    rc, err = run_cli(quantize(tmp_path, recipe), capsys)
+    msg = err.strip()
+    assert rc == 2, err
+    assert "Traceback" not in err and "\n" not in msg
+    assert "eval-missing.txt" in msg
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".*.tmp-*"))
