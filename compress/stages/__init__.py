@@ -3,8 +3,10 @@
 A new algorithm is one new file in this package plus one line here.
 """
 
+from compress.stages.gptq import GPTQ
 from compress.stages.rtn import RoundToNearest
 
 STAGES = {
     "rtn": RoundToNearest,
+    "gptq": GPTQ,
 }

@@ -1,0 +1,299 @@
+"""The layer-by-layer calibration engine, shared by every algorithm that needs activations.
+
+    capture the inputs of the first block for every calibration batch
+    for each block:
+        bring it to the compute device
+        hook its target layers; run every batch through it (the stage's observers accumulate
+            statistics, e.g. GPTQ's Hessian)
+        let the stage compress the block
+        run every batch through the compressed block again: these outputs, carrying this
+            block's error as at inference, are the next block's inputs
+        send the block back
+
+Only one block and the activations are on the device at once. Cached activations stay on the
+device, move to CPU, or spill to disk past `activation_budget` bytes of host memory, so peak
+memory does not grow with the number of samples.
+
+A stage plugs in by implementing the `BlockwiseStage` protocol: `observe(name, module)` returns an
+observer (or None) whose `add(inputs, output)` is called on every forward of that module, and
+`compress_block(block_index, layers, observers, ctx)` does the work.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from compress.errors import CompressError
+
+# Where each family keeps its list of blocks (transformer layers), by config.model_type.
+BLOCK_PATHS = {
+    "llama": "model.layers",
+    "mistral": "model.layers",
+    "qwen2": "model.layers",
+    "qwen3": "model.layers",
+    "mixtral": "model.layers",
+    "qwen2_moe": "model.layers",
+    "gemma": "model.layers",
+    "phi3": "model.layers",
+    "opt": "model.decoder.layers",
+    "gpt2": "transformer.h",
+    "bert": "encoder.layer",
+}
+
+
+def find_blocks(model: torch.nn.Module, declared: str | None = None) -> tuple[str, torch.nn.ModuleList]:
+    """The ModuleList of transformer blocks: from the recipe's `blocks:` key, else the family table."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    candidates = [declared] if declared else []
+    if not declared and model_type in BLOCK_PATHS:
+        path = BLOCK_PATHS[model_type]
+        # A task head wraps the base model (BertForMaskedLM.bert, LlamaForCausalLM.model).
+        candidates += [path, f"{getattr(model, 'base_model_prefix', '')}.{path}", path.split(".", 1)[-1]]
+    for path in candidates:
+        try:
+            blocks = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(blocks, torch.nn.ModuleList) and len(blocks) > 0:
+            return path, blocks
+    if declared:
+        raise CompressError(f"`blocks: {declared}` names no ModuleList in this {model_type} model",
+                            "give the dotted path of the transformer layers, e.g. model.layers")
+    raise CompressError(
+        f"architecture '{model_type}' is not known to the calibration engine",
+        "declare its transformer layers in the stage, e.g. `blocks: model.layers`",
+    )
+
+
+class Observer(Protocol):
+    def add(self, inputs: tuple, output: Any, mask: torch.Tensor | None) -> None: ...
+
+
+class BlockwiseStage(Protocol):
+    def observe(self, name: str, module: torch.nn.Module) -> Observer | None: ...
+
+    def compress_block(self, index: int, layers: dict[str, torch.nn.Module], observers: dict[str, Observer],
+                       ctx: Any) -> None: ...
+
+
+class _StopForward(Exception):
+    """Raised by the catcher once the first block's inputs are recorded."""
+
+
+@dataclass
+class BlockInput:
+    hidden: torch.Tensor
+    kwargs: dict
+    mask: torch.Tensor | None  # [batch, seq] of the tokens that count (padding excluded)
+
+
+class ActivationStore:
+    """Block inputs of every batch: on the device, on CPU, or on disk past a host-memory budget."""
+
+    def __init__(self, device: torch.device, keep_on_device: bool, budget_bytes: int | None):
+        self.device = device
+        self.keep_on_device = keep_on_device
+        self.budget = budget_bytes
+        self.items: list[torch.Tensor | Path] = []
+        self.in_memory = 0
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self.spilled = 0
+
+    def append(self, hidden: torch.Tensor) -> None:
+        size = hidden.numel() * hidden.element_size()
+        if self.budget is not None and self.in_memory + size > self.budget:
+            if self._dir is None:
+                self._dir = tempfile.TemporaryDirectory(prefix="compress-activations-")
+            path = Path(self._dir.name) / f"{len(self.items)}.pt"
+            torch.save(hidden.detach().cpu(), path)
+            self.items.append(path)
+            self.spilled += 1
+            return
+        self.in_memory += size
+        self.items.append(hidden.detach() if self.keep_on_device else hidden.detach().cpu())
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def get(self, i: int) -> torch.Tensor:
+        item = self.items[i]
+        if isinstance(item, Path):
+            return torch.load(item, weights_only=True).to(self.device)
+        return item.to(self.device)
+
+    def close(self) -> None:
+        if self._dir is not None:
+            self._dir.cleanup()
+
+
+def _batches(samples: list[dict], batch_size: int) -> list[dict]:
+    """Concatenate calibration samples into batches (padding to the longest for uneven lengths)."""
+    out = []
+    for start in range(0, len(samples), batch_size):
+        group = samples[start : start + batch_size]
+        length = max(s["input_ids"].shape[1] for s in group)
+        batch: dict[str, list] = {}
+        for s in group:
+            pad = length - s["input_ids"].shape[1]
+            mask = s.get("attention_mask", torch.ones_like(s["input_ids"]))
+            for key, value in {**s, "attention_mask": mask}.items():
+                batch.setdefault(key, []).append(torch.nn.functional.pad(value, (0, pad)) if pad else value)
+        merged = {k: torch.cat(v) for k, v in batch.items()}
+        if all("attention_mask" not in s for s in group):
+            merged.pop("attention_mask")  # causal LMs without padding: let the model build its own mask
+        out.append(merged)
+    return out
+
+
+def _move(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_move(v, device) for v in value)
+    if isinstance(value, list):
+        return [_move(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _move(v, device) for k, v in value.items()}
+    return value
+
+
+@torch.no_grad()
+def capture_first_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches: list[dict],
+                               device: torch.device, store: ActivationStore) -> list[BlockInput]:
+    """Run the model up to its first block for every batch and record what that block receives.
+
+    The block list is swapped for a single catcher while the rest of the model (embeddings,
+    rotary tables, norms: everything outside the blocks) sits on the device; positional arguments
+    are bound to the block's parameter names so they can be replayed as keywords.
+    """
+    import inspect
+
+    first = blocks[0]
+    params = list(inspect.signature(first.forward).parameters)
+    records: list[BlockInput] = []
+    current = {"mask": None}
+
+    class Catcher(torch.nn.Module):
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(first, name)  # e.g. Qwen2 reads decoder_layer.attention_type
+
+        def forward(self, hidden, *args, **kwargs):
+            kwargs.update(dict(zip(params[1:], args)))
+            for cache_key in ("past_key_values", "past_key_value", "layer_past"):
+                if cache_key in kwargs:
+                    kwargs[cache_key] = None
+            if "use_cache" in kwargs:
+                kwargs["use_cache"] = False
+            store.append(hidden)
+            records.append(BlockInput(hidden=None, kwargs=_move(kwargs, "cpu"), mask=current["mask"]))  # type: ignore[arg-type]
+            raise _StopForward
+
+    parent_path, attr = path.rsplit(".", 1) if "." in path else ("", path)
+    parent = model.get_submodule(parent_path)
+    setattr(parent, attr, torch.nn.ModuleList([Catcher()]))
+    try:
+        model.to(device)
+        for batch in batches:
+            current["mask"] = batch.get("attention_mask")
+            try:
+                model(**{k: v.to(device) for k, v in batch.items()})
+            except _StopForward:
+                pass
+    finally:
+        setattr(parent, attr, blocks)
+        model.to("cpu")
+    return records
+
+
+def _block_output(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class Engine:
+    """Runs a BlockwiseStage over a model, one block at a time."""
+
+    def __init__(self, device: torch.device, batch_size: int = 1, activations_on: str = "auto",
+                 activation_budget: int | None = None, blocks_path: str | None = None, progress=lambda *_: None):
+        self.device = device
+        self.batch_size = batch_size
+        self.activations_on = activations_on
+        self.activation_budget = activation_budget
+        self.blocks_path = blocks_path
+        self.progress = progress
+        self.stats: dict = {}
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module, samples: list[dict], stage: BlockwiseStage,
+            selected: dict[str, torch.nn.Module], ctx: Any) -> dict:
+        path, blocks = find_blocks(model, self.blocks_path)
+        model.to("cpu")
+        batches = _batches(samples, self.batch_size)
+        keep_on_device = self.activations_on == "device" or (self.activations_on == "auto" and self.device.type != "cpu"
+                                                              and self._fits_on_device(batches, model))
+        store = ActivationStore(self.device, keep_on_device, self.activation_budget)
+        records = capture_first_block_inputs(model, path, blocks, batches, self.device, store)
+        peak_device_params = 0
+        try:
+            for i, block in enumerate(blocks):
+                prefix = f"{path}.{i}."
+                layers = {n: m for n, m in selected.items() if n.startswith(prefix)}
+                block.to(self.device)
+                on_device = sum(p.numel() for p in model.parameters() if p.device.type == self.device.type)
+                peak_device_params = max(peak_device_params, on_device)
+                observers = {n: obs for n, m in layers.items() if (obs := stage.observe(n, m)) is not None}
+                if observers:
+                    handles = [layers[n].register_forward_hook(self._hook(obs, records)) for n, obs in observers.items()]
+                    try:
+                        for j in range(len(records)):
+                            self.progress(f"block {i + 1}/{len(blocks)}: calibrating", j, len(records))
+                            self._current = j
+                            block(store.get(j), **_move(records[j].kwargs, self.device))
+                    finally:
+                        for h in handles:
+                            h.remove()
+                if layers:
+                    stage.compress_block(i, layers, observers, ctx)
+                del observers
+                # The next block sees this block's compressed outputs, as it will at inference.
+                if i + 1 < len(blocks):
+                    for j in range(len(records)):
+                        self.progress(f"block {i + 1}/{len(blocks)}: propagating", j, len(records))
+                        out = _block_output(block(store.get(j), **_move(records[j].kwargs, self.device)))
+                        self._replace(store, j, out)
+                block.to("cpu")
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        finally:
+            store.close()
+        return {"blocks": len(blocks), "batches": len(records), "activations_spilled": store.spilled,
+                "max_parameters_on_device": peak_device_params}
+
+    def _hook(self, observer, records):
+        def hook(module, inputs, output):
+            observer.add(inputs, output, records[self._current].mask)
+        return hook
+
+    @staticmethod
+    def _replace(store: ActivationStore, j: int, hidden: torch.Tensor) -> None:
+        item = store.items[j]
+        if isinstance(item, Path):
+            torch.save(hidden.detach().cpu(), item)
+        else:
+            store.items[j] = hidden.detach() if store.keep_on_device else hidden.detach().cpu()
+
+    def _fits_on_device(self, batches, model) -> bool:
+        if self.device.type != "cuda":
+            return False
+        hidden = getattr(model.config, "hidden_size", 0)
+        need = sum(b["input_ids"].numel() for b in batches) * hidden * 4
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return need < 0.5 * free

@@ -1,0 +1,269 @@
+"""GPTQ (Frantar, Ashkboos, Hoefler, Alistarh 2022): quantize a layer's weight one input column
+at a time, and after each column spread its rounding error over the columns not yet quantized,
+weighted by the inverse Hessian of the layer's reconstruction loss ||WX - ŴX||².
+
+    H = 2 X Xᵀ / N over all calibration tokens (from the calibration engine)
+    dead inputs (H_jj = 0) are zeroed; H += damp · mean(diag H) · I
+    U = Cholesky factor (upper) of H⁻¹
+    for each block of `block_size` columns, for each column j in it:
+        q_j = quant(w_j)                  group scales computed when a group's first column is reached
+        e_j = (w_j - q_j) / U_jj
+        W[:, j:block end] -= e_j · U[j, j:block end]        (within the block)
+    then W[:, after block] -= E_block · U[block, after block]  (the lazy batched update)
+
+Act-order processes columns in decreasing diag(H); `static_groups` fixes group scales from the
+unquantized weight before the permutation, so groups stay contiguous in the original order.
+
+Sample recipe stage:
+
+    - gptq:
+        scheme: W4A16           # int4, group 128, symmetric
+        weights: {group_size: 64}
+        block_size: 128
+        dampening_frac: 0.01
+        actorder: false
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import torch
+from pydantic import Field, model_validator
+
+from compress import activations
+from compress.engine import Engine
+from compress.errors import CompressError
+from compress.modeling import get_weight, set_weight
+from compress.quant import QParams, compute_qparams, dequantize, fake_quantize, quantize, relative_error
+from compress.schemes import QuantArgs
+from compress.stages.base import QuantizationStage, StageContext
+from compress.targets import select_modules
+
+# ---------------------------------------------------------------------------------------------
+# The math: plain functions on tensors
+
+
+def hessian_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
+    """||WX - QX||² / N, from H = 2 X Xᵀ / N: the quantity GPTQ minimises, per token."""
+    delta = (W - Q).float()
+    return float(((delta @ H) * delta).sum() / 2)
+
+
+def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_damp: float = 10.0) -> tuple[torch.Tensor, float, int]:
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H).
+
+    A Hessian that is not positive definite (too few tokens, collinear inputs, float error) is
+    retried with ten times the damping until `max_damp`; the damping used and the retries are
+    returned so the report can say so.
+    """
+    mean_diag = torch.diag(H).mean().abs()
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    frac, attempt = damp, 0
+    while frac <= max_damp * (1 + 1e-9):
+        L, info = torch.linalg.cholesky_ex(H + frac * mean_diag * eye)
+        if info == 0:
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if info == 0:
+                return U, frac, attempt
+        frac, attempt = frac * 10, attempt + 1
+    raise FloatingPointError(f"Hessian is not positive definite even with damping {frac / 10:g}")
+
+
+def _column_qparams(W: torch.Tensor, args: QuantArgs) -> QParams:
+    strategy = "tensor" if args.strategy == "tensor" else "channel"
+    return compute_qparams(W, args.num_bits, args.symmetric, strategy)
+
+
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size: int = 128, damp: float = 0.01,
+                  actorder: bool = False, static_groups: bool = False) -> tuple[torch.Tensor, dict]:
+    """Quantize W [out, in] against Hessian H [in, in]; returns the dequantized Q and details."""
+    W = W.clone().float()
+    H = H.clone().float()
+    columns = W.shape[1]
+    group = args.group_size if args.strategy == "group" else None
+
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+
+    qp = None if group else _column_qparams(W, args)
+    group_qparams = None
+    if group and static_groups:
+        group_qparams = [_column_qparams(W[:, g : g + group], args) for g in range(0, columns, group)]
+
+    perm = None
+    if actorder:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+
+    Hinv, damp_used, retries = inverse_hessian_cholesky(H, damp)
+
+    Q = torch.zeros_like(W)
+    for i1 in range(0, columns, block_size):
+        i2 = min(i1 + block_size, columns)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if group is not None:
+                if group_qparams is not None:
+                    original_col = int(perm[col]) if perm is not None else col
+                    qp = group_qparams[original_col // group]
+                elif col % group == 0:
+                    # Scales from the group's current (already error-compensated) values.
+                    ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group]
+                    qp = _column_qparams(ahead, args)
+            w = W1[:, i : i + 1]
+            q = dequantize(quantize(w, qp), qp)
+            Q1[:, i : i + 1] = q
+            err = (w - q) / Hinv1[i, i]
+            W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
+            Err1[:, i : i + 1] = err
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    return Q, {"damp": damp_used, "damp_retries": retries, "dead_columns": int(dead.sum())}
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics from the calibration engine
+
+
+class HessianObserver:
+    """Accumulates Σ x xᵀ (float32) and the token count over a layer's inputs, padding excluded;
+    also the input range, for static activation quantization."""
+
+    def __init__(self, module: torch.nn.Module, conv1d: bool = False):
+        in_features = module.weight.shape[0 if conv1d else 1]
+        self.sum = torch.zeros(in_features, in_features, dtype=torch.float32, device=module.weight.device)
+        self.tokens = 0
+        self.lo, self.hi = float("inf"), float("-inf")
+
+    def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
+        x = inputs[0].detach()
+        if mask is not None and x.dim() == 3 and x.shape[:2] == mask.shape:
+            x = x[mask.to(x.device).bool()]
+        x = x.reshape(-1, x.shape[-1]).float()
+        if not torch.isfinite(x).all():
+            raise FloatingPointError("non-finite calibration activation")
+        self.sum.addmm_(x.t(), x)
+        self.tokens += x.shape[0]
+        self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
+
+    def hessian(self) -> torch.Tensor:
+        return 2 * self.sum / max(self.tokens, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+class GPTQ(QuantizationStage):
+    """GPTQ weight quantization, block by block through the calibration engine."""
+
+    block_size: int = Field(128, gt=0, description="columns per lazy batched update")
+    dampening_frac: float = Field(0.01, gt=0, description="damping as a fraction of the Hessian's mean diagonal")
+    actorder: bool = Field(False, description="quantize columns in decreasing Hessian diagonal")
+    static_groups: bool = Field(False, description="with actorder: group scales fixed before reordering")
+    batch_size: int = Field(1, gt=0, description="calibration samples per forward pass")
+    activations_on: Literal["auto", "device", "cpu"] = Field("auto", description="where cached block inputs live")
+    activation_budget: Optional[Union[int, str]] = Field(None, description="host bytes for cached activations before spilling to disk, e.g. 4GiB")
+    blocks: Optional[str] = Field(None, description="dotted path of the transformer layers, for architectures the engine does not know")
+
+    @model_validator(mode="after")
+    def _integer_weights(self) -> "GPTQ":
+        if self.resolved_scheme().weights.type != "int":
+            raise ValueError("GPTQ quantizes to an integer grid: use an int weights scheme (FP8 needs rtn)")
+        parse_bytes(self.activation_budget)
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+    def observe(self, name: str, module: torch.nn.Module) -> HessianObserver:
+        return HessianObserver(module, conv1d=type(module).__name__ == "Conv1D")
+
+    def compress_block(self, index: int, layers: dict, observers: dict, ctx: StageContext) -> None:
+        scheme = self.resolved_scheme()
+        args = scheme.weights
+        for k, (name, module) in enumerate(layers.items()):
+            obs = observers[name]
+            W = get_weight(module).to(module.weight.device)
+            if not torch.isfinite(W).all():
+                raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
+            H = obs.hessian()
+            try:
+                Q, info = gptq_quantize(W, H, args, self.block_size, self.dampening_frac, self.actorder, self.static_groups)
+            except FloatingPointError as exc:
+                raise CompressError(f"layer {name}: {exc}", "raise dampening_frac or give more calibration samples") from None
+            rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
+            gptq_loss, rtn_loss = hessian_loss(W, Q, H), hessian_loss(W, rtn, H)
+            ctx.progress(f"block {index + 1}: {name} loss {gptq_loss:.3g} (rtn {rtn_loss:.3g})", k + 1, len(layers))
+            set_weight(module, Q)
+            record = {"stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
+                      "relative_error": relative_error(W, Q), "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
+                      "tokens": obs.tokens, **info}
+            if info["damp_retries"]:
+                record["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"
+            if scheme.input_activations is not None:
+                a = scheme.input_activations
+                rng = None if a.dynamic else (obs.lo, obs.hi)
+                activations.attach(module, a, rng)
+                record["input_activations"] = a.model_dump(mode="json")
+                if rng:
+                    record["activation_range"] = list(rng)
+            ctx.layers[name] = record
+
+    def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
+        selected = select_modules(model, self.targets, self.ignore)
+        if not selected:
+            raise CompressError(f"stage gptq: targets {self.targets} minus ignore {self.ignore} match no linear layer",
+                                "run `compress plan` to see the model's module names")
+        engine = Engine(ctx.device, batch_size=self.batch_size, activations_on=self.activations_on,
+                        activation_budget=parse_bytes(self.activation_budget), blocks_path=self.blocks,
+                        progress=ctx.progress)
+        summary = engine.run(model, ctx.calibration.samples, self, selected, ctx)
+        # Layers outside the transformer blocks (a BERT pooler, a targeted lm_head) see no block
+        # inputs: they fall back to round-to-nearest, and the report says so.
+        for name in selected:
+            if ctx.layers.get(name, {}).get("stage") != "gptq":
+                module = selected[name]
+                W = get_weight(module)
+                args = self.resolved_scheme().weights
+                rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
+                set_weight(module, rtn)
+                ctx.layers[name] = {"stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
+                                    "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,
+                                    "damp_retries": 0, "note": "outside the transformer blocks: round-to-nearest"}
+        done = [ctx.layers[n] for n in selected]
+        solved = [r for r in done if r["gptq_loss"] is not None]
+        summary.update({
+            "layers": len(done),
+            "rtn_fallback": len(done) - len(solved),
+            "scheme": self.resolved_scheme().describe(),
+            "mean_gptq_loss": sum(r["gptq_loss"] for r in solved) / max(len(solved), 1),
+            "mean_rtn_loss": sum(r["rtn_loss"] for r in solved) / max(len(solved), 1),
+            "damping_raised": sum(1 for r in done if r["damp_retries"]),
+        })
+        return summary
+
+
+def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
+    """`4GiB`, `512MB`, `1000000` -> bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+    text = value.strip().lower().replace(" ", "")
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            try:
+                return int(float(text[: -len(unit)]) * factor)
+            except ValueError:
+                break
+    raise ValueError(f"activation_budget {value!r} is not a size such as 4GiB or 512MB")
