@@ -19,6 +19,7 @@ from compress.calibration import build_calibration, is_local_spec, resolve_data_
 from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes
 from compress.errors import CompressError
 from compress.evaluate import evaluate, gate
+from compress.moe import fuse_experts, unfuse_experts
 from compress.recipe import EvaluationConfig, Recipe
 from compress.report import run_markdown, versions, write_json
 from compress.schemes import QuantArgs, packed_weight_bits
@@ -81,11 +82,15 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
 
     ctx = StageContext(device=dev, calibration=calibration, seed=seed, progress=progress)
     stage_reports = []
-    for name, stage in recipe.stages:
-        with PeakMemory() as mem:
-            summary = stage.apply(net, ctx)
-        stage_reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
-                              "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary})
+    swaps = unfuse_experts(net)  # MoE experts as ordinary Linear layers while the stages run
+    try:
+        for name, stage in recipe.stages:
+            with PeakMemory() as mem:
+                summary = stage.apply(net, ctx)
+            stage_reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
+                                  "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary})
+    finally:
+        fuse_experts(swaps)
     net.to("cpu")
 
     report = {

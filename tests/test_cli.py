@@ -64,14 +64,14 @@ def test_existing_output_refused_without_force(w8_output, ref_llama, repo, capsy
 def test_eval_gate_pass_and_fail(w8_output, ref_llama, tmp_path, capsys):
     md, junit = tmp_path / "eval.md", tmp_path / "eval.xml"
     rc, _, _ = run(capsys, "--quiet", "eval", "--model", w8_output, "--baseline", ref_llama, "--data", HELDOUT,
-                   "--max-ppl-increase", 2, "--max-kl", 1e-3, "--report", md, "--junit", junit)
+                   "--max-ppl-increase", 2, "--max-kl", 1e-3, "--report", md, "--junit", junit, "--max-windows", 16)
     assert rc == 0
     assert "PASS" in md.read_text() and "token perplexity" in md.read_text() and "word perplexity" in md.read_text()
     suite = ET.parse(junit).getroot()
     assert suite.get("tests") == "2" and suite.get("failures") == "0"
 
     rc, out, _ = run(capsys, "--json", "eval", "--model", w8_output, "--baseline", ref_llama, "--data", HELDOUT,
-                     "--max-kl", 1e-9, "--junit", junit)
+                     "--max-kl", 1e-9, "--junit", junit, "--max-windows", 16)
     assert rc == 1
     result = json.loads(out)
     assert result["passed"] is False and result["checks"][0]["metric"] == "kl_divergence"

@@ -170,6 +170,7 @@ class GPTQ(QuantizationStage):
     dampening_frac: float = Field(0.01, gt=0, description="damping as a fraction of the Hessian's mean diagonal")
     actorder: bool = Field(False, description="quantize columns in decreasing Hessian diagonal")
     static_groups: bool = Field(False, description="with actorder: group scales fixed before reordering")
+    min_tokens: int = Field(16, ge=1, description="a layer (a rarely routed MoE expert) that sees fewer calibration tokens falls back to round-to-nearest")
     batch_size: int = Field(1, gt=0, description="calibration samples per forward pass")
     activations_on: Literal["auto", "device", "cpu"] = Field("auto", description="where cached block inputs live")
     activation_budget: Optional[Union[int, str]] = Field(None, description="host bytes for cached activations before spilling to disk, e.g. 4GiB")
@@ -198,6 +199,14 @@ class GPTQ(QuantizationStage):
             if not torch.isfinite(W).all():
                 raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
             H = obs.hessian()
+            if obs.tokens < self.min_tokens:
+                rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
+                set_weight(module, rtn)
+                ctx.layers[name] = {"stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
+                                    "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,
+                                    "tokens": obs.tokens, "damp_retries": 0,
+                                    "note": f"saw {obs.tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest"}
+                continue
             try:
                 Q, info = gptq_quantize(W, H, args, self.block_size, self.dampening_frac, self.actorder, self.static_groups)
             except FloatingPointError as exc:
@@ -251,6 +260,9 @@ class GPTQ(QuantizationStage):
             "mean_rtn_loss": sum(r["rtn_loss"] for r in solved) / max(len(solved), 1),
             "damping_raised": sum(1 for r in done if r["damp_retries"]),
         })
+        experts = {n: ctx.layers[n].get("tokens") for n in selected if ".experts." in n and n.endswith("gate_proj")}
+        if experts:  # how many calibration tokens the router sent to each expert
+            summary["expert_tokens"] = experts
         return summary
 
 

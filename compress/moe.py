@@ -1,0 +1,81 @@
+"""Mixture-of-experts plumbing: transformers stores a block's experts fused, as 3-D parameters
+(`gate_up_proj` [experts, 2·intermediate, hidden], `down_proj` [experts, hidden, intermediate];
+Mixtral, Qwen2-MoE, ...). For compression each expert is unfused into three ordinary Linear
+layers (`experts.3.gate_proj`, `.up_proj`, `.down_proj`) run by the same routing loop, so that
+target matching, observers and per-expert token counts work as for any layer; afterwards the
+compressed weights are written back into the fused parameters and the original module returns.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3 and down.dim() == 3
+
+
+class Expert(nn.Module):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+        super().__init__()
+        inter2, hidden = gate_up.shape
+        self.gate_proj = nn.Linear(hidden, inter2 // 2, bias=False, dtype=gate_up.dtype, device=gate_up.device)
+        self.up_proj = nn.Linear(hidden, inter2 // 2, bias=False, dtype=gate_up.dtype, device=gate_up.device)
+        self.down_proj = nn.Linear(inter2 // 2, hidden, bias=False, dtype=down.dtype, device=down.device)
+        with torch.no_grad():
+            gate, up = gate_up.chunk(2, dim=0)  # the fused layout: gate rows first, then up
+            self.gate_proj.weight.copy_(gate)
+            self.up_proj.weight.copy_(up)
+            self.down_proj.weight.copy_(down)
+
+
+class UnfusedExperts(nn.Module):
+    """Same routing as the fused module's eager loop: each token goes to its top-k experts."""
+
+    def __init__(self, fused: nn.Module):
+        super().__init__()
+        self.fused = [fused]  # a list, so the original is not registered as a submodule
+        self.act_fn = fused.act_fn
+        self.experts = nn.ModuleList(Expert(fused.gate_up_proj[e], fused.down_proj[e]) for e in range(fused.gate_up_proj.shape[0]))
+
+    def __getitem__(self, i: int) -> Expert:
+        return self.experts[i]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(top_k_index == e)
+            if token_idx.numel() == 0:
+                continue
+            x = hidden_states[token_idx]
+            h = expert.down_proj(self.act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+            out.index_add_(0, token_idx, (h * top_k_weights[token_idx, slot, None]).to(out.dtype))
+        return out
+
+    def fuse_back(self) -> nn.Module:
+        fused = self.fused[0]
+        with torch.no_grad():
+            for e, expert in enumerate(self.experts):
+                fused.gate_up_proj[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight], dim=0))
+                fused.down_proj[e].copy_(expert.down_proj.weight)
+        return fused
+
+
+def unfuse_experts(model: nn.Module) -> list[tuple[nn.Module, str, UnfusedExperts]]:
+    """Replace every fused experts module by an UnfusedExperts; returns what to restore."""
+    swaps = []
+    for name, module in list(model.named_modules()):
+        if is_fused_experts(module) and hasattr(module, "act_fn"):
+            parent_name, attr = name.rsplit(".", 1)
+            parent = model.get_submodule(parent_name)
+            unfused = UnfusedExperts(module)
+            setattr(parent, attr, unfused)
+            swaps.append((parent, attr, unfused))
+    return swaps
+
+
+def fuse_experts(swaps: list[tuple[nn.Module, str, UnfusedExperts]]) -> None:
+    for parent, attr, unfused in swaps:
+        setattr(parent, attr, unfused.fuse_back())
