@@ -21,8 +21,8 @@ observer (or None) whose `add(inputs, output)` is called on every forward of tha
 
 from __future__ import annotations
 
-import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -197,21 +197,32 @@ def capture_first_block_inputs(model, path: str, blocks: torch.nn.ModuleList, ba
             records.append(BlockInput(hidden=None, kwargs=_move(kwargs, "cpu"), mask=current["mask"]))  # type: ignore[arg-type]
             raise _StopForward
 
+    with blocks_swapped(model, path, torch.nn.ModuleList([Catcher()])):
+        try:
+            model.to(device)
+            for batch in batches:
+                current["mask"] = batch.get("attention_mask")
+                try:
+                    model(**{k: v.to(device) for k, v in batch.items()})
+                except _StopForward:
+                    pass
+        finally:
+            model.to("cpu")
+    return records
+
+
+@contextmanager
+def blocks_swapped(model: torch.nn.Module, path: str, replacement: torch.nn.Module):
+    """Temporarily put `replacement` where the block list is, so that moving the model moves
+    everything but the blocks (which may be on disk, i.e. on the meta device)."""
     parent_path, attr = path.rsplit(".", 1) if "." in path else ("", path)
     parent = model.get_submodule(parent_path)
-    setattr(parent, attr, torch.nn.ModuleList([Catcher()]))
+    blocks = getattr(parent, attr)
+    setattr(parent, attr, replacement)
     try:
-        model.to(device)
-        for batch in batches:
-            current["mask"] = batch.get("attention_mask")
-            try:
-                model(**{k: v.to(device) for k, v in batch.items()})
-            except _StopForward:
-                pass
+        yield
     finally:
         setattr(parent, attr, blocks)
-        model.to("cpu")
-    return records
 
 
 def _block_output(out: Any) -> torch.Tensor:
@@ -222,20 +233,20 @@ class Engine:
     """Runs a BlockwiseStage over a model, one block at a time."""
 
     def __init__(self, device: torch.device, batch_size: int = 1, activations_on: str = "auto",
-                 activation_budget: int | None = None, blocks_path: str | None = None, progress=lambda *_: None):
+                 activation_budget: int | None = None, blocks_path: str | None = None, progress=lambda *_: None,
+                 offload=None):
         self.device = device
         self.batch_size = batch_size
         self.activations_on = activations_on
         self.activation_budget = activation_budget
         self.blocks_path = blocks_path
         self.progress = progress
-        self.stats: dict = {}
+        self.offload = offload  # compress.offload.DiskOffload: blocks read from and written to disk
 
     @torch.no_grad()
     def run(self, model: torch.nn.Module, samples: list[dict], stage: BlockwiseStage,
             selected: dict[str, torch.nn.Module], ctx: Any) -> dict:
         path, blocks = find_blocks(model, self.blocks_path)
-        model.to("cpu")
         batches = _batches(samples, self.batch_size)
         keep_on_device = self.activations_on == "device" or (self.activations_on == "auto" and self.device.type != "cpu"
                                                               and self._fits_on_device(batches, model))
@@ -246,6 +257,8 @@ class Engine:
             for i, block in enumerate(blocks):
                 prefix = f"{path}.{i}."
                 layers = {n: m for n, m in selected.items() if n.startswith(prefix)}
+                if self.offload is not None:
+                    self.offload.load(prefix[:-1])
                 block.to(self.device)
                 on_device = sum(p.numel() for p in model.parameters() if p.device.type == self.device.type)
                 peak_device_params = max(peak_device_params, on_device)
@@ -270,6 +283,8 @@ class Engine:
                         out = _block_output(block(store.get(j), **_move(records[j].kwargs, self.device)))
                         self._replace(store, j, out)
                 block.to("cpu")
+                if self.offload is not None:
+                    self.offload.release(prefix[:-1], shard=i + 1)
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
         finally:

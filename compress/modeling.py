@@ -95,6 +95,47 @@ def load_model(ref: str, dtype: str = "auto", device: str | torch.device = "cpu"
     return model, tokenizer, config
 
 
+def local_dir(ref: str) -> Path:
+    """The directory holding a model's files: a local path, or a hub id's local cache snapshot."""
+    path = Path(resolve_model(ref))
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(ref, local_files_only=True))
+    except Exception:
+        raise CompressError(f"model {ref} is not available locally", "download it first, or pass a local directory") from None
+
+
+def load_skeleton(ref: str, dtype: str = "auto"):
+    """(model, tokenizer, config) with every parameter on the meta device (for offload: disk);
+    buffers such as rotary tables are real. Weights are read later, block by block."""
+    from transformers import AutoTokenizer
+
+    from compress.offload import parameters_on_meta
+
+    config = load_config(ref)
+    path = local_dir(ref)
+    kwargs = {} if dtype == "auto" else {"dtype": DTYPES[dtype]}
+    if dtype == "auto" and getattr(config, "dtype", None) is not None:
+        kwargs = {"dtype": config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype))}
+    with parameters_on_meta():
+        model = model_class(config).from_config(config, **kwargs)
+    model.eval()
+    if getattr(model.config, "use_cache", None) is not None:
+        model.config.use_cache = False
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise CompressError(f"cannot load the tokenizer of {ref}: {str(exc).splitlines()[0]}", "the model directory needs tokenizer files") from None
+    from compress.moe import is_fused_experts
+
+    if any(is_fused_experts(m) for m in model.modules()):
+        raise CompressError(f"offload: disk does not support mixture-of-experts models yet ({ref})", "drop offload: disk")
+    return model, tokenizer, config
+
+
 def _reattach_activation_quant(model: torch.nn.Module, path: str) -> None:
     """A compress checkpoint with quantized activations records their scheme and static ranges."""
     meta_file = Path(path) / "compress.json"

@@ -59,11 +59,16 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     protect = [model_path] if Path(model_path).exists() else []
     atomic = AtomicOutput(out_dir, force=force, protect=protect)  # refuses a bad destination before any work
     _check_data_files(recipe)
+    if recipe.offload == "disk":
+        _check_offloadable(recipe)
     dev = pick_device(device)
     seed_everything(seed)
 
     progress("loading model", 0, 1)
-    net, tokenizer, config = modeling.load_model(model_ref, dtype=dtype, device="cpu")
+    if recipe.offload == "disk":
+        net, tokenizer, config = modeling.load_skeleton(model_ref, dtype=dtype)
+    else:
+        net, tokenizer, config = modeling.load_model(model_ref, dtype=dtype, device="cpu")
     source = {
         "ref": model_ref,
         "path": model_path,
@@ -73,42 +78,45 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         "bytes": modeling.model_bytes(net),
         "architecture": (getattr(config, "architectures", None) or [type(net).__name__])[0],
     }
-    net.to(dev)
 
     calibration = None
     if recipe.calibration is not None:  # built even for stages that do not need it: its fingerprint is provenance
         progress("tokenizing calibration data", 0, 1)
         calibration = build_calibration(recipe.calibration, tokenizer)
 
-    ctx = StageContext(device=dev, calibration=calibration, seed=seed, progress=progress)
-    stage_reports = []
-    swaps = unfuse_experts(net)  # MoE experts as ordinary Linear layers while the stages run
-    try:
-        for name, stage in recipe.stages:
-            with PeakMemory() as mem:
-                summary = stage.apply(net, ctx)
-            stage_reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
-                                  "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary})
-    finally:
-        fuse_experts(swaps)
-    net.to("cpu")
-
     report = {
         "versions": versions(),
         "recipe_source": recipe.source,
         "seed": seed,
         "device": str(dev),
+        "offload": recipe.offload,
         "source_model": source,
         "calibration": None if calibration is None else {
             "source": calibration.source, "fingerprint": calibration.fingerprint,
             "num_samples": len(calibration.samples), "tokens": calibration.num_tokens},
-        "stages": stage_reports,
-        "layers": ctx.layers,
     }
-
+    ctx = StageContext(device=dev, calibration=calibration, seed=seed, progress=progress)
     with atomic as tmp:
+        if recipe.offload == "disk":
+            # Blocks stream from the input checkpoint through the engine into tmp's shards.
+            from compress.engine import find_blocks
+            from compress.offload import DiskOffload
+
+            path, blocks = find_blocks(net, getattr(recipe.stages[0][1], "blocks", None))
+            ctx.offload = DiskOffload(net, modeling.local_dir(model_ref), tmp, None, n_shards=len(blocks) + 1)
+            ctx.offload.load_outside(path)
+        report["stages"] = _run_stages(recipe, net, ctx)
+        report["layers"] = ctx.layers
+
         progress("saving", 0, 1)
-        net.save_pretrained(tmp)
+        if ctx.offload is not None:
+            ctx.offload.finish()
+            config.save_pretrained(tmp)
+            generation = modeling.local_dir(model_ref) / "generation_config.json"
+            if generation.is_file():
+                (tmp / generation.name).write_bytes(generation.read_bytes())
+        else:
+            net.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         effective = recipe.effective()
         effective["model"] = model_ref
@@ -118,15 +126,41 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                                            "stages": [n for n, _ in recipe.stages], "layers": ctx.layers})
         report["output"] = size_summary(net, ctx.layers, tmp)
         if recipe.evaluation is not None and recipe.evaluation.datasets:
-            _reset_model_dtype(net)
-            baseline, _, _ = modeling.load_model(model_ref, dtype="float32", device=dev)
-            report["evaluation"] = evaluate(
-                net.to(dev), tokenizer, recipe.evaluation.datasets, baseline=baseline,
-                causal=modeling.is_causal_lm(config), **_eval_kwargs(recipe.evaluation), device=dev, progress=progress)
-            del baseline
+            if ctx.offload is not None:
+                report["evaluation_note"] = "skipped: the model was offloaded to disk; run `compress eval` on the output"
+            else:
+                _reset_model_dtype(net)
+                baseline, _, _ = modeling.load_model(model_ref, dtype="float32", device=dev)
+                report["evaluation"] = evaluate(
+                    net.to(dev), tokenizer, recipe.evaluation.datasets, baseline=baseline,
+                    causal=modeling.is_causal_lm(config), **_eval_kwargs(recipe.evaluation), device=dev, progress=progress)
+                del baseline
+                net.to("cpu")
         write_json(tmp / "report.json", report)
         (tmp / "report.md").write_text(run_markdown(report))
     return report
+
+
+def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext) -> list[dict]:
+    """Each stage in order, timed, with its peak memory."""
+    reports = []
+    swaps = unfuse_experts(net) if ctx.offload is None else []  # MoE experts as plain Linear layers meanwhile
+    try:
+        for name, stage in recipe.stages:
+            with PeakMemory() as mem:
+                summary = stage.apply(net, ctx)
+            reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
+                            "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary})
+    finally:
+        fuse_experts(swaps)
+    return reports
+
+
+def _check_offloadable(recipe: Recipe) -> None:
+    if len(recipe.stages) != 1 or not hasattr(recipe.stages[0][1], "observe"):
+        raise CompressError(f"{recipe.source}: offload: disk runs one block-by-block stage (e.g. gptq); "
+                            f"this recipe has {', '.join(n for n, _ in recipe.stages)}",
+                            "split the recipe, or drop offload: disk")
 
 
 def _check_data_files(recipe: Recipe) -> None:

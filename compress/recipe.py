@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -72,6 +72,8 @@ class RecipeFile(BaseModel):
     stages: list[Any] = Field(..., min_length=1, description=STAGES_HELP)
     evaluation: Optional[EvaluationConfig] = None
     output: Optional[str] = None
+    offload: Literal["none", "disk"] = Field(
+        "none", description="disk: read and write the model block by block, for models larger than RAM")
 
     @field_validator("stages")
     @classmethod
@@ -93,6 +95,7 @@ class Recipe:
         self.calibration = top.calibration
         self.evaluation = top.evaluation
         self.output = top.output
+        self.offload = top.offload
         self.stages = stages
 
     @property
@@ -107,6 +110,7 @@ class Recipe:
             "stages": [{name: cfg.model_dump(mode="json")} for name, cfg in self.stages],
             "evaluation": self.evaluation.model_dump() if self.evaluation else None,
             "output": self.output,
+            "offload": self.offload,
         }
 
 

@@ -167,3 +167,33 @@ def test_blocks_path_declared_or_asked_for(tiny_models, tmp_path):
     with pytest.raises(CompressError, match="'mystery' is not known.*blocks: model.layers"):
         find_blocks(Mystery())
     assert find_blocks(Mystery(), "stack")[0] == "stack"
+
+
+def test_disk_offload_holds_one_block_and_matches_in_memory(tiny_models, tmp_path):
+    """offload: disk streams blocks from the checkpoint: at most one block's parameters are
+    materialised at a time, and the sharded result is bitwise the in-memory one."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_models["llama"]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    outside = sum(p.numel() for p in model.parameters()) - block * len(model.model.layers)
+
+    disk = run_recipe(parse_recipe(f"""
+model: {path}
+offload: disk
+calibration: {{dataset: calibration/default.txt, num_samples: 16, seq_len: 64}}
+stages:
+  - gptq: {{scheme: W4A16, weights: {{group_size: 32}}}}
+""", "test"), output=str(tmp_path / "disk"), device="cpu")
+    memory = run_recipe(gptq_recipe(path), output=str(tmp_path / "mem"), device="cpu")
+
+    assert disk["stages"][0]["summary"]["max_parameters_on_device"] == outside + block
+    assert memory["stages"][0]["summary"]["max_parameters_on_device"] == outside + 2 * block
+    assert (tmp_path / "disk/model.safetensors.index.json").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "disk").state_dict()
+    expected = load_file(tmp_path / "mem/model.safetensors")
+    assert set(expected) <= set(reloaded)
+    assert all(torch.equal(reloaded[k], expected[k]) for k in expected)
+    assert [r["gptq_loss"] for r in disk["layers"].values()] == [r["gptq_loss"] for r in memory["layers"].values()]

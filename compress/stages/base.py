@@ -23,6 +23,8 @@ class StageContext:
     progress: Callable[[str, int, int], None] = lambda *_: None
     # Per-layer records (scheme, error, activation range...) for report.json and compress.json.
     layers: dict[str, dict] = field(default_factory=dict)
+    # compress.offload.DiskOffload when the recipe says `offload: disk`: blocks live on disk.
+    offload: Any = None
 
 
 class Stage(BaseModel):

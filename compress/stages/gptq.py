@@ -236,7 +236,7 @@ class GPTQ(QuantizationStage):
                                 "run `compress plan` to see the model's module names")
         engine = Engine(ctx.device, batch_size=self.batch_size, activations_on=self.activations_on,
                         activation_budget=parse_bytes(self.activation_budget), blocks_path=self.blocks,
-                        progress=ctx.progress)
+                        progress=ctx.progress, offload=ctx.offload)
         summary = engine.run(model, ctx.calibration.samples, self, selected, ctx)
         # Layers outside the transformer blocks (a BERT pooler, a targeted lm_head) see no block
         # inputs: they fall back to round-to-nearest, and the report says so.

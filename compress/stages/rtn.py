@@ -61,7 +61,9 @@ class RoundToNearest(QuantizationStage):
             ranges = {}
             if not aargs.dynamic:
                 ctx.progress("rtn: observing activation ranges", 0, 1)
+                model.to(ctx.device)
                 ranges = activations.observe_ranges(model, modules, ctx.calibration.samples, ctx.device)
+                model.to("cpu")
             for name, module in modules.items():
                 activations.attach(module, aargs, ranges.get(name))
                 ctx.layers[name]["input_activations"] = aargs.model_dump(mode="json")
