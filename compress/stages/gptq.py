@@ -136,12 +136,13 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
 
 class HessianObserver:
     """Accumulates Σ x xᵀ (float32) and the token count over a layer's inputs, padding excluded;
-    also the input range, for static activation quantization."""
+    with `track_range`, also the input range for static activation quantization."""
 
-    def __init__(self, module: torch.nn.Module, conv1d: bool = False):
+    def __init__(self, module: torch.nn.Module, conv1d: bool = False, track_range: bool = False):
         in_features = module.weight.shape[0 if conv1d else 1]
         self.sum = torch.zeros(in_features, in_features, dtype=torch.float32, device=module.weight.device)
         self.tokens = 0
+        self.track_range = track_range
         self.lo, self.hi = float("inf"), float("-inf")
 
     def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
@@ -149,13 +150,15 @@ class HessianObserver:
         if mask is not None and x.dim() == 3 and x.shape[:2] == mask.shape:
             x = x[mask.to(x.device).bool()]
         x = x.reshape(-1, x.shape[-1]).float()
-        if not torch.isfinite(x).all():
-            raise FloatingPointError("non-finite calibration activation")
         self.sum.addmm_(x.t(), x)
         self.tokens += x.shape[0]
-        self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
+        if self.track_range:
+            self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
 
     def hessian(self) -> torch.Tensor:
+        # A NaN or Inf anywhere in the inputs propagates into the sum: one check suffices.
+        if not torch.isfinite(self.sum).all():
+            raise FloatingPointError("non-finite calibration activations reach this layer (NaN/Inf, or float16 overflow)")
         return 2 * self.sum / max(self.tokens, 1)
 
 
@@ -188,7 +191,9 @@ class GPTQ(QuantizationStage):
         return True
 
     def observe(self, name: str, module: torch.nn.Module) -> HessianObserver:
-        return HessianObserver(module, conv1d=type(module).__name__ == "Conv1D")
+        acts = self.resolved_scheme().input_activations
+        return HessianObserver(module, conv1d=type(module).__name__ == "Conv1D",
+                               track_range=acts is not None and not acts.dynamic)
 
     def compress_block(self, index: int, layers: dict, observers: dict, ctx: StageContext) -> None:
         scheme = self.resolved_scheme()
@@ -198,7 +203,10 @@ class GPTQ(QuantizationStage):
             W = get_weight(module).to(module.weight.device)
             if not torch.isfinite(W).all():
                 raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
-            H = obs.hessian()
+            try:
+                H = obs.hessian()
+            except FloatingPointError as exc:
+                raise CompressError(f"layer {name}: {exc}", "check the model's weights, or load it in float32 (--dtype float32)") from None
             if obs.tokens < self.min_tokens:
                 rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
                 set_weight(module, rtn)
