@@ -208,12 +208,8 @@ class GPTQ(QuantizationStage):
             except FloatingPointError as exc:
                 raise CompressError(f"layer {name}: {exc}", "check the model's weights, or load it in float32 (--dtype float32)") from None
             if obs.tokens < self.min_tokens:
-                rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
-                set_weight(module, rtn)
-                ctx.layers[name] = {"stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
-                                    "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,
-                                    "tokens": obs.tokens, "damp_retries": 0,
-                                    "note": f"saw {obs.tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest"}
+                self._round_to_nearest(name, module, ctx, obs.tokens,
+                                       f"saw {obs.tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest")
                 continue
             try:
                 Q, info = gptq_quantize(W, H, args, self.block_size, self.dampening_frac, self.actorder, self.static_groups)
@@ -237,6 +233,16 @@ class GPTQ(QuantizationStage):
                     record["activation_range"] = list(rng)
             ctx.layers[name] = record
 
+    def _round_to_nearest(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str) -> None:
+        """The fallback for a layer GPTQ cannot solve, recorded as such."""
+        args = self.resolved_scheme().weights
+        W = get_weight(module)
+        rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
+        set_weight(module, rtn)
+        ctx.layers[name] = {"stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
+                            "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,
+                            "tokens": tokens, "damp_retries": 0, "note": note}
+
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = select_modules(model, self.targets, self.ignore)
         if not selected:
@@ -250,14 +256,7 @@ class GPTQ(QuantizationStage):
         # inputs: they fall back to round-to-nearest, and the report says so.
         for name in selected:
             if ctx.layers.get(name, {}).get("stage") != "gptq":
-                module = selected[name]
-                W = get_weight(module)
-                args = self.resolved_scheme().weights
-                rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
-                set_weight(module, rtn)
-                ctx.layers[name] = {"stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
-                                    "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,
-                                    "damp_retries": 0, "note": "outside the transformer blocks: round-to-nearest"}
+                self._round_to_nearest(name, selected[name], ctx, 0, "outside the transformer blocks: round-to-nearest")
         done = [ctx.layers[n] for n in selected]
         solved = [r for r in done if r["gptq_loss"] is not None]
         summary.update({
