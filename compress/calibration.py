@@ -113,7 +113,8 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None) -
 
 def token_windows(tokenizer, text: str, seq_len: int) -> torch.Tensor:
     """[n_windows, seq_len] consecutive non-overlapping windows, remainder dropped."""
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    # verbose=False: the whole file is longer than the model's context on purpose; it is cut into windows next.
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
     n = len(ids) // seq_len
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).reshape(n, seq_len)
 
