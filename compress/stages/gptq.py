@@ -176,7 +176,8 @@ class GPTQ(QuantizationStage):
     min_tokens: int = Field(16, ge=1, description="a layer (a rarely routed MoE expert) that sees fewer calibration tokens falls back to round-to-nearest")
     batch_size: int = Field(1, gt=0, description="calibration samples per forward pass")
     activations_on: Literal["auto", "device", "cpu"] = Field("auto", description="where cached block inputs live")
-    activation_budget: Optional[Union[int, str]] = Field(None, description="host bytes for cached activations before spilling to disk, e.g. 4GiB")
+    activation_budget: Optional[Union[int, str]] = Field(
+        "auto", description="host bytes for cached activations before spilling to disk, e.g. 4GiB; auto: half the memory available at start")
     blocks: Optional[str] = Field(None, description="dotted path of the transformer layers, for architectures the engine does not know")
 
     @model_validator(mode="after")
@@ -274,9 +275,18 @@ class GPTQ(QuantizationStage):
 
 
 def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
-    """`4GiB`, `512MB`, `1000000` -> bytes."""
+    """`4GiB`, `512MB`, `1000000` -> bytes; `auto` -> half of MemAvailable (unbounded if unknown)."""
     if value is None or isinstance(value, int):
         return value
+    if value.strip().lower() == "auto":
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024 // 2
+        except OSError:
+            pass
+        return None
     units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
     text = value.strip().lower().replace(" ", "")
     for unit, factor in units.items():
