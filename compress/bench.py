@@ -14,6 +14,12 @@ what earlier rows left behind. The baseline's perplexity (which does not change 
 is computed once by a `baseline` job and handed to the rows through a JSON file that becomes
 `evaluate(..., baseline_cache=...)`; the baseline forward pass for KL and top-1 still runs in
 every row, since the evaluate API takes the baseline model, not its logits.
+
+GPTQ rows (stage `gptq`) run through the same path, are paired with the RTN row of the same scheme
+for the quality ratios, and also time one plain forward pass of the uncompressed model over their
+calibration samples (the yardstick for GPTQ's wall time). The memory-scaling rows compress two
+synthetic wide Llama checkpoints (2 and 12 layers, written by a `memory checkpoints` job) with
+GPTQ, in RAM and with `offload: disk`, and record peak memory only.
 """
 
 from __future__ import annotations
@@ -55,14 +61,17 @@ CARD_MINILM = {
 @dataclass
 class Row:
     family: str  # "ref-llama" or "minilm"
-    label: str  # short method/scheme label, the key into the model card tables
-    stage: dict  # the `rtn:` stage body as it goes into the recipe
+    label: str  # short scheme label, the key into the model card tables and the RTN/GPTQ pairing
+    stage: dict  # the stage body as it goes into the recipe
     method: str = "RTN"
+    stage_name: str = "rtn"  # the recipe's stage name (compress.stages.STAGES)
     notes: str = ""
 
     @property
     def name(self) -> str:
-        return f"{'ref-llama' if self.family == 'ref-llama' else 'MiniLM'} {self.label}"
+        fam = "ref-llama" if self.family == "ref-llama" else "MiniLM"
+        # RTN rows keep their historical names; other methods name themselves (unique row names).
+        return f"{fam} {self.label}" if self.method == "RTN" else f"{fam} {self.method} {self.label}"
 
     @property
     def slug(self) -> str:
@@ -80,6 +89,12 @@ def _rows() -> list[Row]:
         Row("ref-llama", "W8A8 int8 static per-tensor",
             {"scheme": "W8A8", "input_activations": {"strategy": "tensor", "dynamic": False}}),
         Row("ref-llama", "FP8_DYNAMIC", {"scheme": "FP8_DYNAMIC"}),
+        # GPTQ (stage defaults: block_size 128, dampening_frac 0.01, no act-order), each paired
+        # with the RTN row of the same label for the quality ratios.
+        Row("ref-llama", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **GPTQ_ROW),
+        Row("ref-llama", "W3 absmax g64", {"scheme": "W4A16", "weights": {"num_bits": 3, "group_size": 64}}, **GPTQ_ROW),
+        Row("ref-llama", "W4 zero-point g64", {"scheme": "W4A16_ASYM", "weights": {"group_size": 64}}, **GPTQ_ROW),
+        Row("ref-llama", "W8 absmax per-channel", {"scheme": "W8A16"}, **GPTQ_ROW),
     ]
     enc = [
         Row("minilm", "W8 absmax per-channel", {"scheme": "W8A16"}),
@@ -89,8 +104,40 @@ def _rows() -> list[Row]:
         Row("minilm", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}),
         Row("minilm", "W8A8 int8 static per-tensor",
             {"scheme": "W8A8", "input_activations": {"strategy": "tensor", "dynamic": False}}),
+        Row("minilm", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}, **GPTQ_ROW),
+        Row("minilm", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **GPTQ_ROW),
     ]
     return ll + enc
+
+
+GPTQ_ROW = {"method": "GPTQ", "stage_name": "gptq"}
+
+
+@dataclass
+class MemRow:
+    """GPTQ W4 g64 on a synthetic wide Llama of `layers` blocks, in RAM or with `offload: disk`:
+    peak memory only, no evaluation."""
+
+    layers: int
+    offload: bool
+    family: str = "memory"
+    method: str = "GPTQ"
+
+    @property
+    def name(self) -> str:
+        return f"memory GPTQ W4 g64 {self.layers} layers " + ("offload disk" if self.offload else "in RAM")
+
+    @property
+    def slug(self) -> str:
+        return self.name.lower().replace(" ", "-")
+
+
+# The synthetic checkpoints: ref-llama's architecture, wider so that a block's bytes show in RSS.
+MEM_ARCH = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 8,
+            "head_dim": 64, "vocab_size": 2048}
+MEM_LAYERS = (2, 12)
+MEM_ROWS = [MemRow(n, off) for off in (False, True) for n in MEM_LAYERS]
+MEM_SETUP_JOB = "memory checkpoints"
 
 
 ROWS = _rows()
@@ -110,12 +157,14 @@ class Setup:
     ll_eval_windows: int = field(init=False)
     enc_calib_samples: int = field(init=False)
     enc_eval_sentences: int = field(init=False)
+    mem_calib_samples: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.ll_calib_samples = 16 if self.quick else 128
         self.ll_eval_windows = 16 if self.quick else 256
         self.enc_calib_samples = 32 if self.quick else 128
         self.enc_eval_sentences = 50 if self.quick else 200
+        self.mem_calib_samples = 8 if self.quick else 32
 
     def data(self, rel: str) -> str:
         return str((self.shared / "data" / rel).resolve())
@@ -155,9 +204,24 @@ class Setup:
         doc = {
             "model": self.model(row.family),
             "calibration": self.calibration(row.family),
-            "stages": [{"rtn": row.stage}],
+            "stages": [{row.stage_name: row.stage}],
             "output": str(self.out_dir / row.slug),
         }
+        return f"# compress.bench row: {row.name}\n" + yaml.safe_dump(doc, sort_keys=False)
+
+    def mem_model(self, layers: int) -> Path:
+        return self.out_dir / f"synthetic-llama-{layers}l"
+
+    def mem_recipe_text(self, row: "MemRow") -> str:
+        """GPTQ W4 g64 over the synthetic checkpoint; no evaluation section."""
+        doc = {
+            "model": str(self.mem_model(row.layers)),
+            "calibration": {**self.calibration("ref-llama"), "num_samples": self.mem_calib_samples},
+            "stages": [{"gptq": {"scheme": "W4A16", "weights": {"group_size": 64}}}],
+            "output": str(self.out_dir / row.slug),
+        }
+        if row.offload:
+            doc["offload"] = "disk"
         return f"# compress.bench row: {row.name}\n" + yaml.safe_dump(doc, sort_keys=False)
 
 
@@ -172,7 +236,25 @@ def _load_cache(path: Path) -> dict:
 
 
 def _peak_rss_mib() -> float:
+    """This process's own peak RSS (VmHWM). Not ru_maxrss: on Linux that keeps the high-water mark
+    of the process image replaced by exec, i.e. of the parent that spawned this child."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _rss_now_mib() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("nan")
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,27 +305,32 @@ def run_row(row: Row, setup: Setup, cache_file: Path) -> dict:
 
     out = str(setup.out_dir / row.slug)
     net, tok, _ = modeling.load_model(out, dtype="float32", device="cpu")  # reattaches activation quant
-    base, _, _ = modeling.load_model(setup.model(row.family), dtype="float32", device="cpu")
+    base, base_tok, _ = modeling.load_model(setup.model(row.family), dtype="float32", device="cpu")
     cache = _load_cache(cache_file)
     t1 = time.perf_counter()
     results = evaluate(net, tok, setup.eval_sets(row.family), baseline=base, device="cpu",
                        baseline_cache=cache, **setup.eval_kwargs(row.family))
     card_eval = None
-    if row.family == "ref-llama" and row.label in CARD_REF_LLAMA:
+    if row.family == "ref-llama" and row.method == "RTN" and row.label in CARD_REF_LLAMA:
         # The model card's KL and top-1 are over the first 64 windows of WT2: measure those too.
         card_eval = evaluate(net, tok, [setup.data("wikitext-2/test.txt")], baseline=base, device="cpu",
                              baseline_cache=cache, **{**setup.eval_kwargs(row.family), "max_windows": 64})
         card_eval = next(iter(card_eval.values()))
     t_eval = time.perf_counter() - t1
+    forward = _time_forward(base, base_tok, recipe) if row.stage_name == "gptq" else None
     stage = report["stages"][0]
+    errors = [rec["relative_error"] for rec in report["layers"].values() if "relative_error" in rec]
     return {
         "row": row.name,
         "family": row.family,
         "method": row.method,
+        "stage_name": row.stage_name,
         "label": row.label,
         "recipe": text,
         "scheme": stage["summary"]["scheme"],
         "stage_summary": stage["summary"],
+        "mean_relative_error": sum(errors) / len(errors) if errors else None,
+        "forward": forward,
         "stage_wall_s": stage["wall_s"],
         "stage_peak_rss_mib": stage["peak_rss_mib"],
         "process_peak_rss_mib": _peak_rss_mib(),
@@ -254,6 +341,102 @@ def run_row(row: Row, setup: Setup, cache_file: Path) -> dict:
         "card_evaluation_wt2_64": card_eval,
         "run_recipe_wall_s": t_compress,
         "eval_wall_s": t_eval,
+        "job_wall_s": time.perf_counter() - t0,
+    }
+
+
+def _time_forward(model, tokenizer, recipe) -> dict:
+    """One plain forward pass of the uncompressed float32 model over the row's calibration samples,
+    batch 1 as the calibration engine runs them: the yardstick for GPTQ's wall time."""
+    import torch
+
+    from compress.calibration import build_calibration
+
+    cal = build_calibration(recipe.calibration, tokenizer)
+    model.eval()
+    with torch.no_grad():
+        model(**cal.samples[0])  # warm-up, untimed (first-call allocations)
+        t0 = time.perf_counter()
+        for sample in cal.samples:
+            model(**sample)
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "samples": len(cal.samples), "tokens": cal.num_tokens, "fingerprint": cal.fingerprint}
+
+
+# --------------------------------------------------------------------------------------------
+# Memory scaling: synthetic wide Llama checkpoints, GPTQ in RAM vs offload: disk
+
+
+def run_mem_setup(setup: Setup) -> dict:
+    """Write the synthetic checkpoints (fixed seed) with ref-llama's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from compress.checkpoint import dir_weight_bytes
+
+    t0 = time.perf_counter()
+    base_cfg = LlamaConfig.from_pretrained(setup.ref_llama)
+    tok = AutoTokenizer.from_pretrained(setup.ref_llama)
+    made = {}
+    for layers in MEM_LAYERS:
+        cfg = LlamaConfig.from_dict({**base_cfg.to_dict(), **MEM_ARCH, "num_hidden_layers": layers, "dtype": "float32"})
+        torch.manual_seed(0)
+        net = LlamaForCausalLM(cfg).float().eval()
+        dest = setup.mem_model(layers)
+        if dest.exists():
+            shutil.rmtree(dest)
+        net.save_pretrained(dest)
+        tok.save_pretrained(dest)
+        block = net.model.layers[0]
+        made[str(layers)] = {
+            "path": str(dest), "layers": layers, "parameters": sum(p.numel() for p in net.parameters()),
+            "block_parameters": sum(p.numel() for p in block.parameters()),
+            "block_bytes": sum(p.numel() * p.element_size() for p in block.parameters()),
+            "bytes_on_disk": dir_weight_bytes(dest),
+        }
+        del net
+    return {"row": MEM_SETUP_JOB, "family": "memory", "checkpoints": made, "arch": MEM_ARCH,
+            "job_wall_s": time.perf_counter() - t0}
+
+
+def run_mem_row(row: MemRow, setup: Setup) -> dict:
+    from compress.checkpoint import dir_weight_bytes
+    from compress.pipeline import run_recipe
+    from compress.recipe import parse_recipe
+
+    t0 = time.perf_counter()
+    rss_start = _rss_now_mib()  # torch, transformers and compress imported, no model yet
+    text = setup.mem_recipe_text(row)
+    recipe = parse_recipe(text, f"<bench: {row.name}>")
+    marks: dict[str, float] = {}
+
+    def progress(desc: str, done: int, total: int) -> None:
+        # The stage's first progress call: block 1's inputs captured, model and calibration set resident.
+        if desc.startswith("block") and "stage_start" not in marks:
+            marks["stage_start"] = _rss_now_mib()
+
+    report = run_recipe(recipe, force=True, device="cpu", seed=0, progress=progress)
+    stage = report["stages"][0]
+    return {
+        "row": row.name,
+        "family": "memory",
+        "method": row.method,
+        "layers": row.layers,
+        "offload": row.offload,
+        "recipe": text,
+        "scheme": stage["summary"]["scheme"],
+        "stage_summary": stage["summary"],
+        "stage_wall_s": stage["wall_s"],
+        "stage_peak_rss_mib": stage["peak_rss_mib"],
+        "process_peak_rss_mib": _peak_rss_mib(),
+        "rss_before_load_mib": rss_start,
+        "rss_stage_start_mib": marks.get("stage_start"),
+        "source_bytes_on_disk": dir_weight_bytes(setup.mem_model(row.layers)),
+        "output": report["output"],
+        "calibration": report["calibration"],
+        "run_recipe_wall_s": time.perf_counter() - t0,
         "job_wall_s": time.perf_counter() - t0,
     }
 
@@ -294,22 +477,38 @@ def _machine() -> dict:
             "python": platform.python_version(), "platform": platform.platform()}
 
 
-def _child(args: argparse.Namespace, job: str, result: Path, cache_file: Path, log) -> dict:
+def _child(args: argparse.Namespace, job: str, result: Path, cache_file: Path, log, row=None) -> dict:
     cmd = [sys.executable, "-m", "compress.bench", "--shared", str(args.shared), "--out-dir", str(args.out_dir),
            "--job", job, "--result", str(result), "--cache", str(cache_file)] + (["--quick"] if args.quick else [])
+    load = _loadavg1()
     t0 = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     (args.out_dir / "logs").mkdir(parents=True, exist_ok=True)
     (args.out_dir / "logs" / f"{job.replace(' ', '_').replace('/', '-')}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not result.is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
         log(f"  {job}: FAILED ({wall:.0f} s): {tail[0]}")
-        return {"row": job, "error": tail[0], "child_wall_s": wall}
+        failed = {"row": job, "error": tail[0], "child_wall_s": wall}
+        if row is not None:
+            failed.update({"family": row.family, "method": row.method, "label": getattr(row, "label", job)})
+        return failed
     data = json.loads(result.read_text())
     data["child_wall_s"] = wall
+    data["child_cpu_s"] = cpu  # user + system over both threads: cpu / wall well under the thread count = starved
+    data["loadavg_at_start"] = load
     log(f"  {job}: done in {wall:.0f} s")
     return data
+
+
+def _loadavg1():
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def _f(v, fmt: str) -> str:
@@ -366,7 +565,7 @@ def render(results: list[dict], meta: dict) -> str:
             "## ref-llama (3.8 M parameters, float32)",
             "",
             f"Calibration: `tinyshakespeare/train.txt` then `wikitext-2/train.txt` concatenated, first "
-            f"{s['ll_calib_samples']} windows of 256 tokens (built for every row, used only by the static-activation row). "
+            f"{s['ll_calib_samples']} windows of 256 tokens (built for every row; used by the static-activation row and the GPTQ rows). "
             f"Evaluation: `tinyshakespeare/test.txt` (TS) and `wikitext-2/test.txt` (WT2) each on its own, "
             f"256-token windows, first {s['ll_eval_windows']} windows (TS has only 88). KL = mean KL(p_base ‖ p_quantized) "
             "per position (nats); top-1 = share of positions where both models pick the same next token; "
@@ -389,7 +588,7 @@ def render(results: list[dict], meta: dict) -> str:
         ]
         for r in ll:
             if "error" in r:
-                lines.append(f"| RTN | {r['row']} | **error**: {r['error']} | | | | | | |")
+                lines.append(f"| {r.get('method', '?')} | {r['row']} | **error**: {r['error']} | | | | | | |")
                 continue
             ev = list(r["evaluation"].values())
             ts, wt = ev[0], ev[1]
@@ -401,23 +600,23 @@ def render(results: list[dict], meta: dict) -> str:
             "",
             "### Cost",
             "",
-            "Compression wall s = the `rtn` stage alone (report.json `stages[].wall_s`). Peak RSS: of the row's "
+            "Compression wall s = the row's one stage (`rtn` or `gptq`) alone (report.json `stages[].wall_s`). Peak RSS: of the row's "
             "process during the stage (report.json `stages[].peak_rss_mib`), and over the whole row process "
             "(load, calibration tokenization, stage, save, reload, evaluation with a second model loaded). "
             "Bytes on disk = report.json `output.bytes_on_disk` (the checkpoint stores dequantized float32 weights, "
             "so it is the size of the original); bits/parameter packed = weights at their quantized width plus "
             "16-bit scales (and zero-points at the weight width when asymmetric), other parameters at 32 bits.",
             "",
-            "| row | compression wall s | peak RSS MiB (stage / whole process) | bytes on disk | bits/param on disk | bits/param packed | mean layer rel. error | whole row process wall s |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| method | row | compression wall s | peak RSS MiB (stage / whole process) | bytes on disk | bits/param on disk | bits/param packed | mean layer rel. error | whole row process wall s |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in ll:
             if "error" in r:
                 continue
             o = r["output"]
-            lines.append(f"| {r['label']} | {r['stage_wall_s']:.2f} | {r['stage_peak_rss_mib']:.0f} / {r['process_peak_rss_mib']:.0f} | "
+            lines.append(f"| {r['method']} | {r['label']} | {r['stage_wall_s']:.2f} | {r['stage_peak_rss_mib']:.0f} / {r['process_peak_rss_mib']:.0f} | "
                          f"{o['bytes_on_disk']:,} | {o['bits_per_parameter_on_disk']:.2f} | {o['bits_per_parameter_packed']:.2f} | "
-                         f"{r['stage_summary']['mean_relative_error']:.4f} | {r['child_wall_s']:.0f} |")
+                         f"{_f(_rel_err(r), '.4f')} | {r['child_wall_s']:.0f} |")
         lines.append("")
         lines += _ll_ratios(ll)
 
@@ -430,7 +629,7 @@ def render(results: list[dict], meta: dict) -> str:
             "## all-MiniLM-L6-v2 (22.7 M parameters, float32, the published encoder)",
             "",
             f"Calibration: {s['enc_calib_samples']} lines of `wikitext-2/train.txt` longer than 40 characters, one sample "
-            "per line, truncated at 128 tokens (used only by the static-activation row). Evaluation: the first "
+            "per line, truncated at 128 tokens (used by the static-activation row and the GPTQ rows). Evaluation: the first "
             f"{s['enc_eval_sentences']} lines of `wikitext-2/test.txt` longer than 40 characters, truncation 128; "
             "embedding = attention-mask-weighted mean of the last hidden state, L2-normalized. Every linear layer is "
             "quantized (including the unused pooler); embeddings stay float32.",
@@ -444,7 +643,7 @@ def render(results: list[dict], meta: dict) -> str:
         ]
         for r in enc:
             if "error" in r:
-                lines.append(f"| RTN | {r['row']} | **error**: {r['error']} | | | | | | | | |")
+                lines.append(f"| {r.get('method', '?')} | {r['row']} | **error**: {r['error']} | | | | | | | | |")
                 continue
             e = list(r["evaluation"].values())[0]
             o = r["output"]
@@ -455,6 +654,9 @@ def render(results: list[dict], meta: dict) -> str:
         lines.append("")
         lines += _enc_ratios(enc)
 
+    lines += _gptq_vs_rtn(results)
+    lines += _gptq_cost(results)
+    lines += _memory(results, meta)
     lines += _bars(results)
     lines += [
         "## Reproduce",
@@ -462,6 +664,8 @@ def render(results: list[dict], meta: dict) -> str:
         "```",
         "make bench                                   # = .venv/bin/python -m compress.bench --shared ../shared --output BENCHMARKS.md",
         "python -m compress.bench --shared ../shared --output /tmp/b.md --quick --only W8   # development",
+        "python -m compress.bench --shared ../shared --output /tmp/b.md --quick --only GPTQ # GPTQ and memory rows only",
+        "python -m compress.bench --list                                                   # every row",
         "```",
         "",
         "Each row's checkpoint, report.json and log are kept under `bench-out/` (gitignored); "
@@ -472,7 +676,8 @@ def render(results: list[dict], meta: dict) -> str:
 
 
 def _ll_ratios(ll: list[dict]) -> list[str]:
-    ok = {r["label"]: r for r in ll if "error" not in r}
+    ok = {r["label"]: r for r in ll if "error" not in r and r["method"] == "RTN"}
+    every = [r for r in ll if "error" not in r]
     out = ["### Against the model card (plain RTN absmax)", "",
            "The card gives KL and top-1 over the first 64 windows of WT2, so each card row is also scored on "
            "exactly those (same evaluate(), `max_windows: 64`); the protocol's 256-window KL is beside it. "
@@ -496,12 +701,12 @@ def _ll_ratios(ll: list[dict]) -> list[str]:
     ref = ok.get("W4 absmax g64")
     if ref:
         kl_ref = list(ref["evaluation"].values())[1]["kl_divergence"]
-        out += ["KL on WT2 as a multiple of W4 absmax g64's (same session). Wall-time ratios are left out: "
-                "the weight-only stages take well under a second here, so their ratios are noise.", "",
-                "| row | KL WT2 / KL(W4 absmax g64) |", "| --- | ---: |"]
-        for label, r in ok.items():
+        out += ["KL on WT2 as a multiple of RTN W4 absmax g64's (same session). Wall-time ratios are left out here: "
+                "the RTN stages take well under a second, so their ratios are noise (GPTQ's cost is below, against a forward pass).", "",
+                "| method | row | KL WT2 / KL(RTN W4 absmax g64) |", "| --- | --- | ---: |"]
+        for r in every:
             kl = list(r["evaluation"].values())[1]["kl_divergence"]
-            out.append(f"| {label} | {kl / kl_ref:.3f} |")
+            out.append(f"| {r['method']} | {r['label']} | {kl / kl_ref:.3f} |")
         out.append("")
     return out if any_row or ref else []
 
@@ -512,7 +717,7 @@ def _ratio(ours: float, card: float) -> str:
 
 
 def _enc_ratios(enc: list[dict]) -> list[str]:
-    ok = {r["label"]: r for r in enc if "error" not in r}
+    ok = {r["label"]: r for r in enc if "error" not in r and r["method"] == "RTN"}
     out = ["### Against the model card (plain RTN absmax)", "",
            "Ratio = our embedding error (1 − cos) / the card's.", "",
            "| row | mean cosine (ours) | (card) | error ratio | NN agreement (ours) | (card) |",
@@ -530,6 +735,187 @@ def _enc_ratios(enc: list[dict]) -> list[str]:
     return out if any_row else []
 
 
+def _rel_err(r: dict):
+    """Mean relative weight error over the quantized layers (from report.json's layers; RTN's
+    stage summary carries the same figure, GPTQ's does not)."""
+    if r.get("mean_relative_error") is not None:
+        return r["mean_relative_error"]
+    return r.get("stage_summary", {}).get("mean_relative_error")
+
+
+def _gptq_pairs(results: list[dict], family: str) -> list[tuple[dict, dict | None]]:
+    """(GPTQ row, the RTN row of the same scheme label in this run, or None), both without errors."""
+    rtn = {r["label"]: r for r in results
+           if r.get("family") == family and r.get("method") == "RTN" and "error" not in r and "label" in r}
+    return [(r, rtn.get(r["label"])) for r in results
+            if r.get("family") == family and r.get("method") == "GPTQ" and "error" not in r]
+
+
+def _gptq_vs_rtn(results: list[dict]) -> list[str]:
+    ll, enc = _gptq_pairs(results, "ref-llama"), _gptq_pairs(results, "minilm")
+    if not ll and not enc:
+        return []
+    out = ["## GPTQ vs round-to-nearest", "",
+           "Each GPTQ row against the RTN row of the same scheme, both measured in this run with the same calibration "
+           "set, evaluation windows and evaluate(). GPTQ runs with the stage's defaults (`block_size: 128`, "
+           "`dampening_frac: 0.01`, no act-order). Ratio = the fraction of RTN's damage that GPTQ leaves "
+           "(BENCH_PROTOCOL.md, Comparing): KL_gptq / KL_rtn on ref-llama, (1 − cos_gptq) / (1 − cos_rtn) on MiniLM.", ""]
+    if ll:
+        out += ["### ref-llama", "",
+                "| scheme | KL TS GPTQ / RTN | ratio TS | KL WT2 GPTQ / RTN | ratio WT2 | top-1 TS GPTQ / RTN | top-1 WT2 GPTQ / RTN | ppl TS GPTQ / RTN | ppl WT2 GPTQ / RTN |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for g, r in ll:
+            gts, gwt = list(g["evaluation"].values())
+            if r is None:
+                out.append(f"| {g['label']} | {gts['kl_divergence']:.2e} / – | – | {gwt['kl_divergence']:.2e} / – | – | "
+                           f"{gts['top1_agreement']:.4f} / – | {gwt['top1_agreement']:.4f} / – | "
+                           f"{gts['token_perplexity']:.2f} / – | {gwt['token_perplexity']:.2f} / – |")
+                continue
+            rts, rwt = list(r["evaluation"].values())
+            out.append(
+                f"| {g['label']} | {gts['kl_divergence']:.2e} / {rts['kl_divergence']:.2e} | **{gts['kl_divergence'] / rts['kl_divergence']:.3f}** | "
+                f"{gwt['kl_divergence']:.2e} / {rwt['kl_divergence']:.2e} | **{gwt['kl_divergence'] / rwt['kl_divergence']:.3f}** | "
+                f"{gts['top1_agreement']:.4f} / {rts['top1_agreement']:.4f} | {gwt['top1_agreement']:.4f} / {rwt['top1_agreement']:.4f} | "
+                f"{gts['token_perplexity']:.2f} / {rts['token_perplexity']:.2f} | {gwt['token_perplexity']:.2f} / {rwt['token_perplexity']:.2f} |")
+        out.append("")
+        if any(r is None for _, r in ll):
+            out += ["(– : the RTN row of that scheme was not run this time, e.g. filtered out by `--only`.)", ""]
+    if enc:
+        out += ["### all-MiniLM-L6-v2", "",
+                "| scheme | embedding error GPTQ / RTN | ratio | mean cosine GPTQ / RTN | min cosine GPTQ / RTN | NN agreement GPTQ / RTN |",
+                "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for g, r in enc:
+            ge = list(g["evaluation"].values())[0]
+            if r is None:
+                out.append(f"| {g['label']} | {ge['embedding_error']:.2e} / – | – | {ge['mean_cosine']:.5f} / – | "
+                           f"{ge['min_cosine']:.4f} / – | {ge['nn_agreement']:.3f} / – |")
+                continue
+            re_ = list(r["evaluation"].values())[0]
+            out.append(f"| {g['label']} | {ge['embedding_error']:.2e} / {re_['embedding_error']:.2e} | "
+                       f"**{ge['embedding_error'] / re_['embedding_error']:.3f}** | {ge['mean_cosine']:.5f} / {re_['mean_cosine']:.5f} | "
+                       f"{ge['min_cosine']:.4f} / {re_['min_cosine']:.4f} | {ge['nn_agreement']:.3f} / {re_['nn_agreement']:.3f} |")
+        out.append("")
+        if any(r is None for _, r in enc):
+            out += ["(– : the RTN row of that scheme was not run this time, e.g. filtered out by `--only`.)", ""]
+    return out
+
+
+def _gptq_cost(results: list[dict]) -> list[str]:
+    rows = [r for r in results if r.get("method") == "GPTQ" and r.get("family") in ("ref-llama", "minilm")
+            and "error" not in r]
+    if not rows:
+        return []
+    out = ["### GPTQ's cost against one forward pass", "",
+           "Compression wall s = the `gptq` stage alone (report.json `stages[0].wall_s`: first-block capture, then per "
+           "block the calibration forward with Hessian accumulation, the solve, and the propagation forward). "
+           "Forward s = one plain forward pass of the uncompressed float32 model over the same calibration samples "
+           "(rebuilt with `compress.calibration.build_calibration` from the row's recipe; `model(**sample)` one sample "
+           "at a time as the engine runs them, under `torch.no_grad`, after one untimed warm-up sample), timed in the "
+           "same child process after the compression. Ratio = compression / forward (issue aim: under 5). "
+           "Losses = the stage summary's `mean_gptq_loss` / `mean_rtn_loss`: mean over layers of ‖WX − ŴX‖²/N on "
+           "the calibration inputs, for GPTQ's Ŵ and for round-to-nearest's. Last column: the row process's CPU "
+           "seconds (user + system, both threads) over its wall seconds, and the 1-minute load average when it "
+           "started: CPU/wall well under 2, or a load above 0.5 before the row, means other processes took CPU "
+           "from it and its wall times are inflated (GPTQ's many small per-column operations suffer most).", "",
+           "| model | row | calibration samples (tokens) | compression wall s | forward s | ratio | mean GPTQ loss | mean RTN loss | loss GPTQ / RTN | stage peak RSS MiB | layers (RTN fallback) | damping raised | row CPU/wall (load at start) |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        f, sm = r.get("forward") or {}, r["stage_summary"]
+        fw = f.get("wall_s")
+        ratio = r["stage_wall_s"] / fw if fw else None
+        lr = sm["mean_gptq_loss"] / sm["mean_rtn_loss"] if sm.get("mean_rtn_loss") else None
+        out.append(f"| {'ref-llama' if r['family'] == 'ref-llama' else 'MiniLM'} | {r['label']} | "
+                   f"{f.get('samples', '–')} ({_f(f.get('tokens'), ',')}) | {r['stage_wall_s']:.1f} | {_f(fw, '.1f')} | "
+                   f"**{_f(ratio, '.2f')}** | {sm['mean_gptq_loss']:.4g} | {sm['mean_rtn_loss']:.4g} | {_f(lr, '.3f')} | "
+                   f"{r['stage_peak_rss_mib']:.0f} | {sm['layers']} ({sm['rtn_fallback']}) | {sm['damping_raised']} | "
+                   f"{_cpu_share(r)} |")
+    out += ["", "MiniLM's pooler lies outside the transformer blocks, so the engine never sees its inputs and it falls "
+            "back to round-to-nearest (the RTN-fallback count); the losses average the GPTQ-solved layers only.", ""]
+    return out
+
+
+MIB = 2**20
+
+
+def _cpu_share(r: dict) -> str:
+    cpu, wall = r.get("child_cpu_s"), r.get("child_wall_s")
+    share = f"{cpu / wall:.2f}" if cpu is not None and wall else "–"
+    return f"{share} ({_f(r.get('loadavg_at_start'), '.2f')})"
+
+
+def _memory(results: list[dict], meta: dict) -> list[str]:
+    made = next((r for r in results if r.get("row") == MEM_SETUP_JOB), None)
+    rows = [r for r in results if r.get("family") == "memory" and r.get("row") != MEM_SETUP_JOB]
+    if made is None and not rows:
+        return []
+    out = ["## Peak memory grows with the block, not the model", ""]
+    if made is None or "error" in made:
+        return out + [f"The synthetic checkpoints could not be made: {made.get('error') if made else 'not run'}", ""]
+    a, ck = made["arch"], made["checkpoints"]
+    n = meta["setup"].get("mem_calib_samples")
+    out += [f"Two synthetic checkpoints of ref-llama's architecture (Llama, GQA, SwiGLU, untied `lm_head`), wider so "
+            f"that a block's bytes show in resident memory: hidden {a['hidden_size']}, MLP {a['intermediate_size']}, "
+            f"{a['num_attention_heads']} query / {a['num_key_value_heads']} KV heads (head dim {a['head_dim']}), vocab "
+            f"{a['vocab_size']}, float32, random init (`torch.manual_seed(0)`), saved with `save_pretrained` beside "
+            f"ref-llama's tokenizer; one with " + " and one with ".join(f"{c['layers']} layers ({c['bytes_on_disk'] / MIB:.0f} MiB)" for c in ck.values())
+            + f". One block is {next(iter(ck.values()))['block_bytes'] / MIB:.1f} MiB. Each is compressed with GPTQ W4 g64 "
+            f"(`gptq: {{scheme: W4A16, weights: {{group_size: 64}}}}`) on the first {n} ref-llama calibration windows of "
+            "256 tokens, in RAM and with top-level `offload: disk`, each in its own process, no evaluation.", "",
+            "Stage peak RSS = report.json `stages[0].peak_rss_mib` (the process's RSS sampled every 20 ms while the "
+            "stage runs; in RAM the whole model is resident by then). Process peak = the child's own high-water mark "
+            "(VmHWM) over load, calibration, stage and save. RSS before = after importing torch, transformers and "
+            "compress, before the model is loaded; RSS at stage start = at the stage's first progress call (block 1's "
+            "inputs captured; in RAM the whole model, with offload the parts outside the blocks, and the tokenized "
+            "calibration set resident). Parameters on device = `stages[0].summary.max_parameters_on_device` "
+            "(on CPU the compute device is the CPU itself, so in RAM it counts every parameter; with offload, those "
+            "materialised from disk at once).", "",
+            "| layers | mode | checkpoint MiB | stage peak RSS MiB | process peak RSS MiB | RSS before MiB | RSS at stage start MiB | parameters on device | stage wall s | row CPU/wall (load at start) |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| | {r['row']} | **error**: {r['error']} | | | | | | | |")
+            continue
+        out.append(f"| {r['layers']} | {'offload: disk' if r['offload'] else 'in RAM'} | {r['source_bytes_on_disk'] / MIB:.0f} | "
+                   f"{r['stage_peak_rss_mib']:.0f} | {r['process_peak_rss_mib']:.0f} | {r['rss_before_load_mib']:.0f} | "
+                   f"{_f(r.get('rss_stage_start_mib'), '.0f')} | {r['stage_summary']['max_parameters_on_device']:,} | "
+                   f"{r['stage_wall_s']:.1f} | {_cpu_share(r)} |")
+    out.append("")
+    scaling = _mem_scaling(results)
+    if scaling:
+        extra = scaling["extra_bytes"] / MIB
+        out.append(f"From {scaling['small']} to {scaling['large']} layers the checkpoint grows by {extra:.0f} MiB "
+                   f"({scaling['large'] - scaling['small']} blocks).")
+        for mode in ("in RAM", "offload: disk"):
+            d = scaling.get(mode)
+            if d:
+                out.append(f"- {mode}: stage peak RSS {d['stage_small']:.0f} → {d['stage_large']:.0f} MiB "
+                           f"(+{d['stage_delta']:.0f} MiB, {d['stage_delta'] / extra:.0%} of the extra bytes); process peak "
+                           f"{d['proc_small']:.0f} → {d['proc_large']:.0f} MiB (+{d['proc_delta']:.0f} MiB, {d['proc_delta'] / extra:.0%}).")
+        out.append("")
+    return out
+
+
+def _mem_scaling(results: list[dict]) -> dict | None:
+    """Peak-memory growth from the smaller to the larger synthetic model, per mode."""
+    made = next((r for r in results if r.get("row") == MEM_SETUP_JOB and "error" not in r), None)
+    if made is None:
+        return None
+    small, large = min(MEM_LAYERS), max(MEM_LAYERS)
+    ck = made["checkpoints"]
+    out = {"small": small, "large": large,
+           "extra_bytes": ck[str(large)]["bytes_on_disk"] - ck[str(small)]["bytes_on_disk"]}
+    by = {(r["layers"], r["offload"]): r for r in results
+          if r.get("family") == "memory" and "layers" in r and "error" not in r}
+    for offload, mode in ((False, "in RAM"), (True, "offload: disk")):
+        a, b = by.get((small, offload)), by.get((large, offload))
+        if a and b:
+            out[mode] = {"stage_small": a["stage_peak_rss_mib"], "stage_large": b["stage_peak_rss_mib"],
+                         "stage_delta": b["stage_peak_rss_mib"] - a["stage_peak_rss_mib"],
+                         "proc_small": a["process_peak_rss_mib"], "proc_large": b["process_peak_rss_mib"],
+                         "proc_delta": b["process_peak_rss_mib"] - a["process_peak_rss_mib"]}
+    return out
+
+
 def _bars(results: list[dict]) -> list[str]:
     out = ["## Issue bars", ""]
     by_row = {r["row"]: r for r in results if "error" not in r}
@@ -545,9 +931,73 @@ def _bars(results: list[dict]) -> list[str]:
         m = list(r["evaluation"].values())[0]
         ok = m["mean_cosine"] > 0.999
         out.append(f"- MiniLM W8 absmax per-channel: mean cosine {m['mean_cosine']:.5f} (> 0.999): **{'holds' if ok else 'FAILS'}**")
+    out += _gptq_bars(results)
     if len(out) == 2:
         out.append("- (the rows that the bars concern were not run)")
     out.append("")
+    return out
+
+
+# KL_gptq / KL_rtn must stay at or under these, per test set (the issue's bars).
+GPTQ_KL_BARS = {"W4 absmax g64": 0.5, "W3 absmax g64": 0.4}
+GPTQ_MINILM_BARS = {"W4 absmax per-channel": 0.5}
+GPTQ_WALL_RATIO_BAR = 5.0
+MEM_SCALING_BAR = 0.25  # offload: the larger model's extra peak stays under this share of its extra bytes
+
+
+def _verdict(ok: bool) -> str:
+    return "**holds**" if ok else "**FAILS**"
+
+
+def _gptq_bars(results: list[dict]) -> list[str]:
+    out = []
+    ll = _gptq_pairs(results, "ref-llama")
+    for g, r in ll:
+        bar = GPTQ_KL_BARS.get(g["label"])
+        if bar is None or r is None:
+            continue
+        parts, ok = [], True
+        for (spec, gm), rm in zip(g["evaluation"].items(), r["evaluation"].values()):
+            ratio = gm["kl_divergence"] / rm["kl_divergence"]
+            ok &= ratio <= bar
+            parts.append(f"`{_short(spec)}` {gm['kl_divergence']:.2e} / {rm['kl_divergence']:.2e} = {ratio:.3f}")
+        out.append(f"- ref-llama GPTQ {g['label']}: KL ≤ {bar} × RTN's on each test set: {'; '.join(parts)}: {_verdict(ok)}")
+    for g, r in ll:
+        if r is None:
+            continue
+        parts, ok = [], True
+        for (spec, gm), rm in zip(g["evaluation"].items(), r["evaluation"].values()):
+            ok &= gm["token_perplexity"] <= rm["token_perplexity"]
+            diff = 100 * (gm["token_perplexity"] / rm["token_perplexity"] - 1)
+            parts.append(f"`{_short(spec)}` {gm['token_perplexity']:.3f} vs {rm['token_perplexity']:.3f} ({diff:+.3f} %)")
+        out.append(f"- ref-llama GPTQ {g['label']}: perplexity not worse than RTN's at the same scheme: {'; '.join(parts)}: {_verdict(ok)}")
+    for g, r in _gptq_pairs(results, "minilm"):
+        bar = GPTQ_MINILM_BARS.get(g["label"])
+        if bar is None or r is None:
+            continue
+        ge, re_ = list(g["evaluation"].values())[0], list(r["evaluation"].values())[0]
+        ratio = ge["embedding_error"] / re_["embedding_error"]
+        out.append(f"- MiniLM GPTQ {g['label']}: embedding error ≤ {bar} × RTN's: {ge['embedding_error']:.2e} / "
+                   f"{re_['embedding_error']:.2e} = {ratio:.3f}: {_verdict(ratio <= bar)}")
+    for r in results:
+        if r.get("method") != "GPTQ" or r.get("family") not in ("ref-llama", "minilm") or "error" in r:
+            continue
+        fw = (r.get("forward") or {}).get("wall_s")
+        if not fw:
+            continue
+        ratio = r["stage_wall_s"] / fw
+        out.append(f"- {r['row']}: compression / forward wall {r['stage_wall_s']:.1f} s / {fw:.1f} s = {ratio:.2f} "
+                   f"(< {GPTQ_WALL_RATIO_BAR:g}): {_verdict(ratio < GPTQ_WALL_RATIO_BAR)}")
+    sc = _mem_scaling(results)
+    if sc and sc.get("offload: disk"):
+        extra = sc["extra_bytes"] / MIB
+        d, ram = sc["offload: disk"], sc.get("in RAM")
+        line = (f"- memory scaling, GPTQ W4 g64 with `offload: disk`, {sc['small']} → {sc['large']} layers: stage peak RSS "
+                f"+{d['stage_delta']:.0f} MiB against +{extra:.0f} MiB of extra blocks ({d['stage_delta'] / extra:.0%}; bar: "
+                f"under {MEM_SCALING_BAR:.0%})")
+        if ram:
+            line += f"; in RAM, for comparison, +{ram['stage_delta']:.0f} MiB ({ram['stage_delta'] / extra:.0%})"
+        out.append(line + f": {_verdict(d['stage_delta'] < MEM_SCALING_BAR * extra)}")
     return out
 
 
@@ -574,19 +1024,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:  # a child: one row or one baseline
         if args.job.endswith(" baseline"):
             data = run_baseline(args.job.removesuffix(" baseline"), setup, args.cache)
+        elif args.job == MEM_SETUP_JOB:
+            data = run_mem_setup(setup)
+        elif args.job.startswith("memory "):
+            data = run_mem_row(next(r for r in MEM_ROWS if r.name == args.job), setup)
         else:
             row = next(r for r in ROWS if r.name == args.job)
             data = run_row(row, setup, args.cache)
         args.result.write_text(json.dumps(data, indent=1, default=str))
         return 0
 
-    rows = [r for r in ROWS if not args.only or args.only.lower() in r.name.lower()]
+    all_rows = ROWS + MEM_ROWS
+    rows = [r for r in all_rows if not args.only or args.only.lower() in r.name.lower()]
     if args.list:
-        for r in ROWS:
+        for r in all_rows:
             print(("* " if r in rows else "  ") + r.name)
         return 0
     if not rows:
-        print(f"no row matches --only {args.only!r}; rows: " + "; ".join(r.name for r in ROWS), file=sys.stderr)
+        print(f"no row matches --only {args.only!r}; rows: " + "; ".join(r.name for r in all_rows), file=sys.stderr)
         return 2
     if not (args.shared / "models" / "ref-llama" / "config.json").is_file():
         print(f"{args.shared} has no models/ref-llama: pass --shared PATH", file=sys.stderr)
@@ -606,7 +1061,16 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{family}: baseline, then {len(fam_rows)} row(s)")
         results.append(_child(args, f"{family} baseline", args.out_dir / f"result-{family}-baseline.json", cache_file, log))
         for row in fam_rows:
-            results.append(_child(args, row.name, args.out_dir / f"result-{row.slug}.json", cache_file, log))
+            results.append(_child(args, row.name, args.out_dir / f"result-{row.slug}.json", cache_file, log, row))
+    mem_rows = [r for r in rows if r.family == "memory"]
+    if mem_rows:
+        log(f"memory scaling: synthetic checkpoints, then {len(mem_rows)} row(s)")
+        cache_file = args.out_dir / "baseline-cache-memory.json"  # unused by these jobs
+        made = _child(args, MEM_SETUP_JOB, args.out_dir / "result-memory-checkpoints.json", cache_file, log)
+        results.append(made)
+        if "error" not in made:
+            for row in mem_rows:
+                results.append(_child(args, row.name, args.out_dir / f"result-{row.slug}.json", cache_file, log, row))
     total = time.perf_counter() - t0
 
     from compress import __version__
@@ -622,7 +1086,8 @@ def main(argv: list[str] | None = None) -> int:
         "total_wall_s": total,
         "only": args.only,
         "quick": args.quick,
-        "setup": {k: getattr(setup, k) for k in ("ll_calib_samples", "ll_eval_windows", "enc_calib_samples", "enc_eval_sentences")},
+        "setup": {k: getattr(setup, k) for k in ("ll_calib_samples", "ll_eval_windows", "enc_calib_samples",
+                                                   "enc_eval_sentences", "mem_calib_samples")},
     }
     (args.out_dir / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     args.output.write_text(render(results, meta))

@@ -16,7 +16,8 @@ memory does not grow with the number of samples.
 
 A stage plugs in by implementing the `BlockwiseStage` protocol: `observe(name, module)` returns an
 observer (or None) whose `add(inputs, output)` is called on every forward of that module, and
-`compress_block(block_index, layers, observers, ctx)` does the work.
+`compress_block(block_index, block, prefix, layers, observers, ctx, runner)` does the work (`prefix` is the
+block's module name plus a dot; `layers` are the selected modules inside it, by full name).
 """
 
 from __future__ import annotations
@@ -78,8 +79,25 @@ class Observer(Protocol):
 class BlockwiseStage(Protocol):
     def observe(self, name: str, module: torch.nn.Module) -> Observer | None: ...
 
-    def compress_block(self, index: int, layers: dict[str, torch.nn.Module], observers: dict[str, Observer],
-                       ctx: Any) -> None: ...
+    def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict[str, torch.nn.Module],
+                       observers: dict[str, Observer], ctx: Any, runner: "BlockRunner") -> None: ...
+
+
+class BlockRunner:
+    """Lets a stage run the block on its cached inputs, e.g. to score candidate scales by the
+    block's output error (AWQ)."""
+
+    def __init__(self, block: torch.nn.Module, store: "ActivationStore", records: list, device: torch.device):
+        self.block, self.store, self.records, self.device = block, store, records, device
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @torch.no_grad()
+    def outputs(self, limit: int | None = None) -> list[torch.Tensor]:
+        n = len(self.records) if limit is None else min(limit, len(self.records))
+        return [_block_output(self.block(self.store.get(j), **_move(self.records[j].kwargs, self.device)))
+                for j in range(n)]
 
 
 class _StopForward(Exception):
@@ -274,7 +292,7 @@ class Engine:
                         for h in handles:
                             h.remove()
                 if layers:
-                    stage.compress_block(i, layers, observers, ctx)
+                    stage.compress_block(i, block, prefix, layers, observers, ctx, BlockRunner(block, store, records, self.device))
                 del observers
                 # The next block sees this block's compressed outputs, as it will at inference.
                 if i + 1 < len(blocks):

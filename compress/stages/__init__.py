@@ -3,10 +3,14 @@
 A new algorithm is one new file in this package plus one line here.
 """
 
+from compress.stages.awq import AWQ
 from compress.stages.gptq import GPTQ
 from compress.stages.rtn import RoundToNearest
+from compress.stages.smoothquant import SmoothQuant
 
 STAGES = {
     "rtn": RoundToNearest,
     "gptq": GPTQ,
+    "awq": AWQ,
+    "smoothquant": SmoothQuant,
 }

@@ -4,10 +4,10 @@ overrides, targets and ignore) common to every quantization algorithm."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from compress.schemes import PRESETS, QuantScheme, resolve_scheme
 
@@ -39,6 +39,53 @@ class Stage(BaseModel):
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         """Compress `model` in place; return a summary for the report."""
         raise NotImplementedError  # every registered stage overrides this
+
+
+class EngineOptions(BaseModel):
+    """Keys of every stage that runs through the layer-by-layer calibration engine."""
+
+    batch_size: int = Field(1, gt=0, description="calibration samples per forward pass")
+    activations_on: Literal["auto", "device", "cpu"] = Field("auto", description="where cached block inputs live")
+    activation_budget: Optional[Union[int, str]] = Field(
+        "auto", description="host bytes for cached activations before spilling to disk, e.g. 4GiB; auto: half the memory available at start")
+    blocks: Optional[str] = Field(None, description="dotted path of the transformer layers, for architectures the engine does not know")
+
+    @field_validator("activation_budget")
+    @classmethod
+    def _budget_is_a_size(cls, value):
+        parse_bytes(value)
+        return value
+
+    def engine(self, ctx: StageContext):
+        from compress.engine import Engine
+
+        return Engine(ctx.device, batch_size=self.batch_size, activations_on=self.activations_on,
+                      activation_budget=parse_bytes(self.activation_budget), blocks_path=self.blocks,
+                      progress=ctx.progress, offload=ctx.offload)
+
+
+def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
+    """`4GiB`, `512MB`, `1000000` -> bytes; `auto` -> half of MemAvailable (unbounded if unknown)."""
+    if value is None or isinstance(value, int):
+        return value
+    if value.strip().lower() == "auto":
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024 // 2
+        except OSError:
+            pass
+        return None
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+    text = value.strip().lower().replace(" ", "")
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            try:
+                return int(float(text[: -len(unit)]) * factor)
+            except ValueError:
+                break
+    raise ValueError(f"activation_budget {value!r} is not a size such as 4GiB or 512MB")
 
 
 class QuantArgsOverride(BaseModel):

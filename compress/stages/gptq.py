@@ -26,18 +26,16 @@ Sample recipe stage:
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
 
 import torch
 from pydantic import Field, model_validator
 
 from compress import activations
-from compress.engine import Engine
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import QParams, compute_qparams, dequantize, fake_quantize, quantize, relative_error
 from compress.schemes import QuantArgs
-from compress.stages.base import QuantizationStage, StageContext
+from compress.stages.base import EngineOptions, QuantizationStage, StageContext
 from compress.targets import select_modules
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +164,7 @@ class HessianObserver:
 # The stage
 
 
-class GPTQ(QuantizationStage):
+class GPTQ(EngineOptions, QuantizationStage):
     """GPTQ weight quantization, block by block through the calibration engine."""
 
     block_size: int = Field(128, gt=0, description="columns per lazy batched update")
@@ -174,17 +172,11 @@ class GPTQ(QuantizationStage):
     actorder: bool = Field(False, description="quantize columns in decreasing Hessian diagonal")
     static_groups: bool = Field(False, description="with actorder: group scales fixed before reordering")
     min_tokens: int = Field(16, ge=1, description="a layer (a rarely routed MoE expert) that sees fewer calibration tokens falls back to round-to-nearest")
-    batch_size: int = Field(1, gt=0, description="calibration samples per forward pass")
-    activations_on: Literal["auto", "device", "cpu"] = Field("auto", description="where cached block inputs live")
-    activation_budget: Optional[Union[int, str]] = Field(
-        "auto", description="host bytes for cached activations before spilling to disk, e.g. 4GiB; auto: half the memory available at start")
-    blocks: Optional[str] = Field(None, description="dotted path of the transformer layers, for architectures the engine does not know")
 
     @model_validator(mode="after")
     def _integer_weights(self) -> "GPTQ":
         if self.resolved_scheme().weights.type != "int":
             raise ValueError("GPTQ quantizes to an integer grid: use an int weights scheme (FP8 needs rtn)")
-        parse_bytes(self.activation_budget)
         return self
 
     @property
@@ -196,7 +188,8 @@ class GPTQ(QuantizationStage):
         return HessianObserver(module, conv1d=type(module).__name__ == "Conv1D",
                                track_range=acts is not None and not acts.dynamic)
 
-    def compress_block(self, index: int, layers: dict, observers: dict, ctx: StageContext) -> None:
+    def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict, observers: dict,
+                       ctx: StageContext, runner) -> None:
         scheme = self.resolved_scheme()
         args = scheme.weights
         for k, (name, module) in enumerate(layers.items()):
@@ -232,7 +225,7 @@ class GPTQ(QuantizationStage):
                 record["input_activations"] = a.model_dump(mode="json")
                 if rng:
                     record["activation_range"] = list(rng)
-            ctx.layers[name] = record
+            ctx.layers.setdefault(name, {}).update(record)  # keeps what earlier stages recorded (e.g. AWQ scales)
 
     def _round_to_nearest(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str) -> None:
         """The fallback for a layer GPTQ cannot solve, recorded as such."""
@@ -240,23 +233,21 @@ class GPTQ(QuantizationStage):
         W = get_weight(module)
         rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
         set_weight(module, rtn)
-        ctx.layers[name] = {"stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
-                            "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,
-                            "tokens": tokens, "damp_retries": 0, "note": note}
+        ctx.layers.setdefault(name, {}).update({
+            "stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
+            "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,
+            "tokens": tokens, "damp_retries": 0, "note": note})
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = select_modules(model, self.targets, self.ignore)
         if not selected:
             raise CompressError(f"stage gptq: targets {self.targets} minus ignore {self.ignore} match no linear layer",
                                 "run `compress plan` to see the model's module names")
-        engine = Engine(ctx.device, batch_size=self.batch_size, activations_on=self.activations_on,
-                        activation_budget=parse_bytes(self.activation_budget), blocks_path=self.blocks,
-                        progress=ctx.progress, offload=ctx.offload)
-        summary = engine.run(model, ctx.calibration.samples, self, selected, ctx)
+        summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
         # Layers outside the transformer blocks (a BERT pooler, a targeted lm_head) see no block
         # inputs: they fall back to round-to-nearest, and the report says so.
         for name in selected:
-            if ctx.layers.get(name, {}).get("stage") != "gptq":
+            if "gptq_loss" not in ctx.layers.get(name, {}):
                 self._round_to_nearest(name, selected[name], ctx, 0, "outside the transformer blocks: round-to-nearest")
         done = [ctx.layers[n] for n in selected]
         solved = [r for r in done if r["gptq_loss"] is not None]
@@ -272,27 +263,3 @@ class GPTQ(QuantizationStage):
         if experts:  # how many calibration tokens the router sent to each expert
             summary["expert_tokens"] = experts
         return summary
-
-
-def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
-    """`4GiB`, `512MB`, `1000000` -> bytes; `auto` -> half of MemAvailable (unbounded if unknown)."""
-    if value is None or isinstance(value, int):
-        return value
-    if value.strip().lower() == "auto":
-        try:
-            with open("/proc/meminfo") as fh:
-                for line in fh:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024 // 2
-        except OSError:
-            pass
-        return None
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
-    text = value.strip().lower().replace(" ", "")
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            try:
-                return int(float(text[: -len(unit)]) * factor)
-            except ValueError:
-                break
-    raise ValueError(f"activation_budget {value!r} is not a size such as 4GiB or 512MB")

@@ -48,12 +48,12 @@ class RoundToNearest(QuantizationStage):
                 raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
             q = quantize_weight(weight.to(ctx.device), wargs).cpu()
             set_weight(module, q)
-            ctx.layers[name] = {
+            ctx.layers.setdefault(name, {}).update({
                 "stage": "rtn",
                 "shape": list(weight.shape),
                 "weights": wargs.model_dump(mode="json"),
                 "relative_error": relative_error(weight, q),
-            }
+            })
         ctx.progress("rtn", len(modules), len(modules))
 
         if scheme.input_activations is not None:

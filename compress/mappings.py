@@ -1,0 +1,98 @@
+"""Smoothing maps: which operation precedes which linear layers inside a block, so that a per
+input channel scale s can be moved between them without changing the model's function:
+
+    prev(x) / s  feeding  W · diag(s)        (W' x' = W diag(s) (x / s) = W x)
+
+`prev` is a norm (its weight, and bias, divided by s) or a linear layer (its output rows and bias
+divided by s). Through an elementwise function this is exact only when it is positively
+homogeneous (ReLU: OPT's fc1 -> fc2), never through GELU or SiLU. v -> o is exact because
+attention mixes value vectors linearly, but only when each value channel feeds exactly one
+output-projection column (no grouped-query sharing).
+
+AWQ and SmoothQuant both use these tables; a recipe may replace them with its own `mappings`.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from compress.modeling import get_weight, set_weight
+
+
+class Mapping(BaseModel):
+    """`smooth`: the preceding op; `balance`: the layers reading its output (names inside a block)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    smooth: str = Field(..., description="module inside the block whose output is divided by the scales")
+    balance: list[str] = Field(..., min_length=1, description="layers inside the block whose input columns are multiplied")
+
+
+def _m(smooth: str, *balance: str, needs_mha: bool = False) -> tuple[Mapping, bool]:
+    return Mapping(smooth=smooth, balance=list(balance)), needs_mha
+
+
+_LLAMA = [
+    _m("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    _m("self_attn.v_proj", "self_attn.o_proj", needs_mha=True),
+    _m("post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj"),
+    _m("mlp.up_proj", "mlp.down_proj"),
+]
+
+TABLES: dict[str, list[tuple[Mapping, bool]]] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": _LLAMA,
+    "opt": [
+        _m("self_attn_layer_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        _m("self_attn.v_proj", "self_attn.out_proj", needs_mha=True),
+        _m("final_layer_norm", "fc1"),
+        _m("fc1", "fc2"),  # through ReLU, which commutes with a positive scale
+    ],
+    "gpt2": [
+        _m("ln_1", "attn.c_attn"),
+        _m("ln_2", "mlp.c_fc"),
+    ],
+    # BERT normalises after the residual add, so its LayerNorm outputs are the residual stream
+    # itself: scaling them would change the model. Only value -> output projection is exact.
+    "bert": [
+        _m("attention.self.value", "attention.output.dense", needs_mha=True),
+    ],
+}
+
+
+def mappings_for(model: torch.nn.Module, override: list[Mapping] | None = None) -> list[Mapping]:
+    if override:
+        return list(override)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in TABLES:
+        from compress.errors import CompressError
+
+        raise CompressError(f"no smoothing map for architecture '{model_type}'",
+                            "give the stage `mappings: [{smooth: <norm>, balance: [<layers>]}]`")
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", heads) or heads
+    return [m for m, needs_mha in TABLES[model_type] if not needs_mha or kv_heads == heads]
+
+
+def is_norm(module: torch.nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    return isinstance(w, torch.Tensor) and w.dim() == 1
+
+
+@torch.no_grad()
+def apply_scales(prev: torch.nn.Module, layers: list[torch.nn.Module], scales: torch.Tensor) -> None:
+    """Divide prev's output channels by `scales` and multiply the layers' input columns by them."""
+    s = scales.float()
+    if is_norm(prev):
+        prev.weight.copy_((prev.weight.float() / s.to(prev.weight.device)).to(prev.weight.dtype))
+    else:
+        set_weight(prev, get_weight(prev).to(s.device) / s.unsqueeze(1))
+    bias = getattr(prev, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        bias.copy_((bias.float() / s.to(bias.device)).to(bias.dtype))
+    for layer in layers:
+        set_weight(layer, get_weight(layer).to(s.device) * s.unsqueeze(0))

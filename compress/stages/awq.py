@@ -1,0 +1,257 @@
+"""AWQ, activation-aware weight quantization (Lin et al. 2024).
+
+A few input channels carry much larger activations than the rest; the weights that multiply them
+matter most. AWQ scales those weight columns up before rounding (so they round more finely) and
+divides the preceding operation's output by the same scales, which leaves the float model
+unchanged. Per mapping (see compress/mappings.py) of a preceding op to the layers that read it:
+
+    a   = mean |x| per input channel over the calibration tokens
+    s   = a^α / w^(1-α), normalised so max(s)·min(s) = 1, for α on a grid in [0, 1]
+          (w: mean normalised |W| per input channel; `duo_scaling: false` gives s = a^α)
+    err = || block(X) - block_s,Q(X) ||²   the block's output with this mapping's layers scaled
+                                           and quantized (the rest in float), on calibration inputs
+    keep the α with the least error (s = 1, plain round-to-nearest, is scored too)
+
+Scoring by the block's output, not each layer's, matters: it weighs an error in q or k by what it
+does through the softmax, and an error in gate by what it does through SiLU and down_proj.
+
+Then, per layer, a clipping search: for each output row and group, shrink the quantization range
+to r · max (r from 1 down to 1 - max_shrink) and keep the r whose group output error is least.
+
+Sample recipe stage:
+
+    - awq:
+        scheme: W4A16
+        weights: {group_size: 64}
+        grid: 20
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Optional
+
+import torch
+from pydantic import Field, PrivateAttr, model_validator
+
+from compress.mappings import Mapping, apply_scales, mappings_for
+from compress.modeling import get_weight, set_weight
+from compress.quant import absmax_qparams, dequantize, fake_quantize, quantize, relative_error, zeropoint_qparams
+from compress.schemes import QuantArgs
+from compress.stages.base import EngineOptions, QuantizationStage, StageContext
+from compress.targets import select_modules
+
+# ---------------------------------------------------------------------------------------------
+# The math: plain functions on tensors
+
+
+def output_error(X: torch.Tensor, W: torch.Tensor, Q: torch.Tensor) -> float:
+    """||X Wᵀ - X Qᵀ||² summed over tokens and outputs."""
+    return float(((W - Q) @ X.t()).pow(2).sum())
+
+
+def weight_magnitude(weights: list[torch.Tensor], group_size: int | None) -> torch.Tensor:
+    """Mean over output rows of |W| normalised by its group's largest magnitude, per input channel."""
+    W = torch.cat(weights).abs()
+    g = group_size or W.shape[1]
+    Wg = _group_view(W, g)
+    Wg = Wg / Wg.amax(-1, keepdim=True).clamp(min=1e-12)
+    return Wg.reshape(W.shape[0], -1)[:, : W.shape[1]].mean(0)
+
+
+def candidate_scales(mean_abs: torch.Tensor, grid: int, w_mean: torch.Tensor | None = None) -> list[tuple[float, torch.Tensor]]:
+    """(α, s) for α on an even grid in [0, 1]: s = a^α, or with `w_mean` (duo scaling, as current
+    AWQ implementations do) s = a^α / w^(1-α); normalised so that max(s) · min(s) = 1."""
+    mean_abs = mean_abs.clamp(min=1e-6)
+    out = []
+    for alpha in torch.linspace(0, 1, grid).tolist():
+        s = mean_abs.pow(alpha)
+        if w_mean is not None:
+            s = (s / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+        out.append((alpha, s / (s.max() * s.min()).sqrt()))
+    return out
+
+
+def _group_view(t: torch.Tensor, group: int) -> torch.Tensor:
+    pad = (-t.shape[-1]) % group
+    if pad:
+        t = torch.nn.functional.pad(t, (0, pad))
+    return t.reshape(*t.shape[:-1], -1, group)
+
+
+def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 20, max_shrink: float = 0.5) -> tuple[torch.Tensor, float]:
+    """Quantize W [out, in] with per (row, group) ranges shrunk to the ratio that minimises each
+    group's output error on X [tokens, in]; returns the dequantized weight and the mean ratio."""
+    group = args.group_size if args.strategy == "group" else W.shape[1]
+    Wg = _group_view(W, group)                    # [out, n_groups, group]
+    Xg = _group_view(X, group).permute(1, 0, 2)   # [n_groups, tokens, group]
+    if args.symmetric:
+        hi0 = Wg.abs().amax(-1, keepdim=True)
+        lo0 = -hi0
+    else:
+        lo0, hi0 = Wg.amin(-1, keepdim=True), Wg.amax(-1, keepdim=True)
+
+    def quantized(ratio: torch.Tensor) -> torch.Tensor:
+        if args.symmetric:
+            qp = absmax_qparams(hi0 * ratio, args.num_bits)
+        else:
+            qp = zeropoint_qparams(lo0 * ratio, hi0 * ratio, args.num_bits)
+        return dequantize(quantize(Wg, qp), qp)
+
+    best_err = torch.full(hi0.shape, float("inf"))
+    best_ratio = torch.ones(hi0.shape)
+    for i in range(int(max_shrink * grid) + 1):
+        ratio = torch.full(hi0.shape, 1 - i / grid)
+        delta = Wg - quantized(ratio)                                   # [out, n_groups, group]
+        err = torch.einsum("ogk,gtk->ogt", delta, Xg).pow(2).sum(-1, keepdim=True)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_ratio = torch.where(better, ratio, best_ratio)
+    Q = quantized(best_ratio).reshape(W.shape[0], -1)[:, : W.shape[1]]
+    return Q, float(best_ratio.mean())
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics from the calibration engine
+
+
+class InputSampler:
+    """Keeps up to `per_batch` random tokens of each batch's input to one layer (padding excluded)."""
+
+    def __init__(self, per_batch: int, seed: int):
+        self.per_batch = per_batch
+        self.generator = torch.Generator().manual_seed(seed)
+        self.samples: list[torch.Tensor] = []
+        self.tokens = 0
+
+    def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
+        x = inputs[0].detach()
+        if mask is not None and x.dim() == 3 and x.shape[:2] == mask.shape:
+            x = x[mask.to(x.device).bool()]
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.tokens += x.shape[0]
+        if x.shape[0] > self.per_batch:
+            keep = torch.randperm(x.shape[0], generator=self.generator)[: self.per_batch].sort().values
+            x = x[keep.to(x.device)]
+        self.samples.append(x)
+
+    def inputs(self) -> torch.Tensor:
+        X = torch.cat(self.samples)
+        if not torch.isfinite(X).all():
+            raise FloatingPointError("non-finite calibration activations reach this layer")
+        return X
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+class AWQ(EngineOptions, QuantizationStage):
+    """AWQ scale search and clipping, then round-to-nearest, block by block."""
+
+    grid: int = Field(20, ge=2, description="points of the α grid in [0, 1]")
+    duo_scaling: bool = Field(True, description="scales from activation and weight magnitudes: a^α / w^(1-α)")
+    clip: bool = Field(True, description="search a per-group clipping ratio")
+    clip_grid: int = Field(20, ge=2, description="clipping ratios are 1 - i/clip_grid")
+    max_shrink: float = Field(0.5, gt=0, lt=1, description="smallest clipping ratio is 1 - max_shrink")
+    max_tokens: int = Field(4096, gt=0, description="calibration tokens kept per layer for the searches")
+    mappings: Optional[list[Mapping]] = Field(None, description="replace the architecture's smoothing map")
+    quantize: bool = Field(True, description="false: only apply the scales, leaving quantization to a later stage (e.g. gptq)")
+    _mappings: list = PrivateAttr(default_factory=list)
+    _samples: list = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _integer_weights(self) -> "AWQ":
+        if self.resolved_scheme().weights.type != "int":
+            raise ValueError("AWQ quantizes to an integer grid: use an int weights scheme")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+    def observe(self, name: str, module: torch.nn.Module) -> InputSampler:
+        per_batch = max(1, self.max_tokens // max(1, len(self._samples)))
+        return InputSampler(per_batch, seed=zlib.crc32(name.encode()))
+
+    def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict, observers: dict,
+                       ctx: StageContext, runner) -> None:
+        args = self.resolved_scheme().weights
+        input_scale: dict[str, torch.Tensor] = {}
+        tokens_per_batch = max(1, next(iter(observers.values())).tokens // max(1, len(runner)))
+        n_batches = max(1, -(-self.max_tokens // tokens_per_batch))  # enough batches for max_tokens
+        reference = runner.outputs(n_batches)  # the float block's outputs
+        originals = {n: get_weight(m) for n, m in layers.items()}  # for the round-to-nearest comparison
+        for mapping in self._mappings:
+            names = [prefix + b for b in mapping.balance]
+            if not all(n in layers for n in names):
+                continue  # a balance layer is not targeted (ignored, or absent in this block)
+            prev = block.get_submodule(mapping.smooth)
+            balance = [layers[n] for n in names]
+            mean_abs = observers[names[0]].inputs().abs().mean(0)
+            w_mean = weight_magnitude([get_weight(m) for m in balance], args.group_size) if self.duo_scaling else None
+            saved = [p.detach().clone() for m in (prev, *balance) for p in m.parameters(recurse=False)]
+
+            def restore() -> None:
+                with torch.no_grad():
+                    for p, v in zip((p for m in (prev, *balance) for p in m.parameters(recurse=False)), saved):
+                        p.copy_(v)
+
+            errors = {}
+            # s = 1 (plain round-to-nearest) is always a candidate, so AWQ never does worse on this score.
+            candidates = {None: torch.ones_like(mean_abs), **dict(candidate_scales(mean_abs, self.grid, w_mean))}
+            for alpha, s in candidates.items():
+                apply_scales(prev, balance, s)
+                for layer in balance:
+                    W = get_weight(layer)
+                    set_weight(layer, fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size))
+                out = runner.outputs(n_batches)
+                errors[alpha] = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
+                restore()
+            alpha = min(errors, key=errors.get)  # None: no scaling helped
+            s = candidates[alpha]
+            apply_scales(prev, balance, s)
+            for n in names:
+                input_scale[n] = s  # these layers now read X / s (a smoothed op's row scaling needs nothing)
+                ctx.layers.setdefault(n, {}).update({"awq_alpha": alpha, "awq_smooth": prefix + mapping.smooth,
+                                                     "awq_block_error": errors[alpha], "awq_rtn_block_error": errors[None]})
+            ctx.progress(f"block {index + 1}: {mapping.smooth} -> {', '.join(mapping.balance)} α={alpha} "
+                         f"err {errors[alpha]:.3g} (rtn {errors[None]:.3g})", 0, 1)
+        if not self.quantize:
+            return
+        for name, module in layers.items():
+            X = observers[name].inputs()
+            if name in input_scale:
+                X = X / input_scale[name]
+            W = get_weight(module).to(X.device)
+            if self.clip and args.strategy != "tensor":
+                Q, ratio = clip_search(X, W, args, self.clip_grid, self.max_shrink)
+            else:
+                Q, ratio = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size), 1.0
+            X0, W0 = observers[name].inputs(), originals[name].to(X.device)
+            rtn = fake_quantize(W0, args.num_bits, args.symmetric, args.strategy, args.group_size)
+            set_weight(module, Q)
+            record = ctx.layers.setdefault(name, {})
+            record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
+                           "relative_error": relative_error(W, Q), "clip_ratio": ratio,
+                           "output_error": output_error(X, W, Q) / X.shape[0],
+                           "rtn_output_error": output_error(X0, W0, rtn) / X.shape[0], "tokens": observers[name].tokens})
+
+    def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
+        from compress.errors import CompressError
+
+        selected = select_modules(model, self.targets, self.ignore)
+        if not selected:
+            raise CompressError(f"stage awq: targets {self.targets} minus ignore {self.ignore} match no linear layer",
+                                "run `compress plan` to see the model's module names")
+        self._mappings = mappings_for(model, self.mappings)
+        self._samples = ctx.calibration.samples
+        summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
+        done = [ctx.layers[n] for n in selected if "output_error" in ctx.layers.get(n, {})]
+        summary.update({"layers": len(done), "scheme": self.resolved_scheme().describe(),
+                        "mappings": len(self._mappings),
+                        "smoothed_layers": sum(1 for n in selected if "awq_alpha" in ctx.layers.get(n, {}))})
+        if done:
+            summary["mean_output_error"] = sum(r["output_error"] for r in done) / len(done)
+            summary["mean_rtn_output_error"] = sum(r["rtn_output_error"] for r in done) / len(done)
+        return summary
