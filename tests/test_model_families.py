@@ -10,7 +10,7 @@ import hashlib
 import pytest
 import torch
 from transformers import (AutoModel, AutoModelForCausalLM, AutoTokenizer, BertConfig, BertModel, GPT2Config,
-                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config,
+                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
 from compress import modeling, parse_recipe, run_recipe
@@ -23,6 +23,8 @@ V = 2048  # the bundled tokenizer's vocabulary
 FAMILIES = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=V)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=V)),
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=V)),
     "opt": lambda: OPTForCausalLM(OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
