@@ -185,7 +185,7 @@ def plan(
     for col in ("layer", "shape", "stage", "scheme"):
         t.add_column(col)
     for n, a in p["assignments"].items():
-        t.add_row(n, "x".join(map(str, a["shape"])), a["stage"], a["scheme"])
+        t.add_row(n, "x".join(map(str, a["shape"])), a["stage"], escape(a["scheme"]))
     for n in p["unassigned"]:
         t.add_row(n, "", "[dim]-[/dim]", "[dim]kept in full precision[/dim]")
     Console().print(t)
@@ -217,8 +217,9 @@ def recipes(directory: Path = typer.Option(None, help="where to look (default: t
     if S.json:
         emit_json(rows)
         return
+    out = Console(soft_wrap=True, highlight=False)  # one line per recipe, as promised
     for r in rows:
-        Console().print(f"{r['recipe']:<34} {' -> '.join(r['stages']):<18} {r['description']}")
+        out.print(escape(f"{r['recipe']:<34} {' -> '.join(r['stages']):<20} {r['description']}"))
 
 
 @app.command()
