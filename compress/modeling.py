@@ -113,7 +113,7 @@ def load_skeleton(ref: str, dtype: str = "auto"):
     buffers such as rotary tables are real. Weights are read later, block by block."""
     from transformers import AutoTokenizer
 
-    from compress.offload import parameters_on_meta
+    from compress.offload import parameters_on_meta, release_freed_memory
 
     config = load_config(ref)
     path = local_dir(ref)
@@ -122,6 +122,7 @@ def load_skeleton(ref: str, dtype: str = "auto"):
         kwargs = {"dtype": config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype))}
     with parameters_on_meta():
         model = model_class(config).from_config(config, **kwargs)
+    release_freed_memory()  # the transient real tensors each parameter was created as
     model.eval()
     if getattr(model.config, "use_cache", None) is not None:
         model.config.use_cache = False

@@ -119,6 +119,8 @@ class DiskOffload:
             for pname, param in list(mod._parameters.items()):
                 if param is not None:
                     mod._parameters[pname] = nn.Parameter(param.detach().to("meta"), requires_grad=False)
+        release_freed_memory()
+
 
     def finish(self) -> None:
         """Write every tensor not yet written (the parts outside the blocks) and the index."""
@@ -141,3 +143,14 @@ class DiskOffload:
             self.weight_map[name] = file
             self.total_size += t.numel() * t.element_size()
             self.written.add(name)
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise), so that resident memory
+    reflects the one block held rather than every block ever loaded."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

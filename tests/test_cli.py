@@ -5,6 +5,7 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 import yaml
 
 from compress.cli import main
@@ -147,3 +148,13 @@ evaluation: {{datasets: [{shared / 'data/wikitext-2/test.txt'}]}}
                      "--data", shared / "data/wikitext-2/test.txt", "--min-cosine", 0.999)
     again = next(iter(json.loads(out)["results"].values()))
     assert rc == 0 and again["mean_cosine"] == pytest.approx(ev["mean_cosine"], abs=1e-6)
+
+
+def test_saved_recipe_reruns_to_the_same_weights(w8_output, tmp_path, capsys):
+    """The effective recipe saved with an output is itself a valid recipe giving the same result."""
+    from safetensors.torch import load_file
+
+    rc, _, err = run(capsys, "--quiet", "quantize", "--recipe", w8_output / "recipe.yaml", "--output", tmp_path / "again")
+    assert rc == 0, err
+    a, b = load_file(w8_output / "model.safetensors"), load_file(tmp_path / "again/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -109,6 +109,7 @@ class QuantizationStage(Stage):
     input_activations: Optional[QuantArgsOverride] = None
     targets: list[str] = Field(default_factory=lambda: ["Linear"], description="module class names, names, or re: patterns")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="modules left in full precision")
+    resolved: Optional[dict] = Field(None, description="written by compress into the saved recipe: the scheme as resolved; ignored on input")
 
     @model_validator(mode="after")
     def _scheme_resolves(self) -> "QuantizationStage":
@@ -131,5 +132,8 @@ class QuantizationStage(Stage):
 
     def model_dump(self, **kw):  # the effective recipe shows the resolved scheme too
         out = super().model_dump(**kw)
+        for part in ("weights", "input_activations"):  # unset overrides would read as explicit nulls
+            if isinstance(out.get(part), dict):
+                out[part] = {k: v for k, v in out[part].items() if v is not None} or None
         out["resolved"] = self.resolved_scheme().model_dump(mode="json", exclude_none=True)
         return out
