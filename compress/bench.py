@@ -120,12 +120,25 @@ class MemRow:
 
     layers: int
     offload: bool
+    # A control: glibc's mmap threshold pinned (MALLOC_MMAP_THRESHOLD_, bytes) in the child, so that
+    # large temporaries are always mmapped and returned on free instead of fragmenting the heap.
+    mmap_threshold: int | None = None
     family: str = "memory"
     method: str = "GPTQ"
 
     @property
+    def mode(self) -> str:
+        mode = "offload: disk" if self.offload else "in RAM"
+        return mode + (f", MALLOC_MMAP_THRESHOLD_={self.mmap_threshold}" if self.mmap_threshold else "")
+
+    @property
+    def env(self) -> dict:
+        return {"MALLOC_MMAP_THRESHOLD_": str(self.mmap_threshold)} if self.mmap_threshold else {}
+
+    @property
     def name(self) -> str:
-        return f"memory GPTQ W4 g64 {self.layers} layers " + ("offload disk" if self.offload else "in RAM")
+        return (f"memory GPTQ W4 g64 {self.layers} layers " + ("offload disk" if self.offload else "in RAM")
+                + (" fixed-mmap-threshold" if self.mmap_threshold else ""))
 
     @property
     def slug(self) -> str:
@@ -136,7 +149,8 @@ class MemRow:
 MEM_ARCH = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 8,
             "head_dim": 64, "vocab_size": 2048}
 MEM_LAYERS = (2, 12)
-MEM_ROWS = [MemRow(n, off) for off in (False, True) for n in MEM_LAYERS]
+MEM_ROWS = [MemRow(n, off) for off in (False, True) for n in MEM_LAYERS] + [MemRow(n, True, 2**20) for n in MEM_LAYERS]
+MEM_MODES = ["in RAM", "offload: disk", f"offload: disk, MALLOC_MMAP_THRESHOLD_={2**20}"]
 MEM_SETUP_JOB = "memory checkpoints"
 
 
@@ -411,11 +425,15 @@ def run_mem_row(row: MemRow, setup: Setup) -> dict:
     text = setup.mem_recipe_text(row)
     recipe = parse_recipe(text, f"<bench: {row.name}>")
     marks: dict[str, float] = {}
+    block_starts: list[float] = []
 
     def progress(desc: str, done: int, total: int) -> None:
         # The stage's first progress call: block 1's inputs captured, model and calibration set resident.
         if desc.startswith("block") and "stage_start" not in marks:
             marks["stage_start"] = _rss_now_mib()
+        # Each block's first calibration forward: the previous block is written out and dropped.
+        if desc.startswith("block") and desc.endswith(": calibrating") and done == 0:
+            block_starts.append(_rss_now_mib())
 
     report = run_recipe(recipe, force=True, device="cpu", seed=0, progress=progress)
     stage = report["stages"][0]
@@ -425,6 +443,9 @@ def run_mem_row(row: MemRow, setup: Setup) -> dict:
         "method": row.method,
         "layers": row.layers,
         "offload": row.offload,
+        "mode": row.mode,
+        "env": row.env,
+        "rss_block_starts_mib": block_starts,
         "recipe": text,
         "scheme": stage["summary"]["scheme"],
         "stage_summary": stage["summary"],
@@ -483,7 +504,8 @@ def _child(args: argparse.Namespace, job: str, result: Path, cache_file: Path, l
     load = _loadavg1()
     t0 = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    env = {**os.environ, **getattr(row, "env", {})}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -860,24 +882,31 @@ def _memory(results: list[dict], meta: dict) -> list[str]:
             f"ref-llama's tokenizer; one with " + " and one with ".join(f"{c['layers']} layers ({c['bytes_on_disk'] / MIB:.0f} MiB)" for c in ck.values())
             + f". One block is {next(iter(ck.values()))['block_bytes'] / MIB:.1f} MiB. Each is compressed with GPTQ W4 g64 "
             f"(`gptq: {{scheme: W4A16, weights: {{group_size: 64}}}}`) on the first {n} ref-llama calibration windows of "
-            "256 tokens, in RAM and with top-level `offload: disk`, each in its own process, no evaluation.", "",
+            "256 tokens, in RAM and with top-level `offload: disk`, each in its own process, no evaluation. A control "
+            f"pair repeats the offload runs with glibc's mmap threshold pinned (`MALLOC_MMAP_THRESHOLD_={2**20}` in "
+            "the child's environment: every allocation of 1 MiB or more is its own mapping, returned to the system "
+            "when freed), to separate memory the run holds from heap fragmentation left by freed temporaries.", "",
             "Stage peak RSS = report.json `stages[0].peak_rss_mib` (the process's RSS sampled every 20 ms while the "
             "stage runs; in RAM the whole model is resident by then). Process peak = the child's own high-water mark "
             "(VmHWM) over load, calibration, stage and save. RSS before = after importing torch, transformers and "
             "compress, before the model is loaded; RSS at stage start = at the stage's first progress call (block 1's "
             "inputs captured; in RAM the whole model, with offload the parts outside the blocks, and the tokenized "
-            "calibration set resident). Parameters on device = `stages[0].summary.max_parameters_on_device` "
+            "calibration set resident); RSS at block starts = at each block's first calibration forward (the "
+            "previous block compressed and, with offload, written out and dropped), as first / last / highest. "
+            "Parameters on device = `stages[0].summary.max_parameters_on_device` "
             "(on CPU the compute device is the CPU itself, so in RAM it counts every parameter; with offload, those "
             "materialised from disk at once).", "",
-            "| layers | mode | checkpoint MiB | stage peak RSS MiB | process peak RSS MiB | RSS before MiB | RSS at stage start MiB | parameters on device | stage wall s | row CPU/wall (load at start) |",
-            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| layers | mode | checkpoint MiB | stage peak RSS MiB | process peak RSS MiB | RSS before MiB | RSS at stage start MiB | RSS at block starts MiB (first / last / highest) | parameters on device | stage wall s | row CPU/wall (load at start) |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if "error" in r:
-            out.append(f"| | {r['row']} | **error**: {r['error']} | | | | | | | |")
+            out.append(f"| | {r['row']} | **error**: {r['error']} | | | | | | | | |")
             continue
-        out.append(f"| {r['layers']} | {'offload: disk' if r['offload'] else 'in RAM'} | {r['source_bytes_on_disk'] / MIB:.0f} | "
+        bs = r.get("rss_block_starts_mib") or []
+        starts = f"{bs[0]:.0f} / {bs[-1]:.0f} / {max(bs):.0f}" if bs else "–"
+        out.append(f"| {r['layers']} | {_mem_mode(r)} | {r['source_bytes_on_disk'] / MIB:.0f} | "
                    f"{r['stage_peak_rss_mib']:.0f} | {r['process_peak_rss_mib']:.0f} | {r['rss_before_load_mib']:.0f} | "
-                   f"{_f(r.get('rss_stage_start_mib'), '.0f')} | {r['stage_summary']['max_parameters_on_device']:,} | "
+                   f"{_f(r.get('rss_stage_start_mib'), '.0f')} | {starts} | {r['stage_summary']['max_parameters_on_device']:,} | "
                    f"{r['stage_wall_s']:.1f} | {_cpu_share(r)} |")
     out.append("")
     scaling = _mem_scaling(results)
@@ -885,14 +914,19 @@ def _memory(results: list[dict], meta: dict) -> list[str]:
         extra = scaling["extra_bytes"] / MIB
         out.append(f"From {scaling['small']} to {scaling['large']} layers the checkpoint grows by {extra:.0f} MiB "
                    f"({scaling['large'] - scaling['small']} blocks).")
-        for mode in ("in RAM", "offload: disk"):
+        for mode in MEM_MODES:
             d = scaling.get(mode)
             if d:
                 out.append(f"- {mode}: stage peak RSS {d['stage_small']:.0f} → {d['stage_large']:.0f} MiB "
-                           f"(+{d['stage_delta']:.0f} MiB, {d['stage_delta'] / extra:.0%} of the extra bytes); process peak "
-                           f"{d['proc_small']:.0f} → {d['proc_large']:.0f} MiB (+{d['proc_delta']:.0f} MiB, {d['proc_delta'] / extra:.0%}).")
+                           f"({d['stage_delta']:+.0f} MiB, {d['stage_delta'] / extra:.0%} of the extra bytes); process peak "
+                           f"{d['proc_small']:.0f} → {d['proc_large']:.0f} MiB ({d['proc_delta']:+.0f} MiB, {d['proc_delta'] / extra:.0%}); "
+                           f"highest RSS at a block start {_f(d['starts_small'], '.0f')} → {_f(d['starts_large'], '.0f')} MiB.")
         out.append("")
     return out
+
+
+def _mem_mode(r: dict) -> str:
+    return r.get("mode") or ("offload: disk" if r.get("offload") else "in RAM")
 
 
 def _mem_scaling(results: list[dict]) -> dict | None:
@@ -904,12 +938,14 @@ def _mem_scaling(results: list[dict]) -> dict | None:
     ck = made["checkpoints"]
     out = {"small": small, "large": large,
            "extra_bytes": ck[str(large)]["bytes_on_disk"] - ck[str(small)]["bytes_on_disk"]}
-    by = {(r["layers"], r["offload"]): r for r in results
+    by = {(r["layers"], _mem_mode(r)): r for r in results
           if r.get("family") == "memory" and "layers" in r and "error" not in r}
-    for offload, mode in ((False, "in RAM"), (True, "offload: disk")):
-        a, b = by.get((small, offload)), by.get((large, offload))
+    for mode in MEM_MODES:
+        a, b = by.get((small, mode)), by.get((large, mode))
         if a and b:
             out[mode] = {"stage_small": a["stage_peak_rss_mib"], "stage_large": b["stage_peak_rss_mib"],
+                         "starts_small": max(a.get("rss_block_starts_mib") or [float("nan")]),
+                         "starts_large": max(b.get("rss_block_starts_mib") or [float("nan")]),
                          "stage_delta": b["stage_peak_rss_mib"] - a["stage_peak_rss_mib"],
                          "proc_small": a["process_peak_rss_mib"], "proc_large": b["process_peak_rss_mib"],
                          "proc_delta": b["process_peak_rss_mib"] - a["process_peak_rss_mib"]}
@@ -996,8 +1032,14 @@ def _gptq_bars(results: list[dict]) -> list[str]:
                 f"+{d['stage_delta']:.0f} MiB against +{extra:.0f} MiB of extra blocks ({d['stage_delta'] / extra:.0%}; bar: "
                 f"under {MEM_SCALING_BAR:.0%})")
         if ram:
-            line += f"; in RAM, for comparison, +{ram['stage_delta']:.0f} MiB ({ram['stage_delta'] / extra:.0%})"
+            line += f"; in RAM, for comparison, {ram['stage_delta']:+.0f} MiB ({ram['stage_delta'] / extra:.0%})"
         out.append(line + f": {_verdict(d['stage_delta'] < MEM_SCALING_BAR * extra)}")
+        ctl = sc.get(MEM_MODES[2])
+        if ctl:
+            out.append(f"  - control, same runs with `MALLOC_MMAP_THRESHOLD_={2**20}`: stage peak RSS "
+                       f"{ctl['stage_delta']:+.0f} MiB ({ctl['stage_delta'] / extra:.0%}): "
+                       f"{_verdict(ctl['stage_delta'] < MEM_SCALING_BAR * extra)} (not the default allocator setting; "
+                       "it shows how much of the growth above is heap fragmentation rather than memory held)")
     return out
 
 
