@@ -39,7 +39,6 @@ from compress.modeling import get_weight, set_weight
 from compress.quant import absmax_qparams, dequantize, fake_quantize, quantize, relative_error, zeropoint_qparams
 from compress.schemes import QuantArgs
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext
-from compress.targets import select_modules
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -238,12 +237,7 @@ class AWQ(EngineOptions, QuantizationStage):
                            "rtn_output_error": output_error(X0, W0, rtn) / X.shape[0], "tokens": observers[name].tokens})
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
-        from compress.errors import CompressError
-
-        selected = select_modules(model, self.targets, self.ignore)
-        if not selected:
-            raise CompressError(f"stage awq: targets {self.targets} minus ignore {self.ignore} match no linear layer",
-                                "run `compress plan` to see the model's module names")
+        selected = self.select(model, "awq")
         self._mappings = mappings_for(model, self.mappings)
         self._samples = ctx.calibration.samples
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)

@@ -122,6 +122,17 @@ class QuantizationStage(Stage):
             raise ValueError("the scheme quantizes no weights; add weights settings")
         return self
 
+    def select(self, model: torch.nn.Module, stage_name: str) -> dict[str, torch.nn.Module]:
+        """The target layers, in model order; none at all is a recipe mistake, not a no-op."""
+        from compress.errors import CompressError
+        from compress.targets import select_modules
+
+        modules = select_modules(model, self.targets, self.ignore)
+        if not modules:
+            raise CompressError(f"stage {stage_name}: targets {self.targets} minus ignore {self.ignore} match no linear layer",
+                                "run `compress plan` to see the model's module names")
+        return modules
+
     def resolved_scheme(self) -> QuantScheme:
         dump = lambda o: o.model_dump(exclude_none=True) if o is not None else None  # noqa: E731
         return resolve_scheme(self.scheme, dump(self.weights), dump(self.input_activations))

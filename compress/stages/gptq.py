@@ -36,7 +36,6 @@ from compress.modeling import get_weight, set_weight
 from compress.quant import QParams, compute_qparams, dequantize, fake_quantize, quantize, relative_error
 from compress.schemes import QuantArgs
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext
-from compress.targets import select_modules
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -239,10 +238,7 @@ class GPTQ(EngineOptions, QuantizationStage):
             "tokens": tokens, "damp_retries": 0, "note": note})
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
-        selected = select_modules(model, self.targets, self.ignore)
-        if not selected:
-            raise CompressError(f"stage gptq: targets {self.targets} minus ignore {self.ignore} match no linear layer",
-                                "run `compress plan` to see the model's module names")
+        selected = self.select(model, "gptq")
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
         # Layers outside the transformer blocks (a BERT pooler, a targeted lm_head) see no block
         # inputs: they fall back to round-to-nearest, and the report says so.

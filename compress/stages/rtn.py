@@ -18,7 +18,6 @@ from compress.modeling import get_weight, set_weight
 from compress.quant import fake_quantize, fake_quantize_fp8, relative_error
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext
-from compress.targets import select_modules
 from compress.errors import CompressError
 
 
@@ -34,12 +33,7 @@ class RoundToNearest(QuantizationStage):
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         scheme = self.resolved_scheme()
-        modules = select_modules(model, self.targets, self.ignore)
-        if not modules:
-            raise CompressError(
-                f"stage rtn: targets {self.targets} minus ignore {self.ignore} match no linear layer",
-                "run `compress plan` to see the model's module names",
-            )
+        modules = self.select(model, "rtn")
         wargs = scheme.weights
         for i, (name, module) in enumerate(modules.items()):
             ctx.progress(f"rtn {name}", i, len(modules))
