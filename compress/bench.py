@@ -837,8 +837,10 @@ def _gptq_cost(results: list[dict]) -> list[str]:
            "Losses = the stage summary's `mean_gptq_loss` / `mean_rtn_loss`: mean over layers of ‖WX − ŴX‖²/N on "
            "the calibration inputs, for GPTQ's Ŵ and for round-to-nearest's. Last column: the row process's CPU "
            "seconds (user + system, both threads) over its wall seconds, and the 1-minute load average when it "
-           "started: CPU/wall well under 2, or a load above 0.5 before the row, means other processes took CPU "
-           "from it and its wall times are inflated (GPTQ's many small per-column operations suffer most).", "",
+           "started. On an otherwise idle machine a row gets about 1.6–1.9 CPU-seconds per wall second and the load "
+           "(this benchmark's own previous rows) sits near 1.6–1.9; a CPU/wall under about 1.45 means other processes "
+           "took CPU from the row and its wall times are inflated (GPTQ's many small per-column operations suffer "
+           "most). The load average lags a minute behind, so it only corroborates.", "",
            "| model | row | calibration samples (tokens) | compression wall s | forward s | ratio | mean GPTQ loss | mean RTN loss | loss GPTQ / RTN | stage peak RSS MiB | layers (RTN fallback) | damping raised | row CPU/wall (load at start) |",
            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -857,6 +859,14 @@ def _gptq_cost(results: list[dict]) -> list[str]:
 
 
 MIB = 2**20
+
+
+def _starved(r: dict) -> bool:
+    """Other processes took CPU from this row: it got well under the ~1.6+ CPU-seconds per wall second
+    that rows get on an otherwise idle 2-core machine. (The load average lags a minute behind, so it
+    only corroborates.)"""
+    cpu, wall = r.get("child_cpu_s"), r.get("child_wall_s")
+    return bool(cpu is not None and wall and cpu / wall < 1.45)
 
 
 def _cpu_share(r: dict) -> str:
@@ -918,11 +928,19 @@ def _memory(results: list[dict], meta: dict) -> list[str]:
             d = scaling.get(mode)
             if d:
                 out.append(f"- {mode}: stage peak RSS {d['stage_small']:.0f} → {d['stage_large']:.0f} MiB "
-                           f"({d['stage_delta']:+.0f} MiB, {d['stage_delta'] / extra:.0%} of the extra bytes); process peak "
-                           f"{d['proc_small']:.0f} → {d['proc_large']:.0f} MiB ({d['proc_delta']:+.0f} MiB, {d['proc_delta'] / extra:.0%}); "
+                           f"({_signed(d['stage_delta'])} MiB, {_pct(d['stage_delta'] / extra)} of the extra bytes); process peak "
+                           f"{d['proc_small']:.0f} → {d['proc_large']:.0f} MiB ({_signed(d['proc_delta'])} MiB, {_pct(d['proc_delta'] / extra)}); "
                            f"highest RSS at a block start {_f(d['starts_small'], '.0f')} → {_f(d['starts_large'], '.0f')} MiB.")
         out.append("")
     return out
+
+
+def _signed(x: float) -> str:
+    return f"{round(x):+d}"
+
+
+def _pct(x: float) -> str:
+    return f"{round(100 * x):d}%"
 
 
 def _mem_mode(r: dict) -> str:
@@ -1022,22 +1040,26 @@ def _gptq_bars(results: list[dict]) -> list[str]:
         if not fw:
             continue
         ratio = r["stage_wall_s"] / fw
+        note = ""
+        if _starved(r):
+            note = (f" (timing disturbed: the row process got {_cpu_share(r).split()[0]} CPU-seconds per wall second, "
+                    f"1-minute load {_f(r.get('loadavg_at_start'), '.2f')} at its start; other processes were running)")
         out.append(f"- {r['row']}: compression / forward wall {r['stage_wall_s']:.1f} s / {fw:.1f} s = {ratio:.2f} "
-                   f"(< {GPTQ_WALL_RATIO_BAR:g}): {_verdict(ratio < GPTQ_WALL_RATIO_BAR)}")
+                   f"(< {GPTQ_WALL_RATIO_BAR:g}): {_verdict(ratio < GPTQ_WALL_RATIO_BAR)}{note}")
     sc = _mem_scaling(results)
     if sc and sc.get("offload: disk"):
         extra = sc["extra_bytes"] / MIB
         d, ram = sc["offload: disk"], sc.get("in RAM")
         line = (f"- memory scaling, GPTQ W4 g64 with `offload: disk`, {sc['small']} → {sc['large']} layers: stage peak RSS "
-                f"+{d['stage_delta']:.0f} MiB against +{extra:.0f} MiB of extra blocks ({d['stage_delta'] / extra:.0%}; bar: "
+                f"{_signed(d['stage_delta'])} MiB against +{extra:.0f} MiB of extra blocks ({_pct(d['stage_delta'] / extra)}; bar: "
                 f"under {MEM_SCALING_BAR:.0%})")
         if ram:
-            line += f"; in RAM, for comparison, {ram['stage_delta']:+.0f} MiB ({ram['stage_delta'] / extra:.0%})"
+            line += f"; in RAM, for comparison, {_signed(ram['stage_delta'])} MiB ({_pct(ram['stage_delta'] / extra)})"
         out.append(line + f": {_verdict(d['stage_delta'] < MEM_SCALING_BAR * extra)}")
         ctl = sc.get(MEM_MODES[2])
         if ctl:
             out.append(f"  - control, same runs with `MALLOC_MMAP_THRESHOLD_={2**20}`: stage peak RSS "
-                       f"{ctl['stage_delta']:+.0f} MiB ({ctl['stage_delta'] / extra:.0%}): "
+                       f"{_signed(ctl['stage_delta'])} MiB ({_pct(ctl['stage_delta'] / extra)}): "
                        f"{_verdict(ctl['stage_delta'] < MEM_SCALING_BAR * extra)} (not the default allocator setting; "
                        "it shows how much of the growth above is heap fragmentation rather than memory held)")
     return out
