@@ -165,10 +165,6 @@ class AWQ(EngineOptions, QuantizationStage):
             raise ValueError("AWQ quantizes to an integer grid: use an int weights scheme")
         return self
 
-    @property
-    def needs_calibration(self) -> bool:
-        return True
-
     def observe(self, name: str, module: torch.nn.Module) -> InputSampler:
         per_batch = max(1, self.max_tokens // max(1, len(self._samples)))
         return InputSampler(per_batch, seed=zlib.crc32(name.encode()))

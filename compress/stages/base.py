@@ -56,6 +56,10 @@ class EngineOptions(BaseModel):
         parse_bytes(value)
         return value
 
+    @property
+    def needs_calibration(self) -> bool:
+        return True  # the engine runs calibration samples through every block
+
     def engine(self, ctx: StageContext):
         from compress.engine import Engine
 

@@ -178,10 +178,6 @@ class GPTQ(EngineOptions, QuantizationStage):
             raise ValueError("GPTQ quantizes to an integer grid: use an int weights scheme (FP8 needs rtn)")
         return self
 
-    @property
-    def needs_calibration(self) -> bool:
-        return True
-
     def observe(self, name: str, module: torch.nn.Module) -> HessianObserver:
         acts = self.resolved_scheme().input_activations
         return HessianObserver(module, conv1d=type(module).__name__ == "Conv1D",

@@ -58,10 +58,6 @@ class SmoothQuant(EngineOptions, Stage):
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="layers never smoothed")
     _mappings: list = PrivateAttr(default_factory=list)
 
-    @property
-    def needs_calibration(self) -> bool:
-        return True
-
     def observe(self, name: str, module: torch.nn.Module) -> ChannelMax:
         return ChannelMax()
 
