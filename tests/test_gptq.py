@@ -45,6 +45,31 @@ def test_gptq_beats_round_to_nearest(args, actorder, static):
     assert info["damp_retries"] == 0
 
 
+@pytest.mark.parametrize("actorder", [False, True])
+def test_pruning_mask_survives_gptq(actorder):
+    """A weight half of which was pruned keeps exactly those zeros; the survivors compensate, so
+    the error stays below round-to-nearest of the same sparse weight."""
+    W, X, H = correlated_layer()
+    W = W * (torch.rand(W.shape, generator=torch.Generator().manual_seed(1)) > 0.5)
+    args = QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False)
+    Q, _ = gptq_quantize(W, H, args, block_size=32, actorder=actorder, keep_zero=W == 0)
+    assert torch.equal(Q[W == 0], torch.zeros(int((W == 0).sum())))
+    rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
+    assert ((W - Q) @ X.t()).pow(2).sum() < 0.7 * ((W - rtn) @ X.t()).pow(2).sum()
+    unmasked, _ = gptq_quantize(W, H, args, block_size=32, actorder=actorder)
+    assert (unmasked[W == 0] != 0).any()  # without the mask GPTQ moves some of them off zero
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_shrink_search_lowers_weighted_rounding_error(symmetric):
+    """Searching shrunk ranges never does worse than min/max on the score it minimises."""
+    W, X, H = correlated_layer()
+    args = QuantArgs(num_bits=3, strategy="group", group_size=32, symmetric=symmetric)
+    plain, _ = gptq_quantize(W, H, args, block_size=32)
+    searched, _ = gptq_quantize(W, H, args, block_size=32, shrink_grid=10)
+    assert hessian_loss(W, searched, H) < hessian_loss(W, plain, H)
+
+
 def test_static_groups_keep_contiguous_grid():
     """With static groups each group of 32 original columns shares one grid: every value is an
     integer multiple of that group's step (absmax)."""

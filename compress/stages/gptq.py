@@ -22,10 +22,15 @@ Sample recipe stage:
         block_size: 128
         dampening_frac: 0.01
         actorder: false
+        shrink_grid: 0          # > 0: search shrunk ranges per group (Hessian-weighted error)
+
+A layer whose weights are at least 10 % exact zeros (pruned by an earlier stage) keeps them at
+zero: GPTQ then only moves the surviving weights (`preserve_sparsity`).
 """
 
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 from pydantic import Field, model_validator
@@ -33,7 +38,7 @@ from pydantic import Field, model_validator
 from compress import activations
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
-from compress.quant import QParams, compute_qparams, dequantize, fake_quantize, quantize, relative_error
+from compress.quant import QParams, absmax_qparams, compute_qparams, zeropoint_qparams, dequantize, fake_quantize, quantize, relative_error
 from compress.schemes import QuantArgs
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext
 
@@ -67,32 +72,63 @@ def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_damp: float = 10.
     raise FloatingPointError(f"Hessian is not positive definite even with damping {frac / 10:g}")
 
 
-def _column_qparams(W: torch.Tensor, args: QuantArgs) -> QParams:
+def _column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | None = None,
+                    shrink_grid: int = 0, max_shrink: float = 0.2) -> QParams:
+    """Per-row (or per-tensor) parameters for the columns of W. With `shrink_grid`, each row's range
+    is shrunk to r · (min, max) for r from 1 down to 1 - max_shrink, keeping the r whose rounding
+    error Σ_j weight_j (w_j - q_j)² is least (weight: the columns' Hessian diagonal)."""
     strategy = "tensor" if args.strategy == "tensor" else "channel"
-    return compute_qparams(W, args.num_bits, args.symmetric, strategy)
+    qp = compute_qparams(W, args.num_bits, args.symmetric, strategy)
+    if not shrink_grid or strategy == "tensor":
+        return qp
+    weight = torch.ones(W.shape[1], device=W.device) if weight is None else weight
+    best_err = ((W - dequantize(quantize(W, qp), qp)).pow(2) * weight).sum(1, keepdim=True)
+    best = qp
+    lo, hi = W.amin(1, keepdim=True), W.amax(1, keepdim=True)
+    for i in range(1, shrink_grid + 1):
+        r = 1 - max_shrink * i / shrink_grid
+        cand = (absmax_qparams(torch.maximum(-lo, hi) * r, args.num_bits) if args.symmetric
+                else zeropoint_qparams(lo * r, hi * r, args.num_bits))
+        err = ((W - dequantize(quantize(W, cand), cand)).pow(2) * weight).sum(1, keepdim=True)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = QParams(torch.where(better, cand.scale, best.scale), torch.where(better, cand.zero_point, best.zero_point),
+                       qp.qmin, qp.qmax)
+    return best
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size: int = 128, damp: float = 0.01,
-                  actorder: bool = False, static_groups: bool = False) -> tuple[torch.Tensor, dict]:
-    """Quantize W [out, in] against Hessian H [in, in]; returns the dequantized Q and details."""
+                  actorder: bool = False, static_groups: bool = False, shrink_grid: int = 0,
+                  keep_zero: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Quantize W [out, in] against Hessian H [in, in]; returns the dequantized Q and details.
+
+    `keep_zero` (bool [out, in]): weights that must stay exactly zero (a pruning mask). They are
+    "quantized" to 0 and their error is spread like any other, so the kept weights compensate.
+    """
     W = W.clone().float()
     H = H.clone().float()
     columns = W.shape[1]
     group = args.group_size if args.strategy == "group" else None
+    if keep_zero is not None:
+        keep_zero = keep_zero.to(W.device)
 
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
 
-    qp = None if group else _column_qparams(W, args)
+    diag = torch.diag(H)
+    qp = None if group else _column_qparams(W, args, diag, shrink_grid)
     group_qparams = None
     if group and static_groups:
-        group_qparams = [_column_qparams(W[:, g : g + group], args) for g in range(0, columns, group)]
+        group_qparams = [_column_qparams(W[:, g : g + group], args, diag[g : g + group], shrink_grid)
+                         for g in range(0, columns, group)]
 
     perm = None
     if actorder:
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
+        if keep_zero is not None:
+            keep_zero = keep_zero[:, perm]
 
     Hinv, damp_used, retries = inverse_hessian_cholesky(H, damp)
 
@@ -112,9 +148,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
                 elif col % group == 0:
                     # Scales from the group's current (already error-compensated) values.
                     ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group]
-                    qp = _column_qparams(ahead, args)
+                    qp = _column_qparams(ahead, args, torch.diag(H)[col : col + group], shrink_grid)
             w = W1[:, i : i + 1]
             q = dequantize(quantize(w, qp), qp)
+            if keep_zero is not None:
+                q = q.masked_fill(keep_zero[:, col : col + 1], 0.0)
             Q1[:, i : i + 1] = q
             err = (w - q) / Hinv1[i, i]
             W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
@@ -170,6 +208,9 @@ class GPTQ(EngineOptions, QuantizationStage):
     dampening_frac: float = Field(0.01, gt=0, description="damping as a fraction of the Hessian's mean diagonal")
     actorder: bool = Field(False, description="quantize columns in decreasing Hessian diagonal")
     static_groups: bool = Field(False, description="with actorder: group scales fixed before reordering")
+    shrink_grid: int = Field(0, ge=0, description="search this many shrunk ranges per row/group for the least Hessian-weighted rounding error (0: min/max)")
+    preserve_sparsity: Optional[bool] = Field(
+        None, description="keep exactly-zero weights at zero (a pruning mask); default: in layers where at least 10 % of weights are zero")
     min_tokens: int = Field(16, ge=1, description="a layer (a rarely routed MoE expert) that sees fewer calibration tokens falls back to round-to-nearest")
 
     @model_validator(mode="after")
@@ -201,7 +242,11 @@ class GPTQ(EngineOptions, QuantizationStage):
                                        f"saw {obs.tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest")
                 continue
             try:
-                Q, info = gptq_quantize(W, H, args, self.block_size, self.dampening_frac, self.actorder, self.static_groups)
+                keep_zero = self._pruning_mask(W)
+                Q, info = gptq_quantize(W, H, args, self.block_size, self.dampening_frac, self.actorder, self.static_groups,
+                                        self.shrink_grid, keep_zero)
+                if keep_zero is not None:
+                    info["sparsity_preserved"] = float(keep_zero.float().mean())
             except FloatingPointError as exc:
                 raise CompressError(f"layer {name}: {exc}", "raise dampening_frac or give more calibration samples") from None
             rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
@@ -221,6 +266,15 @@ class GPTQ(EngineOptions, QuantizationStage):
                 if rng:
                     record["activation_range"] = list(rng)
             ctx.layers.setdefault(name, {}).update(record)  # keeps what earlier stages recorded (e.g. AWQ scales)
+
+    def _pruning_mask(self, W: torch.Tensor) -> torch.Tensor | None:
+        """Where W is exactly zero, if this layer's zeros are a pruning mask to keep."""
+        zero = W == 0
+        if self.preserve_sparsity is False:
+            return None
+        if self.preserve_sparsity is None and float(zero.float().mean()) < 0.1:
+            return None  # a dense layer: its few exact zeros are not a mask
+        return zero
 
     def _round_to_nearest(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str) -> None:
         """The fallback for a layer GPTQ cannot solve, recorded as such."""
