@@ -94,10 +94,29 @@ class BlockRunner:
         return len(self.records)
 
     @torch.no_grad()
-    def outputs(self, limit: int | None = None) -> list[torch.Tensor]:
+    def outputs(self, limit: int | None = None, module: str | None = None) -> list[torch.Tensor]:
+        """The block's outputs on the first `limit` cached batches; with `module` (a path inside the
+        block), that sub-module's outputs instead, the forward stopping as soon as it has run."""
         n = len(self.records) if limit is None else min(limit, len(self.records))
-        return [_block_output(self.block(self.store.get(j), **_move(self.records[j].kwargs, self.device)))
-                for j in range(n)]
+        if module is None:
+            return [_block_output(self.block(self.store.get(j), **_move(self.records[j].kwargs, self.device)))
+                    for j in range(n)]
+        captured: list[torch.Tensor] = []
+
+        def hook(_module, _inputs, output):
+            captured.append(_block_output(output))
+            raise _StopForward
+
+        handle = self.block.get_submodule(module).register_forward_hook(hook)
+        try:
+            for j in range(n):
+                try:
+                    self.block(self.store.get(j), **_move(self.records[j].kwargs, self.device))
+                except _StopForward:
+                    pass
+        finally:
+            handle.remove()
+        return captured
 
 
 class _StopForward(Exception):

@@ -15,6 +15,8 @@ AWQ and SmoothQuant both use these tables; a recipe may replace them with its ow
 from __future__ import annotations
 
 import torch
+from typing import Optional
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from compress.modeling import get_weight, set_weight
@@ -27,17 +29,20 @@ class Mapping(BaseModel):
 
     smooth: str = Field(..., description="module inside the block whose output is divided by the scales")
     balance: list[str] = Field(..., min_length=1, description="layers inside the block whose input columns are multiplied")
+    inspect: Optional[str] = Field(None, description="module inside the block whose output AWQ scores (default: the whole block)")
 
 
-def _m(smooth: str, *balance: str, needs_mha: bool = False) -> tuple[Mapping, bool]:
-    return Mapping(smooth=smooth, balance=list(balance)), needs_mha
+def _m(smooth: str, *balance: str, inspect: str, needs_mha: bool = False) -> tuple[Mapping, bool]:
+    return Mapping(smooth=smooth, balance=list(balance), inspect=inspect), needs_mha
 
 
+# `inspect`: the smallest module whose output carries every effect of the balance layers' error
+# (attention through its softmax, the MLP through its activation), before the residual add.
 _LLAMA = [
-    _m("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    _m("self_attn.v_proj", "self_attn.o_proj", needs_mha=True),
-    _m("post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj"),
-    _m("mlp.up_proj", "mlp.down_proj"),
+    _m("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", inspect="self_attn"),
+    _m("self_attn.v_proj", "self_attn.o_proj", inspect="self_attn.o_proj", needs_mha=True),
+    _m("post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", inspect="mlp"),
+    _m("mlp.up_proj", "mlp.down_proj", inspect="mlp.down_proj"),
 ]
 
 TABLES: dict[str, list[tuple[Mapping, bool]]] = {
@@ -46,19 +51,19 @@ TABLES: dict[str, list[tuple[Mapping, bool]]] = {
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
     "opt": [
-        _m("self_attn_layer_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        _m("self_attn.v_proj", "self_attn.out_proj", needs_mha=True),
-        _m("final_layer_norm", "fc1"),
-        _m("fc1", "fc2"),  # through ReLU, which commutes with a positive scale
+        _m("self_attn_layer_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", inspect="self_attn"),
+        _m("self_attn.v_proj", "self_attn.out_proj", inspect="self_attn.out_proj", needs_mha=True),
+        _m("final_layer_norm", "fc1", inspect="fc2"),
+        _m("fc1", "fc2", inspect="fc2"),  # through ReLU, which commutes with a positive scale
     ],
     "gpt2": [
-        _m("ln_1", "attn.c_attn"),
-        _m("ln_2", "mlp.c_fc"),
+        _m("ln_1", "attn.c_attn", inspect="attn"),
+        _m("ln_2", "mlp.c_fc", inspect="mlp"),
     ],
     # BERT normalises after the residual add, so its LayerNorm outputs are the residual stream
     # itself: scaling them would change the model. Only value -> output projection is exact.
     "bert": [
-        _m("attention.self.value", "attention.output.dense", needs_mha=True),
+        _m("attention.self.value", "attention.output.dense", inspect="attention.output.dense", needs_mha=True),
     ],
 }
 
@@ -71,11 +76,29 @@ def mappings_for(model: torch.nn.Module, override: list[Mapping] | None = None) 
     if model_type not in TABLES:
         from compress.errors import CompressError
 
-        raise CompressError(f"no smoothing map for architecture '{model_type}'",
-                            "give the stage `mappings: [{smooth: <norm>, balance: [<layers>]}]`")
+        raise CompressError(f"no smoothing map for architecture '{model_type}'; {_describe_block(model)}",
+                            "give the stage `mappings: [{smooth: <norm or layer>, balance: [<layers reading it>], "
+                            "inspect: <module to score>}]` with names inside a block")
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", heads) or heads
     return [m for m, needs_mha in TABLES[model_type] if not needs_mha or kv_heads == heads]
+
+
+def _describe_block(model: torch.nn.Module, limit: int = 16) -> str:
+    """The norms and linear layers inside the model's first block, to write a mapping from."""
+    try:
+        from compress.engine import find_blocks
+
+        path, blocks = find_blocks(model)
+        block, where = blocks[0], f"block {path}.0"
+    except Exception:  # the engine does not know the block list either: guess the first layer list
+        path, blocks = next(((n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)),
+                            ("", None))
+        block, where = (blocks[0], f"block {path}.0") if blocks is not None else (model, "the model")
+    found = [f"{name} ({type(m).__name__})" for name, m in block.named_modules()
+             if name and (is_norm(m) or getattr(getattr(m, "weight", None), "dim", lambda: 0)() == 2)]
+    more = f", … {len(found) - limit} more" if len(found) > limit else ""
+    return f"{where} holds " + (", ".join(found[:limit]) + more if found else "no norms or linear layers")
 
 
 def is_norm(module: torch.nn.Module) -> bool:

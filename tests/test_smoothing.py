@@ -130,3 +130,54 @@ stages:
     for name, r in layers.items():
         if "awq_alpha" not in r:
             assert r["output_error"] <= r["rtn_output_error"] * (1 + 1e-6), name
+
+
+def _gpt_neo():
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    return GPTNeoForCausalLM(GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global"], 2]],
+                                          intermediate_size=96, vocab_size=V, max_position_embeddings=128)).eval()
+
+
+def test_architecture_without_a_map_names_its_modules(tmp_path):
+    from compress.errors import CompressError
+
+    torch.manual_seed(0)
+    save(_gpt_neo(), tmp_path / "in")
+    recipe = parse_recipe(f"""
+model: {tmp_path / 'in'}
+calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 32}}
+stages:
+  - awq: {{scheme: W4A16, weights: {{group_size: 32}}}}
+""", "test")
+    with pytest.raises(CompressError) as err:
+        run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+    message = str(err.value)
+    assert "gpt_neo" in message and "transformer.h.0 holds ln_1 (LayerNorm)" in message
+    assert "attn.attention.q_proj (Linear)" in message
+    assert "mappings" in err.value.hint
+
+
+def test_declared_mapping_supports_a_new_architecture(tmp_path):
+    """The same architecture with the mapping a user would write from that error: exact scaling."""
+    torch.manual_seed(0)
+    save(_gpt_neo(), tmp_path / "in")
+    recipe = parse_recipe(f"""
+model: {tmp_path / 'in'}
+calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 32}}
+stages:
+  - awq:
+      scheme: W4A16
+      weights: {{group_size: 32}}
+      quantize: false
+      grid: 5
+      blocks: transformer.h
+      mappings:
+        - {{smooth: ln_1, balance: [attn.attention.q_proj, attn.attention.k_proj, attn.attention.v_proj], inspect: attn}}
+        - {{smooth: ln_2, balance: [mlp.c_fc], inspect: mlp}}
+""", "test")
+    report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+    assert sum("awq_alpha" in r for r in report["layers"].values()) == 8
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    before, after = outputs(tmp_path / "in", ids), outputs(tmp_path / "out", ids)
+    assert (after - before).norm() / before.norm() < 1e-4

@@ -8,12 +8,17 @@ unchanged. Per mapping (see compress/mappings.py) of a preceding op to the layer
     a   = mean |x| per input channel over the calibration tokens
     s   = a^α / w^(1-α), normalised so max(s)·min(s) = 1, for α on a grid in [0, 1]
           (w: mean normalised |W| per input channel; `duo_scaling: false` gives s = a^α)
-    err = || block(X) - block_s,Q(X) ||²   the block's output with this mapping's layers scaled
-                                           and quantized (the rest in float), on calibration inputs
+    err = || m(X) - m_s,Q(X) ||²   m: the mapping's `inspect` module (attention, MLP, a projection;
+                                   the whole block if unset), with this mapping's layers scaled and
+                                   quantized and the rest in float, on calibration inputs
     keep the α with the least error (s = 1, plain round-to-nearest, is scored too)
 
-Scoring by the block's output, not each layer's, matters: it weighs an error in q or k by what it
-does through the softmax, and an error in gate by what it does through SiLU and down_proj.
+Scoring a module's output, not each layer's, matters: it weighs an error in q or k by what it
+does through the softmax, and an error in gate by what it does through SiLU and down_proj. For the MLP
+mappings the inspected output's error is exactly the block's output error (the MLP's output is
+what it adds to the residual stream); for attention it leaves out how the MLP reacts, as
+published AWQ does (on ref-llama both choose the same α). The forward stops as soon as the
+inspected module has run, which saves the rest of the block per candidate.
 
 Then, per layer, a clipping search: for each output row and group, shrink the quantization range
 to r · max (r from 1 down to 1 - max_shrink) and keep the r whose group output error is least.
@@ -175,7 +180,7 @@ class AWQ(EngineOptions, QuantizationStage):
         input_scale: dict[str, torch.Tensor] = {}
         tokens_per_batch = max(1, next(iter(observers.values())).tokens // max(1, len(runner)))
         n_batches = max(1, -(-self.max_tokens // tokens_per_batch))  # enough batches for max_tokens
-        reference = runner.outputs(n_batches)  # the float block's outputs
+        references: dict = {}  # the float outputs of each inspected module (None: the block)
         originals = {n: get_weight(m) for n, m in layers.items()}  # for the round-to-nearest comparison
         for mapping in self._mappings:
             names = [prefix + b for b in mapping.balance]
@@ -192,6 +197,9 @@ class AWQ(EngineOptions, QuantizationStage):
                     for p, v in zip((p for m in (prev, *balance) for p in m.parameters(recurse=False)), saved):
                         p.copy_(v)
 
+            if mapping.inspect not in references:
+                references[mapping.inspect] = runner.outputs(n_batches, mapping.inspect)
+            reference = references[mapping.inspect]
             errors = {}
             # s = 1 (plain round-to-nearest) is always a candidate, so AWQ never does worse on this score.
             candidates = {None: torch.ones_like(mean_abs), **dict(candidate_scales(mean_abs, self.grid, w_mean))}
@@ -200,7 +208,7 @@ class AWQ(EngineOptions, QuantizationStage):
                 for layer in balance:
                     W = get_weight(layer)
                     set_weight(layer, fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size))
-                out = runner.outputs(n_batches)
+                out = runner.outputs(n_batches, mapping.inspect)
                 errors[alpha] = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
                 restore()
             alpha = min(errors, key=errors.get)  # None: no scaling helped
