@@ -99,15 +99,22 @@ def run_markdown(report: dict) -> str:
     for s in report["stages"]:
         summary = ", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items())
         lines.append(f"| {s['name']} | {s['wall_s']:.2f} | {s['peak_rss_mib']:.0f} | {summary} |")
-    lines += ["", "## Layers", "", "| layer | shape | weights | activations | relative error |", "| --- | --- | --- | --- | ---: |"]
+    pruned = any("sparsity" in rec for rec in report["layers"].values())
+    lines += ["", "## Layers", "", "| layer | shape | weights | activations | relative error |" + (" sparsity |" if pruned else ""),
+              "| --- | --- | --- | --- | ---: |" + (" ---: |" if pruned else "")]
     for name, rec in report["layers"].items():
         w = rec.get("weights") or {}
         a = rec.get("input_activations")
         wdesc = f"int{w.get('num_bits')} {w.get('strategy')}" + (f" g{w['group_size']}" if w.get("group_size") else "") + (" sym" if w.get("symmetric") else " asym") if w else "-"
         adesc = f"{a['type']}{a['num_bits']} {a['strategy']}{' dynamic' if a.get('dynamic') else ' static'}" if a else "-"
-        lines.append(f"| {name} | {'x'.join(map(str, rec.get('shape', [])))} | {wdesc} | {adesc} | {_fmt(rec.get('relative_error', float('nan')))} |")
+        sparse = ""
+        if pruned:
+            sparse = f" {rec['sparsity']:.4f}{' (' + rec['pattern'] + ')' if rec.get('pattern') else ''} |" if "sparsity" in rec else " - |"
+        lines.append(f"| {name} | {'x'.join(map(str, rec.get('shape', [])))} | {wdesc} | {adesc} | {_fmt(rec.get('relative_error', float('nan')))} |{sparse}")
     out = report["output"]
-    lines += ["", "## Size", "", f"- parameters: {out['parameters']:,}",
+    nonzero = out.get("nonzero_parameters")
+    lines += ["", "## Size", "", f"- parameters: {out['parameters']:,}"
+              + (f" ({nonzero:,} nonzero, {1 - nonzero / out['parameters']:.2%} zeros; stored densely)" if nonzero is not None and nonzero < out["parameters"] else ""),
               f"- weights on disk: {out['bytes_on_disk']:,} bytes ({out['bits_per_parameter_on_disk']:.2f} bits/parameter; weights are stored dequantized in {src['dtype']})",
               f"- bits/parameter once packed (weights at their quantized width plus 16-bit scales and zero-points): {out['bits_per_parameter_packed']:.2f}"]
     if report.get("evaluation"):

@@ -380,6 +380,37 @@ def _plan_no_model(tmp):
 
 
 # ------------------------------------------------------------------------------------------------
+# prune
+
+
+def _prune(*extra):
+    def setup(tmp):
+        return ["--quiet", "prune", "--model", "default", "--output", str(tmp / "out"), *extra]
+    return setup
+
+
+def _prune_recipe_with_method(tmp):
+    r = write(tmp / "r.yaml", "stages:\n  - magnitude: {sparsity: 0.5}\n")
+    return ["prune", "--recipe", str(r), "--method", "wanda", "--model", "default", "--output", str(tmp / "out")]
+
+
+def _pattern_unquoted(tmp):
+    return quantize(tmp, "stages:\n  - magnitude:\n      pattern: 2:4\n")
+
+
+def _pattern_does_not_tile(tmp):
+    return quantize(tmp, "stages:\n  - magnitude:\n      pattern: \"3:7\"\n")
+
+
+def _overrides_match_nothing(tmp):
+    return quantize(tmp, "stages:\n  - magnitude:\n      sparsity_overrides: {mlp.nothing: 0.3}\n")
+
+
+def _joint_quant_activations(tmp):
+    return quantize(tmp, "calibration: {}\nstages:\n  - sparsegpt:\n      quantize: {scheme: W8A8}\n")
+
+
+# ------------------------------------------------------------------------------------------------
 # usage errors (click): should also be one line
 
 
@@ -467,6 +498,27 @@ CASES = [
     Case("inspect-foreign-dir", _inspect_foreign, ["plain", "compress.json"]),
     Case("inspect-missing", _inspect_missing, ["nothing", "not a directory"]),
     Case("plan-no-model", _plan_no_model, ["r.yaml", "no model"]),
+    # prune
+    Case("prune-sparsity-above-1", _prune("--sparsity", "1.5"), ["--sparsity 1.5", "[0, 1)"]),
+    Case("prune-sparsity-1", _prune("--sparsity", "1"), ["--sparsity 1", "[0, 1)"]),
+    Case("prune-sparsity-negative", _prune("--sparsity", "-0.1"), ["--sparsity -0.1", "[0, 1)"]),
+    Case("prune-pattern-5-4", _prune("--pattern", "5:4"), ["--pattern", "5:4", "0 < N < M"]),
+    Case("prune-pattern-x", _prune("--pattern", "x"), ["--pattern", "'x'", "N:M"]),
+    Case("prune-pattern-contradicts-sparsity", _prune("--pattern", "2:4", "--sparsity", "0.3"),
+         ["--sparsity 0.3", "--pattern 2:4", "0.5"]),
+    Case("prune-unknown-method", _prune("--method", "random"), ["--method 'random'", "sparsegpt"]),
+    Case("prune-structured-and-method", _prune("--structured", "mlp-channels", "--ratio", "0.25", "--method", "wanda"),
+         ["--structured", "--method"]),
+    Case("prune-structured-no-ratio", _prune("--structured", "mlp-channels"), ["--structured", "--ratio"]),
+    Case("prune-ratio-out-of-range", _prune("--structured", "mlp-channels", "--ratio", "1.5"), ["--ratio 1.5", "(0, 1)"]),
+    Case("prune-ratio-without-structured", _prune("--ratio", "0.25"), ["--ratio", "--structured"]),
+    Case("prune-recipe-and-method", _prune_recipe_with_method, ["--recipe", "--method"]),
+    Case("prune-no-model", lambda tmp: ["prune", "--output", str(tmp / "out")], ["no model", "--model"]),
+    Case("pattern-unquoted-in-recipe", _pattern_unquoted, ["r.yaml:3", "pattern", "124", "quote"]),
+    Case("pattern-does-not-tile-layer", _pattern_does_not_tile, ["model.layers.0.self_attn.q_proj", "multiple of M = 7"]),
+    Case("sparsity-overrides-match-nothing", _overrides_match_nothing, ["sparsity_overrides", "mlp.nothing", "match"]),
+    Case("joint-quantization-with-activations", _joint_quant_activations, ["r.yaml", "quantize", "weights only"]),
+    # click usage errors
     # click usage errors
     Case("unknown-option", _unknown_option, ["--recipee", "--recipe"]),
     Case("missing-required-option", _missing_option, ["--recipe"]),

@@ -5,12 +5,20 @@ A new algorithm is one new file in this package plus one line here.
 
 from compress.stages.awq import AWQ
 from compress.stages.gptq import GPTQ
+from compress.stages.magnitude import Magnitude
 from compress.stages.rtn import RoundToNearest
 from compress.stages.smoothquant import SmoothQuant
+from compress.stages.sparsegpt import SparseGPT
+from compress.stages.wanda import Wanda
+from compress.stages.structured import Structured
 
 STAGES = {
     "rtn": RoundToNearest,
     "gptq": GPTQ,
     "awq": AWQ,
     "smoothquant": SmoothQuant,
+    "magnitude": Magnitude,
+    "wanda": Wanda,
+    "sparsegpt": SparseGPT,
+    "structured": Structured,
 }

@@ -1,5 +1,6 @@
-"""What every stage shares: the context it runs in, and the quantization keys (scheme presets,
-overrides, targets and ignore) common to every quantization algorithm."""
+"""What every stage shares: the context it runs in, target selection, and the quantization keys
+(scheme presets, overrides, targets and ignore) common to every quantization algorithm. The
+pruning keys are in compress/stages/pruning.py."""
 
 from __future__ import annotations
 
@@ -92,6 +93,18 @@ def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
     raise ValueError(f"activation_budget {value!r} is not a size such as 4GiB or 512MB")
 
 
+def select_targets(model: torch.nn.Module, targets: list[str], ignore: list[str], stage_name: str) -> dict[str, torch.nn.Module]:
+    """A stage's target layers, in model order; none at all is a recipe mistake, not a no-op."""
+    from compress.errors import CompressError
+    from compress.targets import select_modules
+
+    modules = select_modules(model, targets, ignore)
+    if not modules:
+        raise CompressError(f"stage {stage_name}: targets {targets} minus ignore {ignore} match no linear layer",
+                            "run `compress plan` to see the model's module names")
+    return modules
+
+
 class QuantArgsOverride(BaseModel):
     """Fields of a scheme's weights or input_activations to override; unset fields keep the preset."""
 
@@ -127,15 +140,7 @@ class QuantizationStage(Stage):
         return self
 
     def select(self, model: torch.nn.Module, stage_name: str) -> dict[str, torch.nn.Module]:
-        """The target layers, in model order; none at all is a recipe mistake, not a no-op."""
-        from compress.errors import CompressError
-        from compress.targets import select_modules
-
-        modules = select_modules(model, self.targets, self.ignore)
-        if not modules:
-            raise CompressError(f"stage {stage_name}: targets {self.targets} minus ignore {self.ignore} match no linear layer",
-                                "run `compress plan` to see the model's module names")
-        return modules
+        return select_targets(model, self.targets, self.ignore, stage_name)
 
     def resolved_scheme(self) -> QuantScheme:
         dump = lambda o: o.model_dump(exclude_none=True) if o is not None else None  # noqa: E731

@@ -1,0 +1,244 @@
+"""SparseGPT (Frantar and Alistarh 2023): prune a layer one input column at a time, and after each
+column spread the error of the weights just removed over the columns not yet visited, weighted by
+the inverse Hessian of the layer's reconstruction loss ||WX - ŴX||² (the OBS update, made cheap
+by visiting columns in order so that one Cholesky factor serves every step, as in GPTQ).
+
+    H = 2 X Xᵀ / N over all calibration tokens (from the calibration engine)
+    dead inputs (H_jj = 0) are zeroed; H += damp · mean(diag H) · I
+    U = Cholesky factor (upper) of H⁻¹
+    for each block of `block_size` columns:
+        unstructured: in each row, prune the `sparsity` share of the block's weights with the
+            smallest w² / U_jj²  (the OBS saliency: the loss their removal adds)
+        for each column j in it:
+            N:M: when j starts a group of M columns, prune the N of each row's group with the
+                smallest w² / U_jj²
+            q_j = 0 where pruned, else w_j (or, with `quantize`, w_j rounded to the grid; group
+                scales computed when a group's first column is reached)
+            e_j = (w_j - q_j) / U_jj
+            W[:, j:block end] -= e_j · U[j, j:block end]        (within the block)
+        then W[:, after block] -= E_block · U[block, after block]  (the lazy batched update)
+
+The masks are chosen on the weights as already updated (adaptive mask selection), so earlier
+columns' compensation informs which later weights go.
+
+Sample recipe stage:
+
+    - sparsegpt:
+        sparsity: 0.5            # or pattern: "2:4" (quoted: YAML reads 2:4 as a number)
+        block_size: 128          # columns per lazy batched update and per unstructured mask choice
+        dampening_frac: 0.01     # of the Hessian's mean diagonal
+        quantize: {scheme: W4A16, weights: {group_size: 64}}   # optional: joint quantization
+        sparsity_overrides: {mlp.down_proj: 0.3}
+        ignore: [lm_head]
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from compress.errors import CompressError
+from compress.modeling import get_weight, set_weight
+from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
+from compress.schemes import PRESETS, QuantArgs, resolve_scheme
+from compress.sparsity import lowest_per_row, nm_mask, prune_count
+from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext
+from compress.stages.gptq import HessianObserver, hessian_loss, inverse_hessian_cholesky
+from compress.stages.magnitude import magnitude_prune
+from compress.stages.pruning import LayerTarget, PruningStage, check_weight, count_nonzero, prune_summary, record_layer
+
+# ---------------------------------------------------------------------------------------------
+# The math
+
+
+def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block_size: int = 128, damp: float = 0.01,
+                    quant: QuantArgs | None = None) -> tuple[torch.Tensor, dict]:
+    """Prune (and with `quant`, quantize) W [out, in] against Hessian H [in, in].
+
+    Returns the new weight (float32) and details. Unstructured: each row loses exactly
+    round(sparsity · in) weights, the per-block counts being the differences of the rounded
+    running totals. N:M: the block size is rounded up to a multiple of M so groups never straddle
+    blocks (block size only batches updates; for N:M it does not change the result).
+    """
+    W = W.clone().float()
+    H = H.clone().float()
+    rows, columns = W.shape
+    nm = target.nm
+    if nm:
+        block_size = -(-block_size // nm[1]) * nm[1]
+        if columns % nm[1]:
+            raise ValueError(f"{columns} input features are not a multiple of M = {nm[1]}")
+    group = quant.group_size if quant is not None and quant.strategy == "group" else None
+
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+
+    qp = None
+    if quant is not None and group is None:
+        qp = compute_qparams(W, quant.num_bits, quant.symmetric, "tensor" if quant.strategy == "tensor" else "channel")
+
+    Hinv, damp_used, retries = inverse_hessian_cholesky(H, damp)
+
+    Q = torch.zeros_like(W)
+    for i1 in range(0, columns, block_size):
+        i2 = min(i1 + block_size, columns)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        d = torch.diag(Hinv1)
+        if nm is None:
+            k = prune_count(target.sparsity, i2) - prune_count(target.sparsity, i1)
+            keep1 = lowest_per_row(W1.pow(2) / d.pow(2)[None, :], k)
+        else:
+            keep1 = torch.ones_like(W1, dtype=torch.bool)
+        for i in range(i2 - i1):
+            col = i1 + i
+            if nm is not None and i % nm[1] == 0:
+                n, m = nm
+                keep1[:, i : i + m] = nm_mask(W1[:, i : i + m].pow(2) / d[i : i + m].pow(2)[None, :], n, m)
+            if group is not None and col % group == 0:
+                # Scales from the group's current (already error-compensated) values, with the
+                # weights already known to be pruned left out of the range.
+                ahead = torch.cat([W1[:, i:] * keep1[:, i:], W[:, i2:]], dim=1)[:, :group]
+                qp = compute_qparams(ahead, quant.num_bits, quant.symmetric, "channel")
+            w = W1[:, i : i + 1]
+            q = w if quant is None else dequantize(quantize(w, qp), qp)
+            q = q.masked_fill(~keep1[:, i : i + 1], 0.0)
+            Q1[:, i : i + 1] = q
+            err = (w - q) / d[i]
+            W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
+            Err1[:, i : i + 1] = err
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return Q, {"damp": damp_used, "damp_retries": retries, "dead_columns": int(dead.sum())}
+
+
+def magnitude_baseline(W: torch.Tensor, target: LayerTarget, quant: QuantArgs | None = None) -> torch.Tensor:
+    """What SparseGPT is compared with on the same Hessian: magnitude pruning (the magnitude
+    stage's defaults), then round-to-nearest when quantizing jointly."""
+    pruned = magnitude_prune(W, target)
+    if quant is None:
+        return pruned
+    return fake_quantize(pruned, quant.num_bits, quant.symmetric, quant.strategy, quant.group_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+class JointQuantization(BaseModel):
+    """`quantize:` of a sparsegpt stage: the weights' scheme, as a quantization stage takes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    scheme: Optional[str] = Field(None, description=f"preset: {', '.join(PRESETS)}")
+    weights: Optional[QuantArgsOverride] = None
+
+    @model_validator(mode="after")
+    def _integer_weights_only(self) -> "JointQuantization":
+        if self.scheme is not None and self.scheme.upper() not in PRESETS:
+            raise ValueError(f"unknown scheme '{self.scheme}'; presets are {', '.join(PRESETS)}")
+        if self.scheme is None and self.weights is None:
+            raise ValueError("set a scheme preset (e.g. W4A16) or weights settings")
+        args = self.args()
+        if args.type != "int":
+            raise ValueError("joint quantization rounds to an integer grid: use an int weights scheme")
+        if self.scheme is not None and PRESETS[self.scheme.upper()].get("input_activations"):
+            raise ValueError(f"joint quantization quantizes weights only; {self.scheme} also quantizes activations: "
+                             "use a weight-only preset (e.g. W8A16) and a later stage for activations")
+        return self
+
+    def args(self) -> QuantArgs:
+        weights = self.weights.model_dump(exclude_none=True) if self.weights is not None else None
+        return resolve_scheme(self.scheme, weights, None).weights
+
+
+class SparseGPT(EngineOptions, PruningStage):
+    """SparseGPT pruning (optionally with joint quantization), block by block through the calibration engine."""
+
+    block_size: int = Field(128, gt=0, description="columns per lazy batched update and per unstructured mask choice")
+    dampening_frac: float = Field(0.01, gt=0, description="damping as a fraction of the Hessian's mean diagonal")
+    quantize: Optional[JointQuantization] = Field(None, description="quantize the kept weights in the same pass: {scheme, weights}")
+    min_tokens: int = Field(16, ge=1, description="a layer that sees fewer calibration tokens falls back to magnitude pruning")
+
+    def model_dump(self, **kw):  # the saved recipe: unset scheme overrides would read as explicit nulls
+        out = super().model_dump(**kw)
+        joint = out.get("quantize")
+        if isinstance(joint, dict) and isinstance(joint.get("weights"), dict):
+            joint["weights"] = {k: v for k, v in joint["weights"].items() if v is not None} or None
+        return out
+
+    def observe(self, name: str, module: torch.nn.Module) -> HessianObserver:
+        return HessianObserver(module, conv1d=type(module).__name__ == "Conv1D")
+
+    def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict, observers: dict,
+                       ctx: StageContext, runner) -> None:
+        quant = self.quantize.args() if self.quantize is not None else None
+        for k, (name, module) in enumerate(layers.items()):
+            obs = observers[name]
+            W = get_weight(module).to(module.weight.device)
+            check_weight(name, W)
+            try:
+                H = obs.hessian()
+            except FloatingPointError as exc:
+                raise CompressError(f"layer {name}: {exc}", "check the model's weights, or load it in float32 (--dtype float32)") from None
+            if obs.tokens < self.min_tokens:
+                self._magnitude(name, module, ctx, obs.tokens,
+                                f"saw {obs.tokens} calibration tokens (< min_tokens {self.min_tokens}): magnitude pruning")
+                continue
+            target = self._targets[name]
+            try:
+                Q, info = sparsegpt_prune(W, H, target, self.block_size, self.dampening_frac, quant)
+            except FloatingPointError as exc:
+                raise CompressError(f"layer {name}: {exc}", "raise dampening_frac or give more calibration samples") from None
+            loss, base_loss = hessian_loss(W, Q, H), hessian_loss(W, magnitude_baseline(W, target, quant), H)
+            ctx.progress(f"block {index + 1}: {name} loss {loss:.3g} (magnitude {base_loss:.3g})", k + 1, len(layers))
+            set_weight(module, Q)
+            extra = {"sparsegpt_loss": loss, "magnitude_loss": base_loss, "tokens": obs.tokens, **info}
+            if quant is not None:
+                extra["weights"] = quant.model_dump(mode="json")
+            if info["damp_retries"]:
+                extra["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"
+            record_layer(ctx, name, "sparsegpt", target, W, Q, **extra)
+            self._done.add(name)
+
+    def _magnitude(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str) -> None:
+        """The fallback for a layer SparseGPT cannot solve, recorded as such."""
+        quant = self.quantize.args() if self.quantize is not None else None
+        W = get_weight(module)
+        check_weight(name, W)
+        Q = magnitude_baseline(W, self._targets[name], quant)
+        set_weight(module, Q)
+        extra = {"weights": quant.model_dump(mode="json")} if quant is not None else {}
+        record_layer(ctx, name, "sparsegpt", self._targets[name], W, Q, sparsegpt_loss=None, magnitude_loss=None,
+                     tokens=tokens, damp_retries=0, note=note, **extra)
+        self._done.add(name)
+
+    def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
+        selected = self.select(model, "sparsegpt")
+        self._targets, self._done = self.layer_targets(selected, "sparsegpt"), set()
+        nonzero_before = count_nonzero(model)
+        summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
+        # Layers outside the transformer blocks (a BERT pooler, a targeted lm_head) see no block
+        # inputs: they are pruned by magnitude, and the report says so.
+        for name in selected:
+            if name not in self._done:
+                self._magnitude(name, selected[name], ctx, 0, "outside the transformer blocks: magnitude pruning")
+        done = [ctx.layers[n] for n in selected]
+        solved = [r for r in done if r["sparsegpt_loss"] is not None]
+        out = {"method": "sparsegpt", "scheme": self.describe_target()}
+        if self.quantize is not None:
+            out["scheme"] += f" + {self.quantize.args().describe()}"
+        out.update(prune_summary(model, selected, nonzero_before, ctx.layers))
+        out.update({
+            "magnitude_fallback": len(done) - len(solved),
+            "mean_sparsegpt_loss": sum(r["sparsegpt_loss"] for r in solved) / max(len(solved), 1),
+            "mean_magnitude_loss": sum(r["magnitude_loss"] for r in solved) / max(len(solved), 1),
+            "damping_raised": sum(1 for r in done if r["damp_retries"]),
+            **summary,
+        })
+        return out

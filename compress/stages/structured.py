@@ -1,0 +1,469 @@
+"""Structured pruning (Minitron: Muralidharan et al. 2024, "Compact Language Models via Pruning
+and Knowledge Distillation"): remove whole MLP channels, attention heads (whole GQA groups) or
+transformer blocks, ranked by activation-based importance on the calibration set. The pruned
+structures are cut out of the weights, so the saved checkpoint has smaller shapes and an updated
+config that plain `from_pretrained` loads.
+
+Importance, from one forward pass of the unpruned model over the calibration set (padding excluded):
+
+    MLP channel i      F_i = sqrt( Σ_tokens a_i² / N )
+                       a = the activation entering the down projection: act(gate(x)) · up(x) for
+                       SwiGLU (Llama, Mistral, Qwen2), act(fc1(x)) for GPT-2, OPT and BERT
+    attention head h   F_h = Σ_tokens ||o_h||₂ / N,  o_h = head h's attention output, the slice
+                       [h·d, (h+1)·d) of o_proj's input;
+                       a KV group's importance is the sum over the query heads that share its KV head
+    block b            BI_b = 1 - mean_tokens cos(x_b, y_b)   (Block Importance, ShortGPT / Minitron
+                       depth ranking; x_b, y_b the block's input and output hidden states)
+
+The `ratio` of channels / KV groups / blocks with the lowest importance is removed: round(ratio ·
+count), which must be at least one and not all. Channels and heads are removed in the same number
+from every block (a transformers config holds one width for all layers), each block choosing its
+own least important ones; GQA removes whole KV groups (a KV head together with every query head
+reading it), so num_key_value_groups is unchanged and head_dim is written into the config
+explicitly. Removing blocks renumbers the kept blocks' `layer_idx` (the key of the generation
+cache) and `config.layer_types`. The new config is first checked by transformers' own validation
+(LlamaConfig, for one, wants hidden_size to be a multiple of the query heads), so a ratio that
+would give an unloadable checkpoint is refused, with the ratios that work, before any work.
+
+Supported: mlp-channels and blocks on Llama, Mistral, Qwen2, GPT-2, OPT and BERT; heads on Llama,
+Mistral and Qwen2 (GPT-2, OPT and BERT derive the head size from the hidden size, so a config
+with fewer heads cannot say what remains).
+
+Why a plain forward pass with hooks and not the layer-by-layer engine: Minitron ranks every
+structure on the unpruned model in one pass, depth ranking needs every block's score before any
+block can be chosen (the engine decides block by block), and the statistics are a few vectors per
+block. The model is therefore on `ctx.device` whole for the pass (and `offload: disk` is refused).
+
+Sample recipe stage:
+
+    - structured:
+        structure: mlp-channels     # mlp-channels, heads (KV groups) or blocks
+        ratio: 0.25                 # share of channels / KV groups / blocks removed
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+from pydantic import Field
+
+from compress.engine import find_blocks
+from compress.errors import CompressError
+from compress.stages.base import Stage, StageContext
+
+# ---------------------------------------------------------------------------------------------
+# The math: plain functions on tensors
+
+
+def channel_importance(sum_sq: torch.Tensor, tokens: int) -> torch.Tensor:
+    """RMS over tokens of each channel's activation: sqrt(Σ a_i² / N)."""
+    return (sum_sq / max(tokens, 1)).sqrt()
+
+
+def group_importance(head_norm_sum: torch.Tensor, tokens: int, num_kv_heads: int) -> torch.Tensor:
+    """Mean per-token L2 norm of each query head's output, summed over the heads of each KV group
+    (query head h reads KV head h // n_rep)."""
+    per_head = head_norm_sum / max(tokens, 1)
+    return per_head.reshape(num_kv_heads, -1).sum(dim=1)
+
+
+def token_cosine(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of each token's hidden state before and after a block: [..., hidden] -> [...]."""
+    return torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1, eps=1e-8)
+
+
+def keep_most_important(scores: torch.Tensor, n_remove: int) -> torch.Tensor:
+    """Indices (ascending) of all but the `n_remove` lowest scores; ties go to the lower index."""
+    order = torch.argsort(scores.float().cpu(), stable=True)
+    return order[n_remove:].sort().values
+
+
+def rows_of(units: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows [u·width, (u+1)·width) of every unit u (a head), in order."""
+    return (units[:, None] * width + torch.arange(width)[None, :]).reshape(-1)
+
+
+def prune_outputs(module: torch.nn.Module, idx: torch.Tensor) -> None:
+    """Keep output features `idx` of a Linear (or GPT-2 Conv1D, whose weight is [in, out])."""
+    conv1d = type(module).__name__ == "Conv1D"
+    idx = idx.to(module.weight.device)
+    w = module.weight.data
+    module.weight = torch.nn.Parameter((w[:, idx] if conv1d else w[idx]).clone(), requires_grad=module.weight.requires_grad)
+    if getattr(module, "bias", None) is not None:
+        module.bias = torch.nn.Parameter(module.bias.data[idx].clone(), requires_grad=module.bias.requires_grad)
+    if conv1d:
+        module.nf = len(idx)
+    else:
+        module.out_features = len(idx)
+
+
+def prune_inputs(module: torch.nn.Module, idx: torch.Tensor) -> None:
+    """Keep input features `idx` of a Linear (or GPT-2 Conv1D); the bias is per output, unchanged."""
+    conv1d = type(module).__name__ == "Conv1D"
+    idx = idx.to(module.weight.device)
+    w = module.weight.data
+    module.weight = torch.nn.Parameter((w[idx] if conv1d else w[:, idx]).clone(), requires_grad=module.weight.requires_grad)
+    if conv1d:
+        module.nx = len(idx)
+    else:
+        module.in_features = len(idx)
+
+
+def non_embedding_parameters(model: torch.nn.Module) -> int:
+    """Parameters outside token/position embeddings and the output embedding (lm_head)."""
+    skip = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is not None:
+        skip |= {id(p) for p in out.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where each family keeps its MLP and attention (module names relative to a block)
+
+
+@dataclass(frozen=True)
+class Family:
+    mlp_in: tuple[str, ...]  # layers whose output features are the MLP channels
+    mlp_out: str  # the layer whose input features are the MLP channels
+    mlp_width: str  # config key of the MLP width
+    attention: Optional[tuple[str, str, str, str]] = None  # q, k, v, o; None: heads cannot be pruned
+
+
+_LLAMA = Family(("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj", "intermediate_size",
+                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"))
+FAMILIES = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "gpt2": Family(("mlp.c_fc",), "mlp.c_proj", "n_inner"),
+    "opt": Family(("fc1",), "fc2", "ffn_dim"),
+    "bert": Family(("intermediate.dense",), "output.dense", "intermediate_size"),
+}
+_HEADS = [t for t, f in FAMILIES.items() if f.attention]
+_NO_HEADS_WHY = "its config derives the head size from the hidden size, so a model with fewer heads cannot be saved"
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics, collected by hooks during one forward pass
+
+
+class _Stats:
+    """Per-block sums over the calibration tokens; `mask` is the current sample's attention mask."""
+
+    def __init__(self, n_blocks: int):
+        self.sums: list[Optional[torch.Tensor]] = [None] * n_blocks
+        self.tokens = [0] * n_blocks
+        self.mask: Optional[torch.Tensor] = None
+
+    def tokens_of(self, x: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, ...] -> [tokens, ...] without padding."""
+        if self.mask is not None and x.dim() >= 3 and tuple(x.shape[:2]) == tuple(self.mask.shape):
+            return x[self.mask.to(x.device).bool()]
+        return x.reshape(-1, *x.shape[2:]) if x.dim() >= 3 else x
+
+    def add(self, b: int, value: torch.Tensor, count: int) -> None:
+        value = value.detach().float()
+        self.sums[b] = value if self.sums[b] is None else self.sums[b] + value
+        self.tokens[b] += count
+
+
+def _mlp_hook(stats: _Stats, b: int):
+    def hook(module, args):
+        a = stats.tokens_of(args[0]).reshape(-1, args[0].shape[-1]).float()
+        stats.add(b, (a * a).sum(0), a.shape[0])
+    return hook
+
+
+def _head_hook(stats: _Stats, b: int, num_heads: int):
+    def hook(module, args):
+        o = stats.tokens_of(args[0]).reshape(-1, num_heads, args[0].shape[-1] // num_heads).float()
+        stats.add(b, o.norm(dim=-1).sum(0), o.shape[0])
+    return hook
+
+
+def _block_hook(stats: _Stats, b: int):
+    def hook(module, args, kwargs, output):
+        x = args[0] if args else kwargs["hidden_states"]
+        y = output[0] if isinstance(output, (tuple, list)) else output
+        cos = stats.tokens_of(token_cosine(x, y).unsqueeze(-1)).reshape(-1)
+        stats.add(b, cos.sum(), cos.numel())
+    return hook
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+class Structured(Stage):
+    """Structured pruning that removes MLP channels, KV groups of heads, or whole blocks."""
+
+    structure: Literal["mlp-channels", "heads", "blocks"] = Field(
+        ..., description="what to remove: mlp-channels, heads (whole KV groups) or blocks")
+    ratio: float = Field(..., gt=0, lt=1, description="share of MLP channels / KV groups / blocks removed, in (0, 1)")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True  # importance is measured on the calibration activations
+
+    def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
+        config = model.config
+        family = self._family(model)
+        path, blocks = find_blocks(model)
+        if ctx.calibration is None or not ctx.calibration.samples:
+            raise CompressError("stage structured needs calibration data to rank importance", "add a calibration section to the recipe")
+        before, before_ne = sum(p.numel() for p in model.parameters()), non_embedding_parameters(model)
+
+        if self.structure == "mlp-channels":
+            total = _out_in(blocks[0].get_submodule(family.mlp_out))[1]
+            unit = "MLP channels"
+        elif self.structure == "heads":
+            total, unit = config.num_key_value_heads, "KV groups of heads"
+        else:
+            total, unit = len(blocks), "blocks"
+        n_remove = math.floor(self.ratio * total + 0.5)
+        if n_remove == 0 or n_remove >= total:
+            what = "nothing" if n_remove == 0 else "all of them"
+            raise CompressError(f"stage structured: ratio {self.ratio:g} of {total} {unit} removes {what}",
+                                f"it removes round(ratio · {total}); choose a ratio that removes 1 to {total - 1}, "
+                                f"e.g. {1 / total:.3g} to {(total - 1) / total:.3g}")
+        # A config transformers would refuse to save or load is found before any work.
+        changes = lambda n: self._config_changes(config, family, blocks, total, n)  # noqa: E731
+        problem = _config_problem(config, changes(n_remove))
+        if problem is not None:
+            valid = [n for n in range(1, total) if _config_problem(config, changes(n)) is None]
+            raise CompressError(f"stage structured: removing {n_remove} of {total} {unit} gives a config that "
+                                f"{type(config).__name__} rejects: {problem}",
+                                f"ratios that give a valid config: {', '.join(f'{n / total:.3g}' for n in valid)}"
+                                if valid else f"{self.structure} pruning cannot give a valid config for this model")
+
+        self._check_earlier_stages(blocks, path, family, config, ctx)
+        stats = self._collect(model, blocks, family, ctx)
+        details: dict = {}
+        if self.structure == "mlp-channels":
+            self._prune_mlp(blocks, path, family, stats, n_remove, ctx)
+            details["kept_per_block"] = f"{total - n_remove} of {total} MLP channels"
+        elif self.structure == "heads":
+            self._prune_heads(blocks, path, family, config, stats, n_remove, ctx)
+            new = changes(n_remove)
+            details["kept_per_block"] = (f"{new['num_key_value_heads']} of {total} KV groups "
+                                         f"({new['num_attention_heads']} query heads, head_dim {new['head_dim']})")
+        else:
+            scores = torch.tensor([1 - s.item() / max(t, 1) for s, t in zip(stats.sums, stats.tokens)])
+            keep = keep_most_important(scores, n_remove).tolist()
+            self._remove_blocks(model, path, blocks, keep, ctx)
+            details["kept_blocks"] = f"{len(keep)} of {total}"
+            details["removed_blocks"] = [i for i in range(total) if i not in keep]
+            details["block_importance"] = [round(float(s), 5) for s in scores]
+        layer_types = getattr(config, "layer_types", None)
+        for key, value in changes(n_remove).items():
+            setattr(config, key, value)
+        if self.structure == "blocks" and isinstance(layer_types, list):
+            config.layer_types = [layer_types[i] for i in keep]  # Qwen2: full or sliding, per layer
+
+        after, after_ne = sum(p.numel() for p in model.parameters()), non_embedding_parameters(model)
+        return {
+            "structure": self.structure,
+            "ratio": self.ratio,
+            "removed": f"{n_remove} of {total} {unit}" + (" per block" if self.structure != "blocks" else ""),
+            **details,
+            "calibration_tokens": max(stats.tokens),
+            "parameters_before": before,
+            "parameters_after": after,
+            "parameters_removed_pct": 100 * (before - after) / before,
+            "non_embedding_parameters_before": before_ne,
+            "non_embedding_parameters_after": after_ne,
+            "non_embedding_removed_pct": 100 * (before_ne - after_ne) / max(before_ne, 1),
+        }
+
+    # -- checks
+
+    def _family(self, model: torch.nn.Module) -> Family:
+        model_type = getattr(model.config, "model_type", None)
+        family = FAMILIES.get(model_type)
+        if family is None:
+            raise CompressError(f"stage structured: architecture '{model_type}' is not supported "
+                                f"(supported: {', '.join(FAMILIES)}; heads only on {', '.join(_HEADS)})",
+                                "use one of the supported families")
+        if self.structure == "heads" and family.attention is None:
+            raise CompressError(f"stage structured: heads pruning is not supported for '{model_type}': {_NO_HEADS_WHY} "
+                                f"(heads: {', '.join(_HEADS)}; mlp-channels and blocks: {', '.join(FAMILIES)})",
+                                "prune mlp-channels or blocks instead")
+        return family
+
+    def _check_earlier_stages(self, blocks, path: str, family: Family, config, ctx: StageContext) -> None:
+        """Input columns cut out of a layer quantized in groups (or pruned N:M) by an earlier stage
+        would leave its groups misaligned: refused, unless whole heads span whole groups."""
+        if self.structure == "blocks":
+            return
+        layer, unit = (family.mlp_out, 1) if self.structure == "mlp-channels" else \
+            (family.attention[3], _head_dim(blocks[0].get_submodule(family.attention[0].rsplit(".", 1)[0]), config))
+        for b in range(len(blocks)):
+            name = f"{path}.{b}.{layer}"
+            rec = ctx.layers.get(name, {})
+            group = (rec.get("weights") or {}).get("group_size") if (rec.get("weights") or {}).get("strategy") == "group" else None
+            pattern = rec.get("pattern")
+            if (group and unit % group) or pattern:
+                what = f"quantized in groups of {group} input columns" if group else f"pruned {pattern}"
+                raise CompressError(f"stage structured: layer {name} was {what} by an earlier stage; removing "
+                                    f"{self.structure} cuts its input columns and breaks that layout",
+                                    "put the structured stage before quantization and N:M pruning")
+
+    def _config_changes(self, config, family: Family, blocks, total: int, n_remove: int) -> dict:
+        """The config values after removing `n_remove` of `total` structures."""
+        if self.structure == "mlp-channels":
+            return {family.mlp_width: total - n_remove}
+        if self.structure == "heads":
+            n_rep = config.num_attention_heads // config.num_key_value_heads
+            return {"num_attention_heads": (total - n_remove) * n_rep, "num_key_value_heads": total - n_remove,
+                    "head_dim": _head_dim(blocks[0].get_submodule(family.attention[0].rsplit(".", 1)[0]), config)}
+        changes = {"num_hidden_layers": total - n_remove}
+        if isinstance(getattr(config, "layer_types", None), list):
+            changes["layer_types"] = config.layer_types[: total - n_remove]  # the kept ones, once ranked
+        return changes
+
+    # -- the pass over the calibration set
+
+    @torch.no_grad()
+    def _collect(self, model: torch.nn.Module, blocks: torch.nn.ModuleList, family: Family, ctx: StageContext) -> _Stats:
+        stats = _Stats(len(blocks))
+        handles = []
+        for b, block in enumerate(blocks):
+            if self.structure == "mlp-channels":
+                handles.append(block.get_submodule(family.mlp_out).register_forward_pre_hook(_mlp_hook(stats, b)))
+            elif self.structure == "heads":
+                o_proj = block.get_submodule(family.attention[3])
+                handles.append(o_proj.register_forward_pre_hook(_head_hook(stats, b, model.config.num_attention_heads)))
+            else:
+                handles.append(block.register_forward_hook(_block_hook(stats, b), with_kwargs=True))
+        home = next(model.parameters()).device
+        runner = getattr(model, "base_model", model)  # no lm_head: only the blocks' activations count
+        samples = ctx.calibration.samples
+        try:
+            model.to(ctx.device)
+            for j, sample in enumerate(samples):
+                ctx.progress("structured: measuring importance", j, len(samples))
+                stats.mask = sample.get("attention_mask")
+                kwargs = {k: v.to(ctx.device) for k, v in sample.items()}
+                if getattr(model.config, "use_cache", None) is not None:
+                    kwargs["use_cache"] = False
+                runner(**kwargs)
+            ctx.progress("structured: measuring importance", len(samples), len(samples))
+        finally:
+            for h in handles:
+                h.remove()
+            model.to(home)
+        for b, s in enumerate(stats.sums):
+            if s is None or not torch.isfinite(s).all():
+                raise CompressError(f"stage structured: block {b} saw no finite calibration activations",
+                                    "check the calibration data, or load the model in float32 (--dtype float32)")
+        return stats
+
+    # -- cutting
+
+    def _prune_mlp(self, blocks, path: str, family: Family, stats: _Stats, n_remove: int, ctx: StageContext) -> None:
+        for b, block in enumerate(blocks):
+            keep = keep_most_important(channel_importance(stats.sums[b], stats.tokens[b]), n_remove)
+            for name in family.mlp_in:
+                prune_outputs(block.get_submodule(name), keep)
+            down = block.get_submodule(family.mlp_out)
+            prune_inputs(down, keep)
+            mlp = block.get_submodule(family.mlp_out.rsplit(".", 1)[0]) if "." in family.mlp_out else block
+            if isinstance(getattr(mlp, "intermediate_size", None), int):
+                mlp.intermediate_size = len(keep)  # LlamaMLP keeps its width
+            _update_shapes(ctx, f"{path}.{b}.", block, family.mlp_in)
+            ctx.layers.setdefault(f"{path}.{b}.{family.mlp_out}", {}).update(
+                {"stage": "structured", "shape": list(_out_in(down)), "kept_channels": keep.tolist()})
+
+    def _prune_heads(self, blocks, path: str, family: Family, config, stats: _Stats, n_remove: int, ctx: StageContext) -> None:
+        heads, kv = config.num_attention_heads, config.num_key_value_heads
+        n_rep = heads // kv
+        d = _head_dim(blocks[0].get_submodule(family.attention[0].rsplit(".", 1)[0]), config)
+        for b, block in enumerate(blocks):
+            groups = keep_most_important(group_importance(stats.sums[b], stats.tokens[b], kv), n_remove)
+            q_heads = (groups[:, None] * n_rep + torch.arange(n_rep)[None, :]).reshape(-1)
+            q_rows, kv_rows = rows_of(q_heads, d), rows_of(groups, d)
+            q, k, v, o = (block.get_submodule(n) for n in family.attention)
+            prune_outputs(q, q_rows)
+            prune_outputs(k, kv_rows)
+            prune_outputs(v, kv_rows)
+            prune_inputs(o, q_rows)
+            attn = block.get_submodule(family.attention[0].rsplit(".", 1)[0])
+            for attr, value in (("num_heads", len(q_heads)), ("num_attention_heads", len(q_heads)),
+                                ("num_key_value_heads", len(groups)), ("head_dim", d)):
+                if isinstance(getattr(attn, attr, None), int):
+                    setattr(attn, attr, value)
+            _update_shapes(ctx, f"{path}.{b}.", block, family.attention[:3])
+            ctx.layers.setdefault(f"{path}.{b}.{family.attention[3]}", {}).update(
+                {"stage": "structured", "shape": list(_out_in(o)), "kept_kv_heads": groups.tolist(),
+                 "kept_heads": q_heads.tolist()})
+
+    @staticmethod
+    def _remove_blocks(model: torch.nn.Module, path: str, blocks: torch.nn.ModuleList, keep: list[int],
+                       ctx: StageContext) -> None:
+        parent_path, attr = path.rsplit(".", 1) if "." in path else ("", path)
+        kept = torch.nn.ModuleList([blocks[i] for i in keep])
+        for new, block in enumerate(kept):
+            for m in block.modules():
+                if isinstance(getattr(m, "layer_idx", None), int):
+                    m.layer_idx = new  # the generation cache is indexed by it
+        setattr(model.get_submodule(parent_path), attr, kept)
+        # Records of earlier stages follow their block to its new index; those of removed blocks go.
+        renamed = {}
+        for name, rec in ctx.layers.items():
+            if name.startswith(path + "."):
+                old, rest = name[len(path) + 1:].split(".", 1)
+                if int(old) not in keep:
+                    continue
+                name = f"{path}.{keep.index(int(old))}.{rest}"
+            renamed[name] = rec
+        ctx.layers.clear()
+        ctx.layers.update(renamed)
+
+
+def _head_dim(attention: torch.nn.Module, config) -> int:
+    """Written into the config explicitly: once heads go, it is no longer hidden_size / heads."""
+    return getattr(attention, "head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _config_problem(config, changes: dict) -> Optional[str]:
+    """Why transformers would refuse `config` with `changes` (its own validation, run by
+    save_pretrained and from_pretrained), or None."""
+    validate = getattr(config, "validate", None)
+    if validate is None:
+        return None
+    def problem(cfg) -> Optional[str]:
+        try:
+            cfg.validate()
+        except Exception as exc:  # transformers' own validation errors, wrapping a ValueError
+            cause = exc.__cause__ or exc
+            return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return None
+
+    if problem(config) is not None:
+        return None  # the model's own config does not pass: nothing to learn from the check
+    trial = copy.deepcopy(config)
+    for key, value in changes.items():
+        setattr(trial, key, value)
+    return problem(trial)
+
+
+def _update_shapes(ctx: StageContext, prefix: str, block: torch.nn.Module, names) -> None:
+    """Records of earlier stages (a quantized layer's shape counts its packed size) follow the cut."""
+    for name in names:
+        rec = ctx.layers.get(prefix + name)
+        if rec is not None and "shape" in rec:
+            rec["shape"] = list(_out_in(block.get_submodule(name)))
+
+
+def _is_conv1d(module: torch.nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D"
+
+
+def _out_in(module: torch.nn.Module) -> tuple[int, int]:
+    w = module.weight
+    return (w.shape[1], w.shape[0]) if _is_conv1d(module) else tuple(w.shape)

@@ -1,0 +1,343 @@
+"""Pruning: the mask math alone, the three algorithms on one layer, then the stages through the
+pipeline on tiny models of each family and the bundled ref-llama, and `compress prune` end to end."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from compress import modeling, parse_recipe, run_recipe
+from compress.cli import main
+from compress.errors import CompressError
+from compress.quant import compute_qparams
+from compress.schemes import QuantArgs
+from compress.sparsity import (check_nm, magnitude_scores, nm_mask, parse_pattern, sparsity, unstructured_mask,
+                               wanda_scores)
+from compress.stages.gptq import hessian_loss
+from compress.stages.magnitude import magnitude_prune
+from compress.stages.pruning import LayerTarget
+from compress.stages.sparsegpt import sparsegpt_prune
+from compress.stages.wanda import wanda_prune
+
+from tests.test_gptq import correlated_layer
+from tests.test_model_families import FAMILIES
+
+# ---------------------------------------------------------------------------------------------
+# masks
+
+
+@pytest.mark.parametrize("s", [0.0, 0.25, 0.5, 0.7])
+def test_unstructured_mask_exact_per_row_and_per_layer(s):
+    scores = torch.rand(12, 40, generator=torch.Generator().manual_seed(0))
+    row = unstructured_mask(scores, s, per_row=True)
+    assert ((~row).sum(1) == round(s * 40)).all()
+    layer = unstructured_mask(scores, s, per_row=False)
+    assert int((~layer).sum()) == round(s * 12 * 40)
+    # the pruned scores are the lowest ones
+    if s:
+        assert scores[~layer].max() <= scores[layer].min()
+        assert ((scores * ~row).amax(1) <= torch.where(row, scores, torch.inf).amin(1)).all()
+
+
+def test_ties_still_give_the_exact_count():
+    scores = torch.ones(4, 16)
+    assert ((~unstructured_mask(scores, 0.5)).sum(1) == 8).all()
+    assert ((~nm_mask(scores, 2, 4)).reshape(4, 4, 4).sum(2) == 2).all()
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (4, 8), (1, 4)])
+def test_nm_mask_prunes_n_lowest_of_every_m(n, m):
+    scores = torch.rand(6, 32, generator=torch.Generator().manual_seed(1))
+    keep = nm_mask(scores, n, m)
+    groups, kept = scores.reshape(6, -1, m), keep.reshape(6, -1, m)
+    assert ((~kept).sum(2) == n).all()
+    assert (torch.where(kept, -torch.inf, groups).amax(2) <= torch.where(kept, groups, torch.inf).amin(2)).all()
+    W = torch.randn(6, 32) * keep
+    assert check_nm(W, n, m) and sparsity(W) == pytest.approx(n / m)
+    W[0, 0:m] = 1.0  # one group left dense breaks the pattern
+    assert not check_nm(W, n, m)
+
+
+def test_nm_needs_a_width_multiple_of_m():
+    with pytest.raises(ValueError, match="30 input features are not a multiple of M = 4"):
+        nm_mask(torch.rand(2, 30), 2, 4)
+    assert not check_nm(torch.zeros(2, 30), 2, 4)
+
+
+@pytest.mark.parametrize("text", ["5:4", "4:4", "0:4", "x", "2-4", "", "2:4:8"])
+def test_bad_patterns(text):
+    with pytest.raises(ValueError, match="pattern"):
+        parse_pattern(text)
+    assert parse_pattern(" 2 : 4 ") == (2, 4)
+
+
+def test_wanda_scores_by_weight_times_input_norm():
+    """Row [1.0, 0.5] on inputs with norms [0.1, 10]: magnitude drops the 0.5, Wanda the 1.0,
+    whose contribution to the output (0.1) is fifty times smaller."""
+    W = torch.tensor([[1.0, 0.5], [-0.5, -1.0]])
+    norm = torch.tensor([0.1, 10.0])
+    half = LayerTarget(0.5, None)
+    assert torch.equal(magnitude_prune(W, half, per_row=True), torch.tensor([[1.0, 0.0], [0.0, -1.0]]))
+    assert torch.equal(wanda_prune(W, norm, half), torch.tensor([[0.0, 0.5], [0.0, -1.0]]))
+    assert torch.equal(wanda_scores(W, norm), magnitude_scores(W) * norm)
+
+
+def test_wanda_compares_within_each_row():
+    """One row of large weights and one of small: per-layer magnitude empties the small row,
+    Wanda (per row) prunes half of each."""
+    W = torch.cat([torch.rand(1, 8) + 10, torch.rand(1, 8)])
+    out = wanda_prune(W, torch.ones(8), LayerTarget(0.5, None))
+    assert ((out == 0).sum(1) == 4).all()
+    assert (magnitude_prune(W, LayerTarget(0.5, None))[1] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the algorithms on one layer
+
+
+@pytest.mark.parametrize("target", [LayerTarget(0.5, None), LayerTarget(0.5, (2, 4)), LayerTarget(0.5, (4, 8)),
+                                    LayerTarget(0.3, None)], ids=lambda t: t.describe())
+def test_sparsegpt_reconstructs_better_than_magnitude_and_wanda(target):
+    W, X, H = correlated_layer()
+    Q, info = sparsegpt_prune(W, H, target)
+    M = magnitude_prune(W, target)
+    A = wanda_prune(W, X.pow(2).sum(0).sqrt(), target)
+    err = lambda P: float(((W - P) @ X.t()).pow(2).sum())  # noqa: E731  ||WX - ŴX||²
+    assert err(Q) < err(A) < err(M)
+    for P in (Q, A):  # exactly the sparsity asked, in every row
+        assert ((P == 0).sum(1) == round(target.sparsity * W.shape[1])).all()
+    assert int((M == 0).sum()) == round(target.sparsity * W.numel())  # magnitude: per layer by default
+    if target.nm:
+        assert all(check_nm(P, *target.nm) for P in (Q, M, A))
+    assert hessian_loss(W, Q, H) == pytest.approx(err(Q) / X.shape[0], rel=1e-3)
+    assert info["damp_retries"] == 0
+
+
+def test_sparsegpt_block_size_keeps_exact_counts():
+    """Per-block prune counts are differences of rounded running totals: 0.3 of 96 columns in
+    blocks of 40 still prunes round(28.8) = 29 per row."""
+    W, _, H = correlated_layer()
+    Q, _ = sparsegpt_prune(W, H, LayerTarget(0.3, None), block_size=40)
+    assert ((Q == 0).sum(1) == 29).all()
+    Q, _ = sparsegpt_prune(W, H, LayerTarget(0.5, (2, 4)), block_size=30)  # rounded up to a multiple of 4
+    assert check_nm(Q, 2, 4)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_joint_quantization_gives_grid_values_and_zeros(symmetric):
+    W, X, H = correlated_layer()
+    args = QuantArgs(num_bits=4, strategy="channel", symmetric=symmetric)
+    Q, _ = sparsegpt_prune(W, H, LayerTarget(0.5, (2, 4)), quant=args)
+    assert check_nm(Q, 2, 4)
+    qp = compute_qparams(W, 4, symmetric, "channel")  # channel scales come from the weight as given
+    codes = Q / qp.scale + qp.zero_point
+    assert torch.allclose(codes, codes.round(), atol=1e-3)
+    assert codes.round().min() >= qp.qmin and codes.round().max() <= qp.qmax
+    # and it beats pruning alone followed by rounding
+    from compress.quant import fake_quantize
+
+    assert hessian_loss(W, Q, H) < hessian_loss(W, fake_quantize(magnitude_prune(W, LayerTarget(0.5, (2, 4))), 4, symmetric, "channel"), H)
+
+
+def test_joint_group_quantization_uses_at_most_2_to_the_bits_values_per_group():
+    W, _, H = correlated_layer()
+    Q, _ = sparsegpt_prune(W, H, LayerTarget(0.5, None), quant=QuantArgs(num_bits=3, strategy="group", group_size=32))
+    assert ((Q == 0).sum(1) >= 48).all()
+    for r in range(Q.shape[0]):
+        for g in range(0, Q.shape[1], 32):
+            assert len(torch.unique(Q[r, g : g + 32])) <= 2**3
+
+
+# ---------------------------------------------------------------------------------------------
+# through the pipeline
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = {}
+    for family in ("llama", "gpt2", "bert"):
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp(family)
+        FAMILIES[family]().save_pretrained(path)
+        AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(path)
+        out[family] = path
+    return out
+
+
+def recipe(path, stages: str, samples=8, packing=True):
+    return parse_recipe(f"""
+model: {path}
+calibration: {{dataset: calibration/default.txt, num_samples: {samples}, seq_len: 64, packing: {str(packing).lower()}, min_chars: 20}}
+stages:
+{stages}
+""", "test")
+
+
+def saved_weights(out, family):
+    """[out, in] weights of every linear layer in the saved file (GPT-2's Conv1D transposed back).
+    A quantized checkpoint saved packed (compressed-tensors) is read back through compress's loader."""
+    if json.loads((out / "compress.json").read_text())["format"].startswith("compressed-tensors"):
+        net, _, _ = modeling.load_model(str(out), dtype="float32", device="cpu")
+        return {n: modeling.get_weight(m) for n, m in net.named_modules() if type(m).__name__ in ("Linear", "Conv1D")}
+    tensors = load_file(out / "model.safetensors")
+    conv1d = family == "gpt2"
+    return {k.removesuffix(".weight"): (v.t() if conv1d and (".attn." in k or ".mlp." in k) else v).float()
+            for k, v in tensors.items() if k.endswith(".weight") and v.dim() == 2}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("method,target", [("sparsegpt", 'pattern: "2:4"'), ("wanda", "sparsity: 0.5")])
+def test_every_family_exact_sparsity_on_disk(tiny, family, method, target, tmp_path):
+    report = run_recipe(recipe(tiny[family], f"  - {method}: {{{target}}}", packing=family != "bert"),
+                        output=str(tmp_path / "o"), device="cpu")
+    layers = report["layers"]
+    weights = saved_weights(tmp_path / "o", family)
+    assert len(layers) >= 8
+    for name, rec in layers.items():
+        key = next(k for k in weights if k.endswith(name))  # BertModel saves without a prefix
+        w = weights[key]
+        assert rec["sparsity"] == 0.5 and sparsity(w) == 0.5, name
+        assert ((w == 0).sum(1) == w.shape[1] // 2).all(), name  # every output row too
+        if method == "sparsegpt":
+            assert check_nm(w, 2, 4), name
+            if rec["sparsegpt_loss"] is not None:
+                assert rec["sparsegpt_loss"] < rec["magnitude_loss"], name
+    summary = report["stages"][0]["summary"]
+    assert summary["sparsity"] == 0.5
+    assert summary["nonzero_parameters_after"] == report["output"]["nonzero_parameters"]
+    assert summary["parameters"] - summary["nonzero_parameters_after"] >= summary["target_parameters"] // 2
+    if family == "bert":  # the pooler sits outside the blocks: magnitude, and said so
+        assert "outside the transformer blocks" in layers["pooler.dense"]["note"]
+    else:
+        assert summary["magnitude_fallback"] == 0
+        assert sparsity(next(v for k, v in weights.items() if "lm_head" in k or "wte" in k)) < 0.01  # lm_head untouched
+
+
+def test_overrides_per_layer(tiny, tmp_path):
+    report = run_recipe(parse_recipe(f"""
+model: {tiny['llama']}
+stages:
+  - magnitude:
+      sparsity: 0.5
+      sparsity_overrides: {{mlp.down_proj: 0.25, "re:.*q_proj$": "4:8", "layers.1.self_attn.v_proj": 0}}
+""", "test"), output=str(tmp_path / "o"), device="cpu")
+    layers = report["layers"]
+    for name, rec in layers.items():
+        expected = (0.25 if name.endswith("down_proj") else 0.5 if name.endswith("q_proj")
+                    else 0.0 if name == "model.layers.1.self_attn.v_proj" else 0.5)
+        assert rec["sparsity"] == expected, name
+        assert rec["pattern"] == ("4:8" if name.endswith("q_proj") else None)
+    w = saved_weights(tmp_path / "o", "llama")["model.layers.0.self_attn.q_proj"]
+    assert check_nm(w, 4, 8) and not check_nm(w, 2, 4)  # 4:8 is looser than 2:4
+    assert report["stages"][0]["summary"]["scheme"] == "sparsity 0.5 unstructured, 3 override(s)"
+    with pytest.raises(CompressError, match="sparsity_overrides key 'mlp.nothing' matches no target layer"):
+        run_recipe(parse_recipe(f"model: {tiny['llama']}\nstages:\n  - magnitude: {{sparsity_overrides: {{mlp.nothing: 0.1}}}}\n",
+                                "test"), output=str(tmp_path / "x"), device="cpu")
+
+
+@pytest.mark.parametrize("quant", [
+    "rtn: {scheme: W4A16, weights: {group_size: 32}}",
+    "rtn: {scheme: W4A16_ASYM, weights: {group_size: 32}}",
+    "rtn: {scheme: W8A16, weights: {symmetric: false}}",
+    "rtn: {scheme: FP8_DYNAMIC}",
+    "awq: {scheme: W4A16_ASYM, weights: {group_size: 32}, grid: 4, clip: false}",
+    "gptq: {scheme: W4A16, weights: {group_size: 32}}",
+])
+def test_quantization_after_pruning_keeps_the_mask(tiny, quant, tmp_path):
+    original, _, _ = modeling.load_model(str(tiny["llama"]), device="cpu")
+    run_recipe(recipe(tiny["llama"], f'  - magnitude: {{pattern: "2:4"}}\n  - {quant}'), output=str(tmp_path / "o"), device="cpu")
+    saved = saved_weights(tmp_path / "o", "llama")
+    for name, module in original.named_modules():
+        if type(module).__name__ == "Linear" and name != "lm_head":
+            pruned = magnitude_prune(modeling.get_weight(module), LayerTarget(0.5, (2, 4)))
+            assert (saved[name][pruned == 0] == 0).all(), name
+            assert check_nm(saved[name], 2, 4), name
+
+
+def test_bundled_recipes_parse_and_describe_what_they_do(repo):
+    from compress.recipe import load_recipe
+
+    r50 = load_recipe(repo / "recipes/sparse50-sparsegpt.yaml")
+    assert [n for n, _ in r50.stages] == ["sparsegpt"] and r50.stages[0][1].sparsity == 0.5
+    r24 = load_recipe(repo / "recipes/sparse24-sparsegpt-w4a16.yaml")
+    assert [n for n, _ in r24.stages] == ["sparsegpt", "gptq"]
+    assert r24.stages[0][1].pattern == "2:4" and r24.stages[1][1].resolved_scheme().weights.group_size == 128
+    assert r24.calibration.num_samples == 128 and r24.calibration.seq_len == 256
+
+
+def test_sparse24_then_gptq_recipe_keeps_2_4(tiny, repo, tmp_path):
+    from compress.recipe import load_recipe
+
+    r = load_recipe(repo / "recipes/sparse24-sparsegpt-w4a16.yaml")
+    r.calibration.num_samples, r.calibration.seq_len, r.evaluation = 8, 64, None
+    run_recipe(r, model=str(tiny["llama"]), output=str(tmp_path / "o"), device="cpu")
+    for name, w in saved_weights(tmp_path / "o", "llama").items():
+        if name != "lm_head" and "embed" not in name:
+            assert check_nm(w, 2, 4), name
+
+
+def test_joint_quantization_stage_records_weights(tiny, tmp_path):
+    report = run_recipe(recipe(tiny["llama"], '  - sparsegpt: {pattern: "2:4", quantize: {scheme: W4A16, weights: {group_size: 32}}}'),
+                        output=str(tmp_path / "o"), device="cpu")
+    assert "int4 g32 sym" in report["stages"][0]["summary"]["scheme"]
+    assert report["output"]["quantized_parameters"] > 0  # counted as quantized in the size summary
+    for name, w in saved_weights(tmp_path / "o", "llama").items():
+        if name in report["layers"]:
+            assert check_nm(w, 2, 4) and report["layers"][name]["weights"]["num_bits"] == 4
+
+
+def test_recipe_validation():
+    def stage(body):
+        return parse_recipe(f"calibration: {{}}\nstages:\n  - sparsegpt: {body}\n", "r.yaml").stages[0][1]
+
+    assert stage('{pattern: "4:8"}').sparsity == 0.5
+    assert stage("{sparsity: 0.5, pattern: '2:4'}").pattern == "2:4"
+    assert stage("{}").sparsity == 0.5
+    with pytest.raises(CompressError, match="contradicts pattern 2:4"):
+        stage("{sparsity: 0.6, pattern: '2:4'}")
+    with pytest.raises(CompressError, match="quote it"):
+        stage("{pattern: 2:4}")  # YAML 1.1 reads 2:4 as 124
+    with pytest.raises(CompressError, match="less than 1"):
+        stage("{sparsity: 1.0}")
+    with pytest.raises(CompressError, match="quantizes weights only"):
+        stage("{quantize: {scheme: W8A8}}")
+    with pytest.raises(CompressError, match="sparsity_overrides"):
+        stage("{sparsity_overrides: {q_proj: 1.5}}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the command line on the bundled ref-llama
+
+
+def test_cli_prune_end_to_end(tmp_path, repo, capsys):
+    """`compress prune` writes a 2:4 checkpoint (checked in the safetensors file) whose reload
+    computes what the pruned model computed in the run: `compress eval` on it reproduces the
+    run's own evaluation."""
+    data = tmp_path / "small.txt"
+    data.write_text((repo / "calibration/heldout-tinyshakespeare.txt").read_text()[:6000])
+    out = tmp_path / "out"
+    rc = main(["--json", "prune", "--model", "default", "--method", "sparsegpt", "--pattern", "2:4",
+               "--num-samples", "4", "--data", str(data), "--output", str(out)])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    original = load_file(modeling.DEFAULT_MODEL_DIR / "model.safetensors")
+    saved = load_file(out / "model.safetensors")
+    pruned = [k for k in saved if k.endswith("_proj.weight")]
+    assert len(pruned) == 28 == len(report["layers"])
+    for k in pruned:
+        assert check_nm(saved[k].float(), 2, 4), k
+        assert sparsity(saved[k]) == 0.5
+    assert torch.equal(saved["lm_head.weight"], original["lm_head.weight"])
+    assert report["output"]["nonzero_parameters"] == sum(int(torch.count_nonzero(t)) for t in saved.values())
+    again = parse_recipe((out / "recipe.yaml").read_text(), "saved")  # the saved recipe re-runs as it is
+    assert again.stages[0][0] == "sparsegpt" and again.stages[0][1].pattern == "2:4"
+    assert "sparsity" in (out / "report.md").read_text()
+
+    rc = main(["--json", "eval", "--model", str(out), "--baseline", "default", "--data", str(data)])
+    again = json.loads(capsys.readouterr().out)["results"][str(data)]
+    first = report["evaluation"][str(data)]
+    assert rc == 0 and first["kl_divergence"] > 0
+    for key in ("kl_divergence", "token_perplexity", "top1_agreement"):
+        assert again[key] == pytest.approx(first[key], rel=1e-5), key

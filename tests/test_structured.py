@@ -1,0 +1,290 @@
+"""Structured pruning (compress/stages/structured.py): the saved model really is smaller, loads with
+plain transformers and computes what the pruned model computed in memory; importance ranks what it
+should; heads keep GQA consistent; blocks go with their cache indices renumbered."""
+
+import pytest
+import torch
+from transformers import (AutoModel, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+from compress import modeling, parse_recipe, run_recipe
+from compress.calibration import build_calibration
+from compress.errors import CompressError
+from compress.stages.base import StageContext
+from compress.stages.structured import Structured, group_importance, keep_most_important, prune_inputs, prune_outputs
+from tests.test_model_families import FAMILIES, V
+
+CAL = "{dataset: calibration/default.txt, num_samples: 4, seq_len: 32}"
+
+
+def save_tiny(model, path):
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(path)
+    return path
+
+
+def prune_recipe(path, structure: str, ratio: float, extra: str = ""):
+    return parse_recipe(f"model: {path}\ncalibration: {CAL}\nstages:\n  - structured: {{structure: {structure}, ratio: {ratio}}}\n{extra}", "test")
+
+
+def prune_in_memory(ref: str, recipe, **stage):
+    """The same stage applied to a freshly loaded model, with the recipe's calibration set."""
+    net, tok, _ = modeling.load_model(ref, device="cpu")
+    ctx = StageContext(device=torch.device("cpu"), calibration=build_calibration(recipe.calibration, tok))
+    summary = Structured(**stage).apply(net, ctx)
+    return net, summary
+
+
+def ids(n=2, length=20, seed=0):
+    return torch.randint(0, V, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def weight_bytes(path):
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------
+# mlp-channels on every family: smaller checkpoint, plain reload, same outputs
+
+MLP_WIDTH = {"llama": "intermediate_size", "opt": "ffn_dim", "gpt2": "n_inner", "bert": "intermediate_size"}
+
+
+@pytest.mark.parametrize("family", list(MLP_WIDTH))
+def test_mlp_channels_shrink_and_reload(family, tmp_path):
+    torch.manual_seed(0)
+    path = save_tiny(FAMILIES[family]().eval(), tmp_path / family)
+    width = 96 if family != "gpt2" else 4 * 64
+    recipe = prune_recipe(path, "mlp-channels", 0.25)
+    report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+
+    cls = AutoModel if family == "bert" else AutoModelForCausalLM
+    saved = cls.from_pretrained(tmp_path / "out").eval()  # plain transformers
+    assert getattr(saved.config, MLP_WIDTH[family]) == width * 3 // 4
+    assert 0 < weight_bytes(tmp_path / "out") < weight_bytes(path)
+    summary = report["stages"][0]["summary"]
+    assert summary["parameters_after"] == modeling.count_parameters(saved) == report["output"]["parameters"]
+    assert summary["parameters_after"] < summary["parameters_before"] == report["source_model"]["parameters"]
+    assert summary["non_embedding_removed_pct"] > summary["parameters_removed_pct"] > 0
+    down = next(n for n in report["layers"])
+    assert len(report["layers"][down]["kept_channels"]) == width * 3 // 4
+
+    pruned, _ = prune_in_memory(str(path), recipe, structure="mlp-channels", ratio=0.25)
+    with torch.no_grad():
+        a, b = pruned(input_ids=ids()), saved(input_ids=ids())
+    key = "last_hidden_state" if family == "bert" else "logits"
+    assert torch.equal(a[key], b[key])
+
+
+def test_ref_llama_mlp25(tmp_path, repo):
+    """The bar: 25 % of ref-llama's MLP channels out removes ≥ 15 % of its block parameters; the
+    bf16 checkpoint reloads with plain transformers and matches the model pruned in memory."""
+    recipe = prune_recipe("default", "mlp-channels", 0.25,
+                          f"evaluation: {{datasets: [{repo / 'calibration/heldout-tinyshakespeare.txt'}], max_windows: 4}}\n")
+    out = tmp_path / "out"
+    report = run_recipe(recipe, output=str(out), device="cpu")
+    s = report["stages"][0]["summary"]
+    assert s["parameters_before"] == 3_803_392 and s["parameters_after"] == 3_803_392 - 4 * 3 * 256 * 160
+    assert s["non_embedding_removed_pct"] > 15 and 12 < s["parameters_removed_pct"] < 14
+    assert s["kept_per_block"] == "480 of 640 MLP channels"
+    assert weight_bytes(out) < 0.9 * weight_bytes(modeling.DEFAULT_MODEL_DIR)
+    ev = next(iter(report["evaluation"].values()))
+    assert 0 < ev["kl_divergence"] < 1 and ev["top1_agreement"] > 0.5
+    assert "parameters_after" in (out / "report.md").read_text()
+
+    saved = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert saved.config.intermediate_size == 480 and saved.model.layers[0].mlp.down_proj.weight.shape == (256, 480)
+    reloaded, _, _ = modeling.load_model(str(out))  # and through compress
+    pruned, _ = prune_in_memory("default", recipe, structure="mlp-channels", ratio=0.25)
+    with torch.no_grad():
+        expected = pruned(input_ids=ids()).logits
+        assert torch.equal(saved(input_ids=ids()).logits, expected)
+        assert torch.equal(reloaded(input_ids=ids()).logits, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Importance ranks: a structure that contributes nothing goes first, and removing it changes nothing
+
+
+def tiny_llama(cls=LlamaForCausalLM, config=LlamaConfig, layers=2):
+    torch.manual_seed(0)
+    return cls(config(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V)).eval()
+
+
+def calib_ctx(n=4, length=32):
+    return StageContext(device=torch.device("cpu"), calibration=type("Cal", (), {"samples": [{"input_ids": ids(1, length, s)} for s in range(n)]})())
+
+
+def test_dead_channel_is_removed_first_and_changes_nothing():
+    model = tiny_llama()
+    for layer in model.model.layers:  # channel 7 never activates: silu(0) · 0
+        layer.mlp.gate_proj.weight.data[7] = 0
+        layer.mlp.up_proj.weight.data[7] = 0
+    with torch.no_grad():
+        before = model(input_ids=ids()).logits
+    ctx = calib_ctx()
+    Structured(structure="mlp-channels", ratio=1 / 96).apply(model, ctx)  # rounds to 1 channel
+    for i, layer in enumerate(model.model.layers):
+        assert layer.mlp.down_proj.weight.shape == (64, 95) and layer.mlp.intermediate_size == 95
+        assert ctx.layers[f"model.layers.{i}.mlp.down_proj"]["kept_channels"] == [c for c in range(96) if c != 7]
+    assert model.config.intermediate_size == 95
+    with torch.no_grad():
+        after = model(input_ids=ids()).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_heads_remove_a_silent_kv_group_and_generate(family, tmp_path):
+    model = tiny_llama() if family == "llama" else tiny_llama(Qwen2ForCausalLM, Qwen2Config)
+    for layer in model.model.layers:  # KV head 1 carries zero values: its query heads 2, 3 output nothing
+        layer.self_attn.v_proj.weight.data[16:32] = 0
+        if layer.self_attn.v_proj.bias is not None:
+            layer.self_attn.v_proj.bias.data[16:32] = 0
+    prompt = ids(1, 6, seed=3)
+    with torch.no_grad():
+        before = model(input_ids=ids()).logits
+        gen_before = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    summary = Structured(structure="heads", ratio=0.5).apply(model, calib_ctx())
+    c = model.config
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (2, 1, 16)
+    assert summary["kept_per_block"].startswith("1 of 2 KV groups")
+    for layer in model.model.layers:
+        a = layer.self_attn
+        assert a.q_proj.weight.shape == (32, 64) and a.k_proj.weight.shape == (16, 64) and a.o_proj.weight.shape == (64, 32)
+        assert a.num_key_value_groups == 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids()).logits, before, rtol=0, atol=1e-5)
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), gen_before)
+    model.save_pretrained(tmp_path)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(saved(input_ids=ids()).logits, model(input_ids=ids()).logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_blocks_drop_the_identity_block(family, tmp_path):
+    model = tiny_llama(layers=3) if family == "llama" else tiny_llama(Qwen2ForCausalLM, Qwen2Config, layers=3)
+    block = model.model.layers[1]  # writes nothing to the residual stream: output = input
+    block.self_attn.o_proj.weight.data.zero_()
+    block.mlp.down_proj.weight.data.zero_()
+    prompt = ids(1, 6, seed=3)
+    with torch.no_grad():
+        before = model(input_ids=ids()).logits
+        gen_before = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    summary = Structured(structure="blocks", ratio=0.34).apply(model, calib_ctx())
+    assert summary["removed_blocks"] == [1] and summary["block_importance"][1] == pytest.approx(0, abs=1e-6)
+    assert model.config.num_hidden_layers == len(model.model.layers) == 2
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1]
+    if family == "qwen2":
+        assert model.config.layer_types == ["full_attention"] * 2
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids()).logits, before, rtol=0, atol=1e-5)
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), gen_before)
+    model.save_pretrained(tmp_path)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(saved(input_ids=ids()).logits, model(input_ids=ids()).logits)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "bert"])
+def test_blocks_on_other_families(family, tmp_path):
+    torch.manual_seed(0)
+    model = FAMILIES[family]().eval()
+    summary = Structured(structure="blocks", ratio=0.5).apply(model, calib_ctx())
+    assert len(summary["removed_blocks"]) == 1 and model.config.num_hidden_layers == 1
+    model.save_pretrained(tmp_path)
+    saved = (AutoModel if family == "bert" else AutoModelForCausalLM).from_pretrained(tmp_path).eval()
+    key = "last_hidden_state" if family == "bert" else "logits"
+    with torch.no_grad():
+        assert torch.equal(saved(input_ids=ids())[key], model(input_ids=ids())[key])
+
+
+# ---------------------------------------------------------------------------------------------
+# The math alone, and clear errors
+
+
+def test_math():
+    assert keep_most_important(torch.tensor([3.0, 1.0, 1.0, 2.0]), 2).tolist() == [0, 3]  # ties: lower index goes
+    # 4 query heads over 2 KV heads: heads 0, 1 read KV head 0
+    assert group_importance(torch.tensor([1.0, 2.0, 3.0, 4.0]) * 10, 10, 2).tolist() == [3.0, 7.0]
+    from transformers.pytorch_utils import Conv1D
+
+    lin, conv = torch.nn.Linear(6, 5), Conv1D(5, 6)
+    conv.weight.data = lin.weight.data.t().clone()
+    conv.bias.data = lin.bias.data.clone()
+    for f in (prune_outputs, prune_inputs):
+        idx = torch.tensor([0, 2, 3])
+        f(lin, idx)
+        f(conv, idx)
+    x = torch.randn(2, 3)
+    assert lin.weight.shape == (3, 3) and (conv.nx, conv.nf) == (3, 3)
+    torch.testing.assert_close(lin(x), conv(x))
+
+
+@pytest.mark.parametrize("structure,ratio,words", [
+    ("blocks", 0.1, "removes nothing"),          # 0.2 of 2 blocks
+    ("blocks", 0.8, "removes all of them"),      # 1.6 -> 2 of 2
+    ("heads", 0.2, "removes nothing"),           # 0.4 of 2 KV groups
+    ("mlp-channels", 0.999, "removes all of them"),
+])
+def test_ratio_rounding_to_nothing_or_everything(structure, ratio, words):
+    with pytest.raises(CompressError, match=words):
+        Structured(structure=structure, ratio=ratio).apply(tiny_llama(), calib_ctx())
+
+
+def test_unsupported_combinations_name_the_architecture():
+    with pytest.raises(CompressError, match="heads pruning is not supported for 'gpt2'.*heads: llama"):
+        Structured(structure="heads", ratio=0.25).apply(FAMILIES["gpt2"]().eval(), calib_ctx())
+    model = tiny_llama()
+    model.config.model_type = "mixtral"
+    with pytest.raises(CompressError, match="architecture 'mixtral' is not supported"):
+        Structured(structure="mlp-channels", ratio=0.25).apply(model, calib_ctx())
+
+
+def test_a_config_transformers_would_refuse_is_caught_before_any_work():
+    # LlamaConfig wants hidden_size a multiple of the query heads: ref-llama's 8 heads in 4 KV
+    # groups can lose 2 or 3 groups (4 or 2 heads), not 1 (6 heads).
+    net, _, _ = modeling.load_model("default")
+    with pytest.raises(CompressError, match=r"LlamaConfig rejects: The hidden size \(256\) is not a multiple.*0\.5, 0\.75"):
+        Structured(structure="heads", ratio=0.25).apply(net, calib_ctx())
+    assert net.config.num_attention_heads == 8 and net.model.layers[0].self_attn.q_proj.weight.shape == (256, 256)
+
+
+def test_grouped_quantization_before_a_cut_is_refused():
+    model, ctx = tiny_llama(), calib_ctx()
+    from compress.stages.rtn import RoundToNearest
+
+    RoundToNearest(scheme="W4A16", weights={"group_size": 16}).apply(model, ctx)
+    with pytest.raises(CompressError, match="model.layers.0.mlp.down_proj was quantized in groups of 16.*before quantization"):
+        Structured(structure="mlp-channels", ratio=0.25).apply(model, ctx)
+    summary = Structured(structure="heads", ratio=0.5).apply(model, ctx)  # whole heads of 16 columns: groups intact
+    assert summary["kept_per_block"].startswith("1 of 2")
+
+
+def test_recipe_validation(tmp_path):
+    with pytest.raises(CompressError, match="ratio"):
+        prune_recipe("default", "mlp-channels", 1.0)
+    with pytest.raises(CompressError, match="structure"):
+        prune_recipe("default", "neurons", 0.25)
+    with pytest.raises(CompressError, match="offload: disk"):
+        run_recipe(prune_recipe("default", "blocks", 0.25, "offload: disk\n"), output=str(tmp_path / "o"), device="cpu")
+
+
+@pytest.mark.parametrize("stages,structure", [
+    ("  - rtn: {scheme: W8A16}\n  - structured: {structure: mlp-channels, ratio: 0.25}\n", "mlp-channels"),
+    ("  - rtn: {scheme: W8A16}\n  - structured: {structure: blocks, ratio: 0.5}\n", "blocks"),
+    ("  - structured: {structure: heads, ratio: 0.5}\n  - rtn: {scheme: W4A16, weights: {group_size: 16}}\n", "heads"),
+], ids=["rtn-then-mlp", "rtn-then-blocks", "heads-then-rtn"])
+def test_with_quantization_the_records_follow_the_cut(stages, structure, tmp_path):
+    """Quantize then prune, or prune then quantize: the report's layer shapes and quantized
+    parameter count are those of the saved model."""
+    path = save_tiny(tiny_llama(), tmp_path / "llama")
+    report = run_recipe(parse_recipe(f"model: {path}\ncalibration: {CAL}\nstages:\n{stages}", "test"),
+                        output=str(tmp_path / "out"), device="cpu")
+    saved, _, _ = modeling.load_model(str(tmp_path / "out"))  # dense or packed (compressed-tensors)
+    modules = dict(saved.named_modules())
+    linear = {n: m for n, m in modules.items() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    assert set(n for n, r in report["layers"].items() if "weights" in r) == set(linear)
+    for name, rec in report["layers"].items():
+        assert tuple(rec["shape"]) == tuple(modules[name].weight.shape), name
+    assert report["output"]["quantized_parameters"] == sum(m.weight.numel() for m in linear.values())
