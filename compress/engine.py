@@ -83,6 +83,15 @@ class BlockwiseStage(Protocol):
                        observers: dict[str, Observer], ctx: Any, runner: "BlockRunner") -> None: ...
 
 
+def token_rows(inputs: tuple, mask: torch.Tensor | None) -> torch.Tensor:
+    """A hooked layer's input as float32 [tokens, features], padding positions dropped: what every
+    observer accumulates its statistics over."""
+    x = inputs[0].detach()
+    if mask is not None and x.dim() == 3 and x.shape[:2] == mask.shape:
+        x = x[mask.to(x.device).bool()]
+    return x.reshape(-1, x.shape[-1]).float()
+
+
 class BlockRunner:
     """Lets a stage run the block on its cached inputs, e.g. to score candidate scales by the
     block's output error (AWQ)."""

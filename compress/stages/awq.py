@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 from pydantic import Field, PrivateAttr, model_validator
 
+from compress.engine import token_rows
 from compress.mappings import Mapping, apply_scales, mappings_for
 from compress.modeling import get_weight, set_weight
 from compress.quant import absmax_qparams, dequantize, fake_quantize, quantize, relative_error, zeropoint_qparams
@@ -129,10 +130,7 @@ class InputSampler:
         self.tokens = 0
 
     def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
-        x = inputs[0].detach()
-        if mask is not None and x.dim() == 3 and x.shape[:2] == mask.shape:
-            x = x[mask.to(x.device).bool()]
-        x = x.reshape(-1, x.shape[-1]).float()
+        x = token_rows(inputs, mask)
         self.tokens += x.shape[0]
         if x.shape[0] > self.per_batch:
             keep = torch.randperm(x.shape[0], generator=self.generator)[: self.per_batch].sort().values

@@ -36,6 +36,7 @@ import torch
 from pydantic import Field, model_validator
 
 from compress import activations
+from compress.engine import token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import QParams, absmax_qparams, compute_qparams, zeropoint_qparams, dequantize, fake_quantize, quantize, relative_error
@@ -181,10 +182,7 @@ class HessianObserver:
         self.lo, self.hi = float("inf"), float("-inf")
 
     def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
-        x = inputs[0].detach()
-        if mask is not None and x.dim() == 3 and x.shape[:2] == mask.shape:
-            x = x[mask.to(x.device).bool()]
-        x = x.reshape(-1, x.shape[-1]).float()
+        x = token_rows(inputs, mask)
         self.sum.addmm_(x.t(), x)
         self.tokens += x.shape[0]
         if self.track_range:

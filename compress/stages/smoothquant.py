@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from pydantic import Field, PrivateAttr
 
+from compress.engine import token_rows
 from compress.mappings import Mapping, apply_scales, mappings_for
 from compress.modeling import get_weight
 from compress.stages.base import EngineOptions, Stage, StageContext
@@ -42,10 +43,7 @@ class ChannelMax:
         self.max: torch.Tensor | None = None
 
     def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
-        x = inputs[0].detach()
-        if mask is not None and x.dim() == 3 and x.shape[:2] == mask.shape:
-            x = x[mask.to(x.device).bool()]
-        m = x.reshape(-1, x.shape[-1]).abs().amax(0).float()
+        m = token_rows(inputs, mask).abs().amax(0)
         self.max = m if self.max is None else torch.maximum(self.max, m)
 
 
