@@ -74,15 +74,12 @@ def load_model(ref: str, dtype: str = "auto", device: str | torch.device = "cpu"
     torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
     if Path(path).is_dir() and not any(Path(path).glob("*.safetensors")) and not any(Path(path).glob("*.bin")):
         raise CompressError(f"model directory {ref} holds no weights (*.safetensors or *.bin)", "point --model at a complete checkpoint")
-    try:
-        from safetensors import SafetensorError
-    except ImportError:  # pragma: no cover - safetensors comes with transformers
-        SafetensorError = OSError
-    try:
-        model = model_class(config).from_pretrained(path, dtype=torch_dtype)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CompressError(f"cannot load model weights from {ref}: {first}", "the checkpoint may be truncated or corrupted") from None
+    from compress import packing
+
+    if Path(path).is_dir() and packing.is_packed(path):  # compressed-tensors: dequantized on load
+        model = packing.load_packed(path, config, model_class(config), None if dtype == "auto" else DTYPES[dtype])
+    else:
+        model = _from_pretrained(ref, path, config, torch_dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -93,6 +90,18 @@ def load_model(ref: str, dtype: str = "auto", device: str | torch.device = "cpu"
         model.config.use_cache = False
     _reattach_activation_quant(model, path)
     return model, tokenizer, config
+
+
+def _from_pretrained(ref: str, path: str, config, torch_dtype):
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors comes with transformers
+        SafetensorError = OSError
+    try:
+        return model_class(config).from_pretrained(path, dtype=torch_dtype)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CompressError(f"cannot load model weights from {ref}: {first}", "the checkpoint may be truncated or corrupted") from None
 
 
 def local_dir(ref: str) -> Path:

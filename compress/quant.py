@@ -164,3 +164,187 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     if denom == 0:
         return 0.0 if approx.float().norm() == 0 else float("inf")
     return float((ref - approx.float()).norm() / denom)
+
+
+def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: str, group_size: int | None = None,
+                    float8: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """Scales (and zero points) that reproduce an already-quantized weight bit for bit.
+
+    Why recovered rather than recorded: stages leave each weight as dequantized values
+    w = cast((q - z) · s) in the model's dtype and do not hand their scales on (GPTQ's group
+    scales come from error-compensated columns, AWQ's from clipped ranges, so they cannot be
+    recomputed from the original weights). Recovering them needs no cooperation from any stage,
+    present or future, and is not an estimate: every group is *verified*, its codes (computed as
+    compressed-tensors computes them, clamp(round(w / s + z))) times the float32 scale, cast to
+    the weight's dtype, must give back every element exactly, and a group that does not is
+    reported (the caller then refuses to pack, or writes dense). The recovered scale need not be
+    the stage's own (a group that never reaches its extreme codes may be stored at a finer step);
+    the dequantized values are the same, which is what a checkpoint must carry.
+
+    How, for one group: a first scale s0 = extent / top, where top is the code of the group's
+    extreme (the grid's end first, as round-to-nearest and AWQ leave it; then every smaller one,
+    for GPTQ). Each element bounds s: c · s must round to w, so s lies in [lo(w) / c, hi(w) / c],
+    [lo, hi] being the reals that round to w in its dtype. The bounds from the small codes (which
+    a slightly wrong s0 cannot round to the wrong integer) give an interval; then each element
+    allows the scales at which either code it takes across the interval (round(w / s) is monotone
+    in s) rounds back to it, which narrows the interval until it holds the true scale. Its
+    midpoint, its ends (a product that ties between two values rounds to the even one) and their
+    float32 neighbours are tried. The zero point is the lowest (or highest) code's offset.
+
+    weight: [rows, cols] in its own dtype. Returns (scale [rows, n_groups] float32, zero_point
+    [rows, n_groups] int8 or None when symmetric, number of groups that failed to verify).
+    """
+    rows, cols = weight.shape
+    if strategy == "group":
+        if not group_size or cols % group_size:
+            raise ValueError(f"{cols} columns are not a whole number of groups of {group_size}")
+        shape = (rows, cols // group_size, group_size)
+    elif strategy == "channel":
+        shape = (rows, 1, cols)
+    elif strategy == "tensor":
+        shape = (1, 1, rows * cols)
+    else:
+        raise ValueError(f"weights cannot be packed with strategy {strategy!r}")
+    w = weight.detach().reshape(-1, shape[-1])  # one row per group
+    if float8:
+        qmin, qmax, top = -FP8_E4M3_MAX, FP8_E4M3_MAX, [FP8_E4M3_MAX]
+    else:
+        qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1  # the format's range (absmax uses one code less)
+        # the code of the group's extreme (or its code span, asymmetric): the grid's end first, as
+        # round-to-nearest and AWQ leave it, then every smaller one (GPTQ may stop short of the end)
+        top = list(range(qmax, 0, -1)) if symmetric else list(range(2**bits - 1, 0, -1))
+    scale = zp = ok = None
+    for i, t in enumerate(top):
+        for start in range(_STARTS):  # each attempt only on the groups not yet verified
+            if ok is None:
+                scale, zp, ok = _solve_groups(w, t, start, qmin, qmax, symmetric, float8)
+                if float((~ok).float().mean()) > 0.5:
+                    break  # most groups are off any grid: not a quantized weight (or not this scheme)
+                continue
+            if bool(ok.all()):
+                break
+            bad = (~ok).squeeze(-1).nonzero().squeeze(-1)
+            s_b, z_b, ok_b = _solve_groups(w[bad], t, start, qmin, qmax, symmetric, float8)
+            scale[bad], zp[bad], ok[bad] = s_b, z_b, ok_b
+        if bool(ok.all()) or (i == 0 and float((~ok).float().mean()) > 0.5):
+            break
+    failed = int((~ok).sum())
+    scale = scale.reshape(shape[0], shape[1])
+    zero_point = None if symmetric or float8 else zp.reshape(shape[0], shape[1]).to(torch.int8)
+    if strategy == "tensor":
+        scale = scale.reshape(1)
+        zero_point = None if zero_point is None else zero_point.reshape(1)
+    return scale, zero_point, failed
+
+
+_STARTS = 6  # starting scales per extreme code: least squares, then s0 and four nudges of it
+
+
+def _solve_groups(w: torch.Tensor, top: float, start: int, qmin: float, qmax: float, symmetric: bool,
+                  float8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """recover_qparams on groups [n, group] with the group's extreme at code `top`, from starting
+    scale number `start`: (scale [n, 1], zero point [n, 1], verified [n, 1])."""
+    x = w.float()
+    inf = torch.full_like(w, float("inf"))
+    x64 = x.double()
+    lo = (x64 + torch.nextafter(w, -inf).double()) / 2  # the reals that round to w in its dtype
+    hi = (x64 + torch.nextafter(w, inf).double()) / 2
+    if symmetric or float8:
+        extent = x.abs().amax(-1, keepdim=True)
+    else:
+        extent = x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)
+
+    def codes(s: torch.Tensor) -> torch.Tensor:
+        if float8:
+            return (x / s).clamp(qmin, qmax).to(torch.float8_e4m3fn).float()
+        return torch.round(x / s)
+
+    def allowed(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per element, the scales for which its code c times the scale rounds back to it
+        (everything for a zero weight at code 0, nothing for a nonzero one)."""
+        c = c.double()
+        a, b = lo / c, hi / c
+        a, b = torch.where(c < 0, b, a), torch.where(c < 0, a, b)
+        zero = c == 0
+        a = torch.where(zero, torch.where(x64 == 0, -float("inf"), float("inf")), a)
+        b = torch.where(zero, torch.where(x64 == 0, float("inf"), -float("inf")), b)
+        return a, b
+
+    def refine(scale: torch.Tensor, small: float | None) -> torch.Tensor:
+        """Narrow an interval of scales: first from the small codes, which a scale a little off
+        cannot round to the wrong integer; then each element allows the scales at which one of
+        the codes it takes across the interval (round(w / s) is monotone in s) rounds back to it."""
+        c = codes(scale)
+        use = c != 0
+        if small:
+            few = use & (c.abs() <= small)
+            use = torch.where(few.any(-1, keepdim=True), few, use)
+        a, b = allowed(c)
+        s_lo = torch.where(use, a, torch.full_like(a, -float("inf"))).amax(-1, keepdim=True)
+        s_hi = torch.where(use, b, torch.full_like(b, float("inf"))).amin(-1, keepdim=True)
+        for _ in range(4):
+            valid = torch.isfinite(s_lo) & torch.isfinite(s_hi) & (s_lo <= s_hi)
+            before = (s_lo, s_hi)
+            ends = [codes(torch.where(valid, end, scale.double()).float()) for end in (s_hi, s_lo)]
+            spans = []
+            for code in ends:
+                a, b = allowed(code)
+                a, b = torch.maximum(a, s_lo), torch.minimum(b, s_hi)
+                spans.append((a, b, a < b))  # a single point is a tie in rounding: not a solution
+            (a1, b1, e1), (a2, b2, e2) = spans
+            a = torch.where(e1 & e2, torch.minimum(a1, a2), torch.where(e1, a1, torch.where(e2, a2, s_lo.expand_as(a1))))
+            b = torch.where(e1 & e2, torch.maximum(b1, b2), torch.where(e1, b1, torch.where(e2, b2, s_hi.expand_as(b1))))
+            s_lo = torch.where(valid, a.amax(-1, keepdim=True), s_lo)
+            s_hi = torch.where(valid, b.amin(-1, keepdim=True), s_hi)
+            if torch.equal(before[0], s_lo) and torch.equal(before[1], s_hi):
+                break  # no interval narrowed: every code is settled
+        valid = torch.isfinite(s_lo) & torch.isfinite(s_hi) & (s_lo <= s_hi)
+        # the midpoint, and the ends: a product that ties between two values of the weight's
+        # dtype rounds to the even one, so the only solution may lie on an end
+        return [torch.where(valid, v, scale.double()).float() for v in ((s_lo + s_hi) / 2, s_lo, s_hi)]
+
+    def check(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Do the codes the format would store (as compressed-tensors computes them:
+        clamp(round(w / s + z))) give w back exactly? And the zero point used."""
+        if float8:
+            return ((codes(s) * s).to(w.dtype) == w).all(-1, keepdim=True), torch.zeros_like(s)
+        m = codes(s)
+        if symmetric:
+            options = [torch.zeros_like(s)]
+        else:  # the lowest code at the group's minimum, or the highest at its maximum
+            options = [qmin - m.amin(-1, keepdim=True).clamp(max=0), qmax - m.amax(-1, keepdim=True).clamp(min=0)]
+        ok, chosen = None, None
+        for zp in options:
+            zp = zp.clamp(qmin, qmax)
+            q = torch.round(x / s + zp).clamp(qmin, qmax)
+            good = (((q - zp) * s).to(w.dtype) == w).all(-1, keepdim=True)
+            chosen = zp if chosen is None else torch.where(ok, chosen, zp)
+            ok = good if ok is None else ok | good
+        return ok, chosen
+
+    scale = ok = zp = None
+    s0 = extent / top
+    s0 = torch.where(s0 > 0, s0, torch.ones_like(s0))  # an all-zero group: any scale
+    # starting points: least squares over the group, then s0 and nudges of it (the rounding of
+    # the range itself can put one code off, for 8-bit codes in bfloat16)
+    if start == 0:
+        c = codes(s0)
+        norm = (c * c).sum(-1, keepdim=True)
+        start_scale = torch.where(norm > 0, (x * c).sum(-1, keepdim=True) / norm.clamp(min=1), s0)
+    else:
+        start_scale = s0 * (1 + (0.0, 2**-9, -(2**-9), 2**-8, -(2**-8))[start - 1])
+    trials = []
+    for cand in refine(start_scale, None if float8 else max(2.0, top / 4)):
+        # and the float32 neighbours, for a value that rounded out of its interval
+        up, down = torch.full_like(cand, float("inf")), torch.full_like(cand, -float("inf"))
+        trials += [cand, torch.nextafter(cand, up), torch.nextafter(cand, down)]
+    for trial in trials:
+        good, zp_t = check(trial)
+        if scale is None:
+            scale, ok, zp = trial, good, zp_t
+        else:
+            fix = good & ~ok
+            scale, zp, ok = torch.where(fix, trial, scale), torch.where(fix, zp_t, zp), ok | good
+        if bool(ok.all()):
+            break
+    return scale, zp, ok

@@ -74,6 +74,9 @@ class RecipeFile(BaseModel):
     output: Optional[str] = None
     offload: Literal["none", "disk"] = Field(
         "none", description="disk: read and write the model block by block, for models larger than RAM")
+    format: Literal["auto", "packed", "dense"] = Field(
+        "auto", description="packed: the compressed-tensors format (int4 packed, int8, FP8, scales); dense: dequantized "
+                            "weights in the model's dtype; auto: packed when every quantized layer can be expressed")
 
     @field_validator("stages")
     @classmethod
@@ -96,6 +99,7 @@ class Recipe:
         self.evaluation = top.evaluation
         self.output = top.output
         self.offload = top.offload
+        self.format = top.format
         self.stages = stages
 
     @property
@@ -111,6 +115,7 @@ class Recipe:
             "evaluation": self.evaluation.model_dump() if self.evaluation else None,
             "output": self.output,
             "offload": self.offload,
+            "format": self.format,
         }
 
 

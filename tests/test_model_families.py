@@ -58,6 +58,7 @@ stages:
   - rtn:
 {scheme_yaml}
 evaluation: {{datasets: [{eval_file}], seq_len: 64, max_windows: 4, max_sentences: 16}}
+format: dense   # these tests read the dequantized weights back with plain transformers (tests/test_packed.py: packed)
 """, "test")
 
 

@@ -1,0 +1,416 @@
+"""Packed checkpoints in the compressed-tensors format (what llm-compressor writes and vLLM and
+transformers read), written and read through the `compressed-tensors` library.
+
+    in-memory model (dequantized weights) + per-layer records (ctx.layers)
+      -> per layer: scales recovered and verified exactly (compress.quant.recover_qparams)
+      -> the library's compressor for the layer's scheme: int4 packed into int32, int8 as int8,
+         FP8 as float8_e4m3fn, scales (float32) and zero points per tensor, channel or group
+      -> the library decompresses each layer again, which must give back our weights bit for bit
+      -> save_pretrained with that state dict, and `quantization_config` in config.json
+
+Loading (`load_packed`) builds the model on the meta device, reads the safetensors files
+(each file and tensor checked, an error names both), decompresses each quantized layer with the
+library, and ties the embeddings again where the config says so. Nothing here does tensor math
+of its own beyond choosing scales.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from compress.errors import CompressError
+
+FORMAT_PACKED = "compressed-tensors"
+FORMAT_DENSE = "dense"
+
+
+class NotPackable(CompressError):
+    """A layer the format cannot reproduce exactly: `auto` then writes dense, `packed` fails."""
+
+
+@dataclass
+class Decision:
+    """Which format a run writes, and why (one line for the report)."""
+
+    format: str  # "packed" or "dense"
+    reason: str
+    problems: list[str] = field(default_factory=list)
+
+
+def _ct():
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        raise CompressError("the packed format needs the compressed-tensors package", "pip install 'compressed-tensors>=0.20,<0.21', or pass --format dense") from None
+    import compressed_tensors
+
+    return compressed_tensors
+
+
+def ct_args(args: dict):
+    """Our QuantArgs fields (as recorded in ctx.layers) as compressed-tensors QuantizationArgs."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=args["num_bits"], type=args["type"], symmetric=args["symmetric"],
+                            strategy=args["strategy"], group_size=args.get("group_size"),
+                            dynamic=bool(args.get("dynamic", False)))
+
+
+def ct_scheme(rec: dict, targets: list[str]):
+    from compressed_tensors.quantization import QuantizationScheme
+
+    acts = rec.get("input_activations")
+    return QuantizationScheme(targets=targets, weights=ct_args(rec["weights"]),
+                              input_activations=ct_args(acts) if acts else None)
+
+
+def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
+    """Why some quantized layers cannot be written in the format (empty when all can)."""
+    modules = dict(net.named_modules())
+    shared = _shared_weights(net)
+    problems = []
+    for name, rec in layers.items():
+        if "weights" not in rec:
+            continue
+        module = modules.get(name)
+        w = rec["weights"]
+        if module is None:
+            problems.append(f"{name}, which is not a module of the saved model (fused mixture-of-experts weights)")
+        elif type(module) is not torch.nn.Linear:
+            problems.append(f"{name}, a {type(module).__name__} layer rather than a Linear one")
+        elif w["strategy"] == "group" and module.in_features % w["group_size"]:
+            problems.append(f"{name}, whose {module.in_features} input features are not a whole number of groups of {w['group_size']}")
+        elif w["strategy"] not in ("tensor", "channel", "group"):
+            problems.append(f"{name}, with weight strategy {w['strategy']}")
+        elif id(module.weight) in shared:
+            problems.append(f"{name}, whose weight is tied to another parameter")
+    return problems
+
+
+def _shared_weights(net: torch.nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, p in net.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
+
+
+def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloaded: bool = False) -> Decision:
+    """`auto`: packed when every quantized layer can be expressed, else dense; `packed` insists."""
+    quantized = [n for n, r in layers.items() if "weights" in r]
+    if requested == "dense":
+        return Decision("dense", "asked for (--format dense or format: dense): dequantized weights in the model's dtype")
+    if not quantized:
+        return Decision("dense", "no layer is quantized: nothing to pack (sparsity is stored densely)")
+    if offloaded:
+        if requested == "packed":
+            raise CompressError("cannot write the packed format with offload: disk, which writes the checkpoint block by block",
+                                "drop offload: disk, or pass --format dense")
+        return Decision("dense", "offload: disk writes the dense checkpoint block by block")
+    problems = expressible(net, layers)
+    if not problems:
+        try:
+            _ct()
+        except CompressError as exc:
+            problems = [exc.message]
+    if problems:
+        if requested == "packed":
+            raise CompressError(f"cannot write the packed format: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+                                "pass --format dense, or change the recipe so that every quantized layer can be packed")
+        return Decision("dense", f"the packed format cannot express {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), problems)
+    return Decision("packed", f"compressed-tensors: each of the {len(quantized)} quantized layers has a scheme the format expresses")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _compressor(scheme):
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+
+    fmt = infer_module_format(torch.nn.Linear, scheme)
+    scheme.format = fmt
+    return BaseCompressor.get_value_from_registry(fmt.value), fmt.value
+
+
+def _activation_qparams(rec: dict) -> dict[str, torch.Tensor]:
+    """Static input activation scale (and zero point) from the observed range, as
+    compress.activations computes them."""
+    a = rec.get("input_activations")
+    rng = rec.get("activation_range")
+    if not a or a.get("dynamic") or not rng:
+        return {}
+    from compress.quant import FP8_E4M3_MAX, absmax_qparams, zeropoint_qparams
+
+    lo, hi = float(rng[0]), float(rng[1])
+    if a["type"] == "float":
+        scale = torch.tensor([max(abs(lo), abs(hi)) / FP8_E4M3_MAX])
+        return {"input_scale": torch.where(scale > 0, scale, torch.ones_like(scale)).float()}
+    if a["symmetric"]:
+        qp = absmax_qparams(torch.tensor([max(abs(lo), abs(hi))]), a["num_bits"])
+        return {"input_scale": qp.scale.float()}
+    qp = zeropoint_qparams(torch.tensor([lo]), torch.tensor([hi]), a["num_bits"])
+    return {"input_scale": qp.scale.float(), "input_zero_point": qp.zero_point.to(torch.int8)}
+
+
+def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str, torch.Tensor], str]:
+    """The layer's tensors in the format (local names: weight_packed, weight_scale, ...), and the
+    format's name. Raises CompressError when the packed layer would not give back its weights."""
+    from compress.quant import recover_qparams
+
+    w = rec["weights"]
+    weight = module.weight.detach().cpu()
+    scale, zero_point, failed = recover_qparams(weight, w["num_bits"], w["symmetric"], w["strategy"], w.get("group_size"),
+                                                float8=w["type"] == "float")
+    if failed:
+        raise NotPackable(f"layer {name}: {failed} weight group(s) are not on a {w['num_bits']}-bit grid the format can store exactly",
+                            "pass --format dense; the layer's weights were changed after quantization")
+    scheme = ct_scheme(rec, [name])
+    compressor, fmt = _compressor(scheme)
+    state = {"weight": weight, "weight_scale": scale}
+    if zero_point is not None:
+        state["weight_zero_point"] = zero_point
+    state.update(_activation_qparams(rec))
+    packed = compressor.compress(state, scheme)
+    again = compressor.decompress(dict(packed), scheme)["weight"]
+    if again.shape != weight.shape or not torch.equal(again.to(weight.dtype), weight):
+        raise NotPackable(f"layer {name}: compressed-tensors does not decompress it to the same weights",
+                            "pass --format dense, and please report it")
+    if module.bias is not None:
+        packed["bias"] = module.bias.detach().cpu()
+    return packed, fmt
+
+
+def quantization_config(layers: dict, formats: dict[str, str], ignore: list[str]):
+    """config_groups (one per distinct scheme; targets: the layer names, or `Linear` when a single
+    scheme covers every quantized layer), the ignore list and the format."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+    groups: dict[str, tuple[dict, list[str]]] = {}
+    for name, rec in layers.items():
+        if name not in formats:
+            continue
+        key = json.dumps({"w": rec["weights"], "a": rec.get("input_activations")}, sort_keys=True)
+        groups.setdefault(key, (rec, []))[1].append(name)
+    config_groups = {}
+    single = len(groups) == 1
+    for i, (rec, names) in enumerate(groups.values()):
+        scheme = ct_scheme(rec, ["Linear"] if single else names)
+        scheme.format = formats[names[0]]
+        config_groups[f"group_{i}"] = scheme
+    distinct = set(formats.values())
+    fmt = distinct.pop() if len(distinct) == 1 else "mixed-precision"
+    return QuantizationConfig(config_groups=config_groups, format=fmt, ignore=ignore if single else [],
+                              quantization_status=QuantizationStatus.COMPRESSED)
+
+
+def pack_model(net: torch.nn.Module, layers: dict) -> tuple[dict, object]:
+    """(state dict in the format, QuantizationConfig); nothing is written. Raises NotPackable
+    when a layer cannot be reproduced exactly."""
+    _ct()
+    modules = dict(net.named_modules())
+    state = dict(net.state_dict())
+    formats: dict[str, str] = {}
+    for name, rec in layers.items():
+        if "weights" not in rec:
+            continue
+        packed, fmt = pack_layer(name, modules[name], rec)
+        for key in [k for k in state if k.startswith(name + ".") and k[len(name) + 1:] in ("weight", "bias")]:
+            del state[key]
+        state.update({f"{name}.{k}": v for k, v in packed.items()})
+        formats[name] = fmt
+    linear = [n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)]
+    ignore = [n for n in linear if n not in formats]
+    return state, quantization_config(layers, formats, ignore)
+
+
+def save_packed(net: torch.nn.Module, layers: dict, directory: Path, packed: tuple | None = None) -> dict:
+    """Write `net` to `directory` in the packed format; returns a summary for the report."""
+    from compressed_tensors.compressors import ModelCompressor
+
+    state, qconfig = packed or pack_model(net, layers)
+    net.save_pretrained(directory, state_dict=state)
+    ModelCompressor(quantization_config=qconfig).update_config(str(directory))
+    packed_layers = sum(1 for k in state if k.endswith(".weight_scale"))
+    return {"compressed_tensors_format": qconfig.format, "packed_layers": packed_layers, "scale_dtype": "float32"}
+
+
+def quantized_size(directory: Path, net: torch.nn.Module, layers: dict) -> dict:
+    """The quantized layers' bytes on disk against the same layers in float16 (the issue's bar)."""
+    names = [n for n, r in layers.items() if "weights" in r]
+    if not names:
+        return {}
+    modules = dict(net.named_modules())
+    on_disk = sum(layer_bytes(directory, names).values())
+    fp16 = sum(sum(p.numel() for p in modules[n].parameters(recurse=False)) * 2 for n in names if n in modules)
+    return {"quantized_layers_bytes_on_disk": on_disk, "quantized_layers_float16_bytes": fp16,
+            "quantized_layers_ratio_to_float16": on_disk / fp16 if fp16 else None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def is_packed(path: str | Path) -> bool:
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        q = json.loads(cfg.read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return False
+    return q.get("quant_method") == "compressed-tensors"
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as exc:
+            raise CompressError(f"{index}: damaged index ({exc})", "the checkpoint may be truncated or corrupted: write it again") from None
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CompressError(f"model directory {path} holds no *.safetensors files", "point --model at a complete checkpoint")
+    return files
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint; a truncated or damaged file is named, with its tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _weight_files(path):
+        if not f.is_file():
+            raise CompressError(f"{f}: weight file missing", "the checkpoint is incomplete: write it again")
+        try:
+            handle = safe_open(str(f), framework="pt")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CompressError(f"{f}: not a readable safetensors file ({_first_line(exc)})",
+                                "the checkpoint may be truncated or corrupted: write it again") from None
+        with handle:
+            for key in handle.keys():
+                try:
+                    tensors[key] = handle.get_tensor(key)
+                except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+                    raise CompressError(f"{f}: tensor {key} cannot be read ({_first_line(exc)})",
+                                        "the checkpoint may be truncated or corrupted: write it again") from None
+    return tensors
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) -> torch.nn.Module:
+    """The model of a packed directory with every quantized layer decompressed (dequantized) by
+    compressed-tensors, in `dtype` (the saved dtype when None)."""
+    _ct()
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.utils.match import match_named_modules
+
+    from compress.offload import parameters_on_meta
+
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    try:
+        qconfig = QuantizationConfig.model_validate({k: v for k, v in raw.items()
+                                                     if k in QuantizationConfig.model_fields})
+    except Exception as exc:
+        raise CompressError(f"{path / 'config.json'}: quantization_config is not valid ({_first_line(exc)})",
+                            "the checkpoint's config.json is damaged: write it again") from None
+    saved_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if not isinstance(saved_dtype, torch.dtype):
+        saved_dtype = getattr(torch, str(saved_dtype).removeprefix("torch."), torch.float32)
+    dtype = dtype or saved_dtype
+    config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+    with parameters_on_meta():
+        model = model_cls.from_config(config, dtype=dtype)
+    tensors = read_tensors(path)
+    files = ", ".join(f.name for f in _weight_files(path))
+    state: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for scheme in qconfig.config_groups.values():
+        compressor = BaseCompressor.get_value_from_registry(scheme.format or qconfig.format)
+        for name, module in match_named_modules(model, scheme.targets, qconfig.ignore):
+            if name in done:
+                continue
+            local = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".") and "." not in k[len(name) + 1:]}
+            expected = compressor.compression_param_names(scheme)
+            missing = [p for p in expected if p not in local]
+            if missing:
+                raise CompressError(f"{path} ({files}): tensor {name}.{missing[0]} is missing",
+                                    "the checkpoint may be truncated or corrupted: write it again")
+            try:
+                weight = compressor.decompress(local, scheme)["weight"]
+            except Exception as exc:
+                raise CompressError(f"{path} ({files}): tensor {name}.{expected[0]} cannot be decompressed ({_first_line(exc)})",
+                                    "the checkpoint may be truncated or corrupted: write it again") from None
+            if tuple(weight.shape) != tuple(module.weight.shape):
+                raise CompressError(f"{path} ({files}): tensor {name}.{expected[0]} gives a {tuple(weight.shape)} weight, "
+                                    f"the model expects {tuple(module.weight.shape)}", "the checkpoint may be corrupted: write it again")
+            state[f"{name}.weight"] = weight.to(saved_dtype).to(dtype)  # the values as saved, then as asked
+            if f"{name}.bias" in tensors:
+                state[f"{name}.bias"] = tensors[f"{name}.bias"].to(dtype)
+            done.add(name)
+    for key, value in tensors.items():
+        prefix = key.rsplit(".", 1)[0]
+        if prefix not in done:
+            state[key] = value
+    expected_keys = model.state_dict().keys()
+    for key, value in list(state.items()):
+        if key in expected_keys and value.is_floating_point():
+            state[key] = value.to(dtype)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False) or getattr(getattr(config, "get_text_config", lambda: config)(), "tie_word_embeddings", False):
+        model.tie_weights()
+    still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if still_meta:
+        raise CompressError(f"{path} ({files}): tensor {still_meta[0]} is missing", "the checkpoint may be truncated or corrupted: write it again")
+    if result.unexpected_keys:
+        raise CompressError(f"{path} ({files}): unexpected tensor {result.unexpected_keys[0]}", "the checkpoint does not match its config.json")
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes on disk, per layer
+
+
+def tensor_bytes(path: str | Path) -> dict[str, int]:
+    """Bytes of every stored tensor, read from the safetensors headers (no data is loaded)."""
+    import struct
+
+    sizes: dict[str, int] = {}
+    for f in _weight_files(Path(path)):
+        try:
+            with open(f, "rb") as fh:
+                header = fh.read(8)
+                (n,) = struct.unpack("<Q", header)
+                meta = json.loads(fh.read(n))
+                size = fh.seek(0, 2)
+            if max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0) + 8 + n > size:
+                raise ValueError("the file is shorter than its header says")
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            raise CompressError(f"{f}: not a readable safetensors file ({_first_line(exc)})",
+                                "the checkpoint may be truncated or corrupted: write it again") from None
+        for key, info in meta.items():
+            if key != "__metadata__":
+                start, end = info["data_offsets"]
+                sizes[key] = end - start
+    return sizes
+
+
+def layer_bytes(path: str | Path, layer_names: list[str]) -> dict[str, int]:
+    """Bytes on disk of each named layer (all its tensors: weight or weight_packed, scales, ...)."""
+    sizes = tensor_bytes(path)
+    out = {}
+    for name in layer_names:
+        out[name] = sum(v for k, v in sizes.items() if k.startswith(name + ".") and "." not in k[len(name) + 1:])
+    return out

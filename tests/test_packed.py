@@ -1,0 +1,276 @@
+"""Packed checkpoints in the compressed-tensors format: bytes on disk, exact decompression by the
+library, plain transformers loading, round trips, tied embeddings, damaged files, inspect."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from compress import modeling, packing, parse_recipe, run_recipe
+from compress.cli import main
+from compress.pipeline import evaluate_model
+from compress.quant import fake_quantize, fake_quantize_fp8, recover_qparams
+from compress.stages.base import StageContext
+from compress.stages.rtn import RoundToNearest
+
+pytest.importorskip("compressed_tensors")
+
+HELDOUT = "calibration/heldout-tinyshakespeare.txt"
+IDS = torch.arange(40).reshape(2, 20) * 37 % 2048
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small tensors: one thread avoids the cost of synchronising threads on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def quantize(tmp, name, stage_yaml, model="default", extra="", fmt=None, dtype="auto"):
+    recipe = parse_recipe(f"model: {model}\nstages:\n  - rtn: {stage_yaml}\n{extra}", "test")
+    out = tmp / name
+    report = run_recipe(recipe, output=str(out), device="cpu", dtype=dtype, format=fmt)
+    return out, report
+
+
+def in_memory(stage_kwargs, model="default", dtype="auto"):
+    net, _, _ = modeling.load_model(model, dtype=dtype)
+    RoundToNearest(**stage_kwargs).apply(net, StageContext(device=torch.device("cpu")))
+    return net
+
+
+def ct_decompress(path) -> dict[str, torch.Tensor]:
+    """Every quantized layer's weight as compressed-tensors itself decompresses it."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    qc = QuantizationConfig.model_validate({k: v for k, v in raw.items() if k in QuantizationConfig.model_fields})
+    (scheme,) = qc.config_groups.values()
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    names = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_scale")}
+    return {n: compressor.decompress({k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == n}, scheme)["weight"]
+            for n in names}
+
+
+@pytest.fixture(scope="module")
+def w4g64(tmp_path_factory):
+    """The bundled model in float32, W4A16 (symmetric) group 64, evaluated after packing."""
+    tmp = tmp_path_factory.mktemp("packed")
+    out, report = quantize(tmp, "w4g64", "{scheme: W4A16, weights: {group_size: 64}}", dtype="float32",
+                           extra=f"evaluation: {{datasets: [{HELDOUT}], seq_len: 128, max_windows: 6}}\n")
+    return out, report
+
+
+# ---------------------------------------------------------------------------------------------
+# Recovering scales from dequantized weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_recovered_scales_reproduce_weights_exactly(dtype):
+    torch.manual_seed(0)
+    W = torch.randn(64, 256)
+    cases = [(4, True, "group", 64), (4, False, "group", 128), (8, True, "channel", None), (8, False, "channel", None),
+             (3, False, "group", 32), (8, True, "tensor", None)]
+    for bits, sym, strategy, group in cases:
+        q = fake_quantize(W, bits, sym, strategy, group).to(dtype)
+        scale, zp, failed = recover_qparams(q, bits, sym, strategy, group)
+        assert failed == 0, (dtype, bits, sym, strategy)
+        assert (zp is None) == sym
+    q = fake_quantize_fp8(W, "channel").to(dtype)
+    assert recover_qparams(q, 8, True, "channel", float8=True)[2] == 0
+    # codes that never reach the grid's ends (as after GPTQ), and a zero group (pruned)
+    codes = torch.randint(-3, 4, (64, 256)).float()
+    codes[:, :64] = 0
+    scale = torch.rand(64, 4, 1) * 0.01 + 1e-3
+    w = (codes.reshape(64, 4, 64) * scale).reshape(64, 256).to(dtype)
+    assert recover_qparams(w, 4, True, "group", 64)[2] == 0
+    # a weight off the grid is refused, not approximated
+    assert recover_qparams(W.to(dtype), 4, True, "group", 64)[2] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The bundled model: bytes, exactness, transformers, round trip
+
+
+def test_w4_group64_bytes_and_exact_decompression(w4g64):
+    out, report = w4g64
+    assert report["format"]["format"] == "packed" and "compressed-tensors" in report["format"]["reason"]
+    size = report["output"]
+    assert size["quantized_layers_ratio_to_float16"] <= 0.3
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "pack-quantized"
+    assert cfg["ignore"] == ["lm_head"] and cfg["config_groups"]["group_0"]["weights"]["group_size"] == 64
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("model.layers.0.mlp.down_proj.weight_packed").get_dtype() == "I32"
+        assert "model.layers.0.mlp.down_proj.weight" not in f.keys() and "lm_head.weight" in f.keys()
+    # compressed-tensors decompresses the checkpoint to exactly the weights quantized in memory
+    net = in_memory({"scheme": "W4A16", "weights": {"group_size": 64}}, dtype="float32")
+    modules = dict(net.named_modules())
+    decompressed = ct_decompress(out)
+    assert len(decompressed) == 28
+    for name, weight in decompressed.items():
+        assert torch.equal(weight.to(modules[name].weight.dtype), modules[name].weight), name
+
+
+def test_plain_transformers_loads_packed_logits_match(w4g64, tmp_path):
+    out, _ = w4g64
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+        "ids = torch.arange(40).reshape(2, 20) * 37 % 2048\n"
+        "with torch.no_grad():\n"
+        "    torch.save(m(input_ids=ids).logits, sys.argv[2])\n"
+        "assert not any(k == 'compress' or k.startswith('compress.') for k in sys.modules)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", script, str(out), str(tmp_path / "logits.pt")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    theirs = torch.load(tmp_path / "logits.pt")
+    net = in_memory({"scheme": "W4A16", "weights": {"group_size": 64}}, dtype="float32")
+    with torch.no_grad():
+        ours = net(input_ids=IDS).logits
+    assert ((ours - theirs).abs().max() / ours.abs().max()) <= 1e-4
+
+
+def test_round_trip_perplexity(w4g64):
+    out, report = w4g64
+    in_memory_ppl = report["evaluation"][HELDOUT]["token_perplexity"]
+    again = evaluate_model(str(out), [HELDOUT], device="cpu", seq_len=128, max_windows=6)
+    assert again["results"][HELDOUT]["token_perplexity"] == pytest.approx(in_memory_ppl, rel=1e-9)
+
+
+def test_w4_group128_and_w8_bytes(tmp_path):
+    out, g128 = quantize(tmp_path, "g128", "{scheme: W4A16_ASYM}")  # group 128: 256 and 640 divide
+    assert g128["format"]["format"] == "packed" and g128["output"]["quantized_layers_ratio_to_float16"] <= 0.3
+    # zero-points too come back exactly (bfloat16 model, float32 scales), read by compress
+    loaded, _, _ = modeling.load_model(str(out))
+    expected = in_memory({"scheme": "W4A16_ASYM"})
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), expected.state_dict().values()))
+    out, w8 = quantize(tmp_path, "w8", "{scheme: W8A8}")  # int8 weights as int8, dynamic per-token activations
+    assert w8["output"]["quantized_layers_ratio_to_float16"] <= 0.55
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "int-quantized"
+    acts = cfg["config_groups"]["group_0"]["input_activations"]
+    assert acts["num_bits"] == 8 and acts["strategy"] == "token" and acts["dynamic"] is True
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "I8"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models: tied embeddings, static activations, FP8, dense, fallbacks
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    def make(tied=False, intermediate=128):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+                                             tie_word_embeddings=tied)).eval()
+        path = tmp_path / f"tiny-{tied}-{intermediate}"
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(path)
+        return path
+    return make
+
+
+def test_tied_embeddings_stay_tied(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny(tied=True)
+    out, report = quantize(tmp_path, "tied", "{scheme: W4A16, weights: {group_size: 32}}", model=path)
+    assert report["format"]["format"] == "packed"
+    net, _, _ = modeling.load_model(str(out))
+    assert net.lm_head.weight.data_ptr() == net.model.embed_tokens.weight.data_ptr()
+    expected = in_memory({"scheme": "W4A16", "weights": {"group_size": 32}}, model=str(path))
+    with torch.no_grad():
+        assert torch.equal(net(input_ids=IDS).logits, expected(input_ids=IDS).logits)
+    plain = AutoModelForCausalLM.from_pretrained(out).eval()  # loads without errors, still tied
+    assert plain.lm_head.weight.data_ptr() == plain.model.embed_tokens.weight.data_ptr()
+    # a packed checkpoint is the input of a following stage
+    _, again = quantize(tmp_path, "again", "{scheme: W8A16}", model=out)
+    assert again["format"]["format"] == "packed"
+
+
+def test_static_activations_and_fp8(tiny, tmp_path):
+    path = tiny()
+    cal = "calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\n"
+    out, _ = quantize(tmp_path, "static", "{scheme: W8A8, input_activations: {strategy: tensor, dynamic: false}}",
+                      model=path, extra=cal)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.input_scale").numel() == 1
+    acts = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+    assert acts["strategy"] == "tensor" and acts["dynamic"] is False
+    out, _ = quantize(tmp_path, "fp8", "{scheme: FP8_DYNAMIC}", model=path)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "F8_E4M3"
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "float-quantized"
+
+
+def test_dense_format_and_fallback(tiny, tmp_path):
+    path = tiny()
+    out, report = quantize(tmp_path, "dense", "{scheme: W4A16, weights: {group_size: 32}}", model=path, fmt="dense")
+    assert report["format"]["format"] == "dense" and "quantization_config" not in json.loads((out / "config.json").read_text())
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "F32"
+    # group 48 does not divide 64 input features: auto falls back to dense and says why
+    _, report = quantize(tmp_path, "auto", "{scheme: W4A16, weights: {group_size: 48}}", model=path)
+    assert report["format"]["format"] == "dense" and "not a whole number of groups of 48" in report["format"]["reason"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line: inspect, damaged checkpoints
+
+
+def run(capsys, *args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_inspect(w4g64, capsys):
+    out, report = w4g64
+    rc, text, _ = run(capsys, "--json", "inspect", out)
+    data = json.loads(text)
+    s = data["summary"]
+    assert rc == 0 and s["format"] == "packed" and s["stages"] == ["rtn"]
+    assert s["source_model"]["weights_sha256"] == report["source_model"]["weights_sha256"]
+    assert s["recipe"]["stages"][0]["rtn"]["scheme"] == "W4A16"
+    row = s["layers"]["model.layers.0.mlp.down_proj"]
+    assert row["weights"]["group_size"] == 64 and "weight_packed" in row["tensors"] and row["bytes_on_disk"] < 0.3 * row["float16_bytes"]
+    assert s["sizes"]["bytes_on_disk"] < s["sizes"]["source_bytes"] and s["sizes"]["quantized_layers_ratio_to_float16"] <= 0.3
+    rc, text, _ = run(capsys, "inspect", out)
+    assert rc == 0 and s["source_model"]["weights_sha256"] in text and "format: packed" in text and "of their float16 size" in text
+
+
+def test_damaged_checkpoint_is_named(w4g64, tmp_path, capsys):
+    import shutil
+
+    out, _ = w4g64
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    f = bad / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    rc, _, err = run(capsys, "eval", "--model", bad, "--data", HELDOUT, "--max-windows", 2)
+    assert rc == 2 and "model.safetensors" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    rc, _, err = run(capsys, "inspect", bad)
+    assert rc == 2 and "model.safetensors" in err and "truncated" in err
+    # a tensor missing from an otherwise valid file is named
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(out / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight_scale"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    rc, _, err = run(capsys, "eval", "--model", bad, "--data", HELDOUT, "--max-windows", 2)
+    assert rc == 2 and "model.layers.1.mlp.up_proj.weight_scale" in err and "model.safetensors" in err
