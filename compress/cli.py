@@ -24,7 +24,7 @@ from compress.errors import CompressError
 
 app = typer.Typer(
     name="compress",
-    help="Compress Hugging Face transformers models with YAML recipes: quantize, evaluate, inspect.",
+    help="Compress Hugging Face transformers models with YAML recipes: quantize, prune, evaluate, inspect.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -85,6 +85,8 @@ def quantize(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="hub id, local directory or `default`; overrides the recipe's model."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="output directory; overrides the recipe's output."),
     force: bool = typer.Option(False, "--force", help="replace an existing output directory."),
+    format: Optional[str] = typer.Option(None, "--format", help="packed (compressed-tensors: int4 packed, int8, FP8), dense "
+                                         "(dequantized, in the model's dtype) or auto (the default: packed when every quantized layer can be); overrides the recipe."),
 ):
     """Run a recipe's stages on a model and save the compressed checkpoint with its report.
 
@@ -93,7 +95,61 @@ def quantize(
     from compress.pipeline import run_recipe
     from compress.recipe import load_recipe
 
+    if format is not None and format not in ("packed", "dense", "auto"):
+        raise CompressError(f"--format {format!r} is not a format", "use packed, dense or auto")
     r = load_recipe(recipe)
+    with progress_bar() as progress:
+        report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
+                            seed=S.seed, progress=progress, format=format)
+    out = output or r.output
+    if S.json:
+        emit_json({"output": str(out), **report})
+        return
+    if not S.quiet:
+        console.print(f"[green]wrote[/green] {out}")
+        console.print(f"format: {report['format']['format']} ({escape(report['format']['reason'])})")
+        _print_stages(report)
+        if report.get("evaluation"):
+            _print_results(report["evaluation"])
+        console.print(f"report: {Path(out) / 'report.md'}")
+
+
+PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
+
+
+@app.command()
+def prune(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="hub id, local directory or `default`."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="output directory."),
+    method: Optional[str] = typer.Option(None, help="magnitude, wanda or sparsegpt (the default)."),
+    sparsity: Optional[float] = typer.Option(None, help="share of each layer's weights set to zero, in [0, 1) (default 0.5)."),
+    pattern: Optional[str] = typer.Option(None, help="N:M semi-structured sparsity, e.g. 2:4: N zeros in every M consecutive input weights."),
+    structured: Optional[str] = typer.Option(None, help="structured pruning instead: mlp-channels, heads or blocks (the `structured` stage)."),
+    ratio: Optional[float] = typer.Option(None, help="with --structured: the share of channels / heads / blocks removed."),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="run this recipe instead of building one from the options."),
+    calibration: str = typer.Option("calibration/default.txt", help="calibration text (wanda, sparsegpt, structured)."),
+    num_samples: int = typer.Option(128, help="calibration windows of 256 tokens."),
+    data: list[str] = typer.Option([], "--data", "-d", help="evaluation text(s) (default: the bundled held-out text)."),
+    no_eval: bool = typer.Option(False, "--no-eval", help="skip the evaluation against the original."),
+    force: bool = typer.Option(False, "--force", help="replace an existing output directory."),
+):
+    """Prune a model (unstructured, N:M, or structured) and save the checkpoint with its report.
+
+    Example: compress prune --model default --method sparsegpt --pattern 2:4 --output out/sparse24
+    """
+    from compress.pipeline import run_recipe
+    from compress.recipe import load_recipe, parse_recipe
+
+    if recipe is not None:
+        given = [f"--{k}" for k, v in {"method": method, "sparsity": sparsity, "pattern": pattern,
+                                       "structured": structured, "ratio": ratio}.items() if v is not None]
+        if given:
+            raise CompressError(f"--recipe runs the recipe's stages as written; {', '.join(given)} would be ignored",
+                                "drop them, or edit the recipe")
+        r = load_recipe(recipe)
+    else:
+        r = parse_recipe(_prune_recipe(model, output, method, sparsity, pattern, structured, ratio, calibration,
+                                       num_samples, data, no_eval), "compress prune")
     with progress_bar() as progress:
         report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
                             seed=S.seed, progress=progress)
@@ -104,9 +160,66 @@ def quantize(
     if not S.quiet:
         console.print(f"[green]wrote[/green] {out}")
         _print_stages(report)
+        size = report["output"]
+        if size.get("nonzero_parameters") is not None:
+            console.print(f"parameters {size['parameters']:,}, of which nonzero {size['nonzero_parameters']:,} "
+                          f"({1 - size['nonzero_parameters'] / size['parameters']:.2%} zeros)")
         if report.get("evaluation"):
             _print_results(report["evaluation"])
         console.print(f"report: {Path(out) / 'report.md'}")
+
+
+def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, calibration, num_samples, data,
+                  no_eval) -> str:
+    """The recipe `compress prune` runs, as YAML text, after checking the options agree."""
+    import yaml
+
+    from compress.sparsity import parse_pattern
+
+    if not model:
+        raise CompressError("no model given", "pass --model: a local directory, a hub id, or `default`")
+    if not output:
+        raise CompressError("no output directory given", "pass --output")
+    if num_samples <= 0:
+        raise CompressError(f"--num-samples {num_samples} must be positive", "e.g. --num-samples 128")
+    if structured is not None:
+        given = [f"--{k}" for k, v in {"method": method, "sparsity": sparsity, "pattern": pattern}.items() if v is not None]
+        if given:
+            raise CompressError(f"--structured removes whole structures and takes no {', '.join(given)}",
+                                "give --structured KIND --ratio R, or --method with --sparsity / --pattern")
+        if ratio is None:
+            raise CompressError("--structured needs --ratio, the share of structures removed", "e.g. --structured mlp-channels --ratio 0.25")
+        if not 0 < ratio < 1:
+            raise CompressError(f"--ratio {ratio:g} is outside (0, 1)", "e.g. --ratio 0.25 removes a quarter")
+        name, body = "structured", {"structure": structured, "ratio": ratio}
+    else:
+        if ratio is not None:
+            raise CompressError("--ratio goes with --structured", "for unstructured pruning give --sparsity")
+        name = method or "sparsegpt"
+        if name not in PRUNE_METHODS:
+            raise CompressError(f"--method {name!r} is not a pruning method", f"use one of {', '.join(PRUNE_METHODS)}")
+        body = {}
+        if sparsity is not None:
+            if not 0 <= sparsity < 1:
+                raise CompressError(f"--sparsity {sparsity:g} is outside [0, 1)", "e.g. --sparsity 0.5 zeroes half the weights")
+            body["sparsity"] = sparsity
+        if pattern is not None:
+            try:
+                n, m = parse_pattern(pattern)
+            except ValueError as exc:
+                raise CompressError(f"--pattern: {exc}", "N zeros in every M consecutive weights, e.g. --pattern 2:4") from None
+            if sparsity is not None and abs(sparsity - n / m) > 1e-9:
+                raise CompressError(f"--sparsity {sparsity:g} contradicts --pattern {n}:{m}, which prunes {n / m:g}",
+                                    "give one of them")
+            body["pattern"] = f"{n}:{m}"
+    doc: dict = {"model": model}
+    if name != "magnitude":
+        doc["calibration"] = {"dataset": calibration, "num_samples": num_samples, "seq_len": 256}
+    doc["stages"] = [{name: body}]
+    if not no_eval:
+        doc["evaluation"] = {"datasets": list(data) or ["calibration/heldout-tinyshakespeare.txt"]}
+    doc["output"] = output
+    return yaml.safe_dump(doc, sort_keys=False)
 
 
 @app.command("eval")
@@ -224,33 +337,46 @@ def recipes(directory: Path = typer.Option(None, help="where to look (default: t
 
 @app.command()
 def inspect(path: Path = typer.Argument(..., help="a directory written by compress.")):
-    """What was done to a checkpoint: its stages, layer schemes, errors, size and evaluation."""
-    meta_file, report_file = path / "compress.json", path / "report.json"
-    if not path.is_dir():
-        raise CompressError(f"{path} is not a directory", "pass a directory written by `compress quantize`")
-    if not meta_file.is_file():
-        raise CompressError(f"{path} has no compress.json: it was not written by compress", "inspect a compress output directory")
-    meta = json.loads(meta_file.read_text())
-    report = json.loads(report_file.read_text()) if report_file.is_file() else {}
+    """What was done to a checkpoint: its format, source model (and its weights' hash), recipe and
+    stages, every layer's scheme, sparsity and size on disk, the sizes before and after, and the
+    evaluation."""
+    from compress.pipeline import inspect_checkpoint
+
+    data = inspect_checkpoint(path)
     if S.json:
-        emit_json({"compress": meta, "report": report})
+        emit_json(data)
         return
-    src = meta.get("source_model", {})
-    Console().print(f"[bold]{path}[/bold]: {' -> '.join(meta.get('stages', []))} applied to {src.get('ref')} "
-                    f"({src.get('architecture')}, {src.get('parameters', 0):,} params)")
+    info, report = data["summary"], data["report"]
+    src = info["source_model"]
+    out = Console(soft_wrap=True, highlight=False)
+    out.print(f"[bold]{escape(str(path))}[/bold]: {' -> '.join(info['stages'])} applied to {escape(str(src.get('ref')))} "
+              f"({src.get('architecture')}, {src.get('parameters') or 0:,} params, {src.get('dtype')})")
+    out.print(f"source weights sha256: {src.get('weights_sha256')}")
+    out.print(f"format: {info['format']}" + (f" ({escape(info['format_reason'])})" if info.get("format_reason") else ""))
     t = Table()
-    for col in ("layer", "shape", "weights", "activations", "rel. error"):
+    pruned = any(r["sparsity"] is not None for r in info["layers"].values())
+    for col in ("layer", "shape", "weights", "activations", "rel. error") + (("sparsity",) if pruned else ()) + ("bytes on disk", "vs fp16"):
         t.add_column(col)
-    for n, rec in meta.get("layers", {}).items():
+    for n, rec in info["layers"].items():
         w, a = rec.get("weights"), rec.get("input_activations")
+        sparse = ((f"{rec['sparsity']:.4f}" + (f" ({rec['pattern']})" if rec.get("pattern") else "")) if rec["sparsity"] is not None else "-",) if pruned else ()
+        ratio = f"{rec['bytes_on_disk'] / rec['float16_bytes']:.3f}" if rec.get("float16_bytes") and rec["bytes_on_disk"] else "-"
+        err = rec.get("relative_error")
         t.add_row(n, "x".join(map(str, rec.get("shape", []))),
                   f"{w['type']}{w['num_bits']} {w['strategy']}{' g' + str(w['group_size']) if w.get('group_size') else ''} {'sym' if w['symmetric'] else 'asym'}" if w else "-",
                   f"{a['type']}{a['num_bits']} {a['strategy']} {'dynamic' if a['dynamic'] else 'static'}" if a else "-",
-                  f"{rec.get('relative_error', float('nan')):.4g}")
+                  f"{err:.4g}" if err is not None else "-", *sparse, f"{rec['bytes_on_disk']:,}", ratio)
     Console().print(t)
-    if report.get("output"):
-        o = report["output"]
-        Console().print(f"size: {o['bytes_on_disk']:,} bytes on disk, {o['bits_per_parameter_packed']:.2f} bits/parameter once packed")
+    sz = info["sizes"]
+    line = f"size: {sz['source_bytes'] or 0:,} bytes before, {sz['bytes_on_disk']:,} bytes on disk after"
+    if sz.get("quantized_layers_ratio_to_float16") is not None:
+        line += (f"; quantized layers {sz['quantized_layers_bytes_on_disk']:,} bytes, "
+                 f"{sz['quantized_layers_ratio_to_float16']:.3f} of their float16 size")
+    out.print(line)
+    if info.get("recipe"):
+        import yaml
+
+        out.print("recipe:\n" + escape(yaml.safe_dump(info["recipe"], sort_keys=False).rstrip()))
     if report.get("evaluation"):
         _print_results(report["evaluation"])
 

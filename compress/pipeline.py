@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import yaml
 
-from compress import modeling
+from compress import modeling, packing
 from compress.calibration import build_calibration, is_local_spec, resolve_data_path
 from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes
 from compress.errors import CompressError
@@ -47,8 +47,14 @@ def seed_everything(seed: int) -> None:
 
 def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = None, force: bool = False,
                device: str = "auto", dtype: str = "auto", seed: int = 0,
-               progress: Progress = lambda *_: None) -> dict:
-    """Run every stage of `recipe` and write the compressed checkpoint; returns report.json's content."""
+               progress: Progress = lambda *_: None, format: str | None = None) -> dict:
+    """Run every stage of `recipe` and write the compressed checkpoint; returns report.json's content.
+
+    `format`: packed (compressed-tensors), dense (dequantized weights in the model's dtype) or auto
+    (packed when every quantized layer can be expressed); overrides the recipe's `format:`."""
+    requested = format or recipe.format
+    if requested not in ("auto", "packed", "dense"):
+        raise CompressError(f"unknown format {requested!r}", "use packed, dense or auto")
     model_ref = model or recipe.model
     if not model_ref:
         raise CompressError(f"{recipe.source}: no model given", "set `model:` in the recipe or pass --model")
@@ -61,6 +67,9 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     _check_data_files(recipe)
     if recipe.offload == "disk":
         _check_offloadable(recipe)
+        if Path(model_path).is_dir() and packing.is_packed(model_path):
+            raise CompressError(f"offload: disk reads dense checkpoints; {model_ref} is packed (compressed-tensors)",
+                                "drop offload: disk, or start from a checkpoint written with --format dense")
     dev = pick_device(device)
     seed_everything(seed)
 
@@ -106,25 +115,44 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             ctx.offload = DiskOffload(net, modeling.local_dir(model_ref), tmp, None, n_shards=len(blocks) + 1)
             ctx.offload.load_outside(path)
         report["stages"] = _run_stages(recipe, net, ctx)
+        if ctx.offload is None:
+            _measure_sparsity(net, ctx.layers)
         report["layers"] = ctx.layers
 
         progress("saving", 0, 1)
+        decision = packing.decide(net, ctx.layers, requested, offloaded=ctx.offload is not None)
+        packed = None
+        if decision.format == "packed":
+            try:
+                packed = packing.pack_model(net, ctx.layers)
+            except packing.NotPackable as exc:
+                if requested == "packed":
+                    raise
+                decision = packing.Decision("dense", f"the packed format cannot reproduce it exactly: {exc.message}")
+        report["format"] = {"format": decision.format, "reason": decision.reason}
         if ctx.offload is not None:
             ctx.offload.finish()
             config.save_pretrained(tmp)
             generation = modeling.local_dir(model_ref) / "generation_config.json"
             if generation.is_file():
                 (tmp / generation.name).write_bytes(generation.read_bytes())
+        elif decision.format == "packed":
+            report["format"].update(packing.save_packed(net, ctx.layers, tmp, packed))
         else:
             net.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         effective = recipe.effective()
         effective["model"] = model_ref
         effective["output"] = str(out_dir)
+        effective["format"] = requested
         (tmp / "recipe.yaml").write_text(yaml.safe_dump(effective, sort_keys=False))
-        write_json(tmp / "compress.json", {"format": "compress-dequantized/1", "source_model": source,
-                                           "stages": [n for n, _ in recipe.stages], "layers": ctx.layers})
+        write_json(tmp / "compress.json", {
+            "format": "compressed-tensors/1" if decision.format == "packed" else "compress-dequantized/1",
+            "format_reason": decision.reason, "source_model": source, "stages": [n for n, _ in recipe.stages],
+            "recipe": effective, "layers": ctx.layers})
         report["output"] = size_summary(net, ctx.layers, tmp)
+        if ctx.offload is None:
+            report["output"].update(packing.quantized_size(tmp, net, ctx.layers))
         if recipe.evaluation is not None and recipe.evaluation.datasets:
             if ctx.offload is not None:
                 report["evaluation_note"] = "skipped: the model was offloaded to disk; run `compress eval` on the output"
@@ -154,6 +182,16 @@ def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext) -> list
     finally:
         fuse_experts(swaps)
     return reports
+
+
+def _measure_sparsity(net: torch.nn.Module, layers: dict) -> None:
+    """A pruned layer's recorded sparsity is re-read from its final weights, so that a later stage
+    that let pruned weights move off zero shows in the report."""
+    modules = dict(net.named_modules())
+    for name, rec in layers.items():
+        if "sparsity" in rec and name in modules:
+            w = modules[name].weight
+            rec["sparsity"] = 1 - int(torch.count_nonzero(w)) / w.numel()
 
 
 def _check_offloadable(recipe: Recipe) -> None:
@@ -186,7 +224,7 @@ def _eval_kwargs(cfg: EvaluationConfig) -> dict:
 
 def size_summary(net: torch.nn.Module, layers: dict, checkpoint_dir: Path | None = None,
                  stored_bits: int | None = None) -> dict:
-    """Parameters, bytes on disk, and bits/parameter on disk and once packed.
+    """Parameters (and how many are nonzero), bytes on disk, and bits/parameter on disk and once packed.
 
     `stored_bits`: width of the unquantized parameters as saved (defaults to the model's dtype)."""
     params = modeling.count_parameters(net)
@@ -201,8 +239,11 @@ def size_summary(net: torch.nn.Module, layers: dict, checkpoint_dir: Path | None
     stored_bits = stored_bits or next(net.parameters()).element_size() * 8
     other_bits = (params - quantized_params) * stored_bits
     on_disk = dir_weight_bytes(checkpoint_dir) if checkpoint_dir else modeling.model_bytes(net)
+    # None with offload: disk, where the weights are no longer in memory
+    nonzero = None if any(p.is_meta for p in net.parameters()) else sum(int(torch.count_nonzero(p)) for p in net.parameters())
     return {
         "parameters": params,
+        "nonzero_parameters": nonzero,  # below `parameters` once pruned; stored densely all the same
         "quantized_parameters": quantized_params,
         "bytes_on_disk": on_disk,
         "bits_per_parameter_on_disk": on_disk * 8 / params,
@@ -243,4 +284,56 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
             "passed": all(c["passed"] for c in checks), "wall_s": time.perf_counter() - start}
 
 
-__all__ = ["run_recipe", "evaluate_model", "pick_device", "size_summary", "STAGES"]
+def inspect_checkpoint(path: str | Path) -> dict:
+    """`compress inspect` as a function: what was done to a checkpoint written by compress.
+
+    Returns compress.json and report.json as they are, plus a summary: the format (and why), the
+    source model and its weights' hash, the recipe and stages, each layer's scheme, sparsity and
+    bytes on disk against its float16 bytes, and the sizes before and after."""
+    path = Path(path)
+    meta_file, report_file = path / "compress.json", path / "report.json"
+    if not path.is_dir():
+        raise CompressError(f"{path} is not a directory", "pass a directory written by `compress quantize`")
+    if not meta_file.is_file():
+        raise CompressError(f"{path} has no compress.json: it was not written by compress", "inspect a compress output directory")
+    try:
+        meta = json.loads(meta_file.read_text())
+        report = json.loads(report_file.read_text()) if report_file.is_file() else {}
+    except ValueError as exc:
+        raise CompressError(f"{path}: damaged compress.json or report.json ({exc})", "write the checkpoint again") from None
+    recipe = meta.get("recipe")
+    if recipe is None and (path / "recipe.yaml").is_file():
+        recipe = yaml.safe_load((path / "recipe.yaml").read_text())
+    layers = meta.get("layers", {})
+    tensor_sizes = packing.tensor_bytes(path)
+    rows = {}
+    for name, rec in layers.items():
+        stored = {k[len(name) + 1:]: v for k, v in tensor_sizes.items() if k.startswith(name + ".") and "." not in k[len(name) + 1:]}
+        shape = rec.get("shape") or []
+        params = shape[0] * shape[1] if len(shape) == 2 else None
+        rows[name] = {"shape": shape, "stage": rec.get("stage"), "weights": rec.get("weights"),
+                      "input_activations": rec.get("input_activations"), "sparsity": rec.get("sparsity"),
+                      "pattern": rec.get("pattern"), "relative_error": rec.get("relative_error"),
+                      "tensors": sorted(stored), "bytes_on_disk": sum(stored.values()),
+                      "float16_bytes": params * 2 if params else None}
+    quantized = [r for r in rows.values() if r["weights"] and r["float16_bytes"]]
+    q_disk, q_fp16 = sum(r["bytes_on_disk"] for r in quantized), sum(r["float16_bytes"] for r in quantized)
+    packed = packing.is_packed(path)
+    src = meta.get("source_model", {})
+    summary = {
+        "path": str(path),
+        "format": "packed" if packed else "dense",
+        "format_reason": meta.get("format_reason"),
+        "quantization_config": json.loads((path / "config.json").read_text()).get("quantization_config") if packed else None,
+        "source_model": {k: src.get(k) for k in ("ref", "architecture", "parameters", "dtype", "bytes", "weights_sha256")},
+        "stages": meta.get("stages", []),
+        "recipe": recipe,
+        "layers": rows,
+        "sizes": {"source_bytes": src.get("bytes"), "bytes_on_disk": sum(tensor_sizes.values()),
+                  "quantized_layers_bytes_on_disk": q_disk, "quantized_layers_float16_bytes": q_fp16,
+                  "quantized_layers_ratio_to_float16": q_disk / q_fp16 if q_fp16 else None},
+    }
+    return {"summary": summary, "compress": meta, "report": report}
+
+
+__all__ = ["run_recipe", "evaluate_model", "inspect_checkpoint", "pick_device", "size_summary", "STAGES"]
