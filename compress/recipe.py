@@ -275,9 +275,22 @@ def _check_contradictions(recipe: Recipe, path: str) -> None:
     for name, cfg in recipe.stages:
         if getattr(cfg, "needs_calibration", False) and recipe.calibration is None:
             raise CompressError(
-                f"{path}: stage '{name}' needs calibration data (static activation ranges) but the recipe has no 'calibration' section",
-                "add calibration: {dataset: ...} or use dynamic activations",
+                f"{path}: stage '{name}' needs calibration data ({_why_calibration(cfg)}) but the recipe has no 'calibration' section",
+                "add calibration: {dataset: ...}" + (" or use dynamic activations" if _static_only(cfg) else ""),
             )
+
+
+def _static_only(cfg) -> bool:
+    """A quantization stage that calibrates only for its static activation ranges."""
+    from compress.stages.base import EngineOptions, QuantizationStage
+
+    return isinstance(cfg, QuantizationStage) and not isinstance(cfg, EngineOptions)
+
+
+def _why_calibration(cfg) -> str:
+    if _static_only(cfg):
+        return "static activation ranges"
+    return "it measures activations layer by layer"
 
 
 def load_recipe(path: Union[str, Path]) -> Recipe:

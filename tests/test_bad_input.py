@@ -160,6 +160,14 @@ def _static_no_calibration(tmp):
     return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A8\n      input_activations: {strategy: tensor, dynamic: false}\n")
 
 
+def _gptq_without_calibration(tmp):
+    return quantize(tmp, "stages:\n  - gptq:\n      scheme: W4A16\n")
+
+
+def _static_without_calibration(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A8\n      input_activations: {strategy: tensor, dynamic: false}\n")
+
+
 def _recipe_not_found(tmp):
     return ["quantize", "--recipe", str(tmp / "nope.yaml"), "--model", "default", "--output", str(tmp / "out")]
 
@@ -433,6 +441,8 @@ CASES = [
     Case("yaml-list", _yaml_list, ["r.yaml", "mapping"]),
     Case("yaml-empty", _empty_recipe, ["r.yaml", "mapping"]),
     Case("recipe-not-found", _recipe_not_found, ["nope.yaml", "not found"]),
+    Case("gptq-without-calibration", _gptq_without_calibration, ["r.yaml", "'gptq' needs calibration", "layer by layer"]),
+    Case("static-without-calibration", _static_without_calibration, ["r.yaml", "static activation ranges", "dynamic"]),
     Case("recipe-is-dir", _recipe_is_dir, ["recipes.yaml"]),
     Case("recipe-not-utf8", _recipe_not_utf8, ["r.yaml", "UTF-8"]),
     # recipe: keys and values
