@@ -66,6 +66,8 @@ class Row:
     method: str = "RTN"
     stage_name: str = "rtn"  # the recipe's stage name (compress.stages.STAGES)
     notes: str = ""
+    before: tuple = ()  # stages ({name: body}) that run before the row's own, e.g. smoothquant
+    reference: str = "RTN"  # the method whose row of the same label this one is compared with
 
     @property
     def name(self) -> str:
@@ -86,8 +88,7 @@ def _rows() -> list[Row]:
         Row("ref-llama", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}),
         Row("ref-llama", "W3 absmax g64", {"scheme": "W4A16", "weights": {"num_bits": 3, "group_size": 64}}),
         Row("ref-llama", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}),
-        Row("ref-llama", "W8A8 int8 static per-tensor",
-            {"scheme": "W8A8", "input_activations": {"strategy": "tensor", "dynamic": False}}),
+        Row("ref-llama", "W8A8 int8 static per-tensor", W8A8_STATIC),
         Row("ref-llama", "FP8_DYNAMIC", {"scheme": "FP8_DYNAMIC"}),
         # GPTQ (stage defaults: block_size 128, dampening_frac 0.01, no act-order), each paired
         # with the RTN row of the same label for the quality ratios.
@@ -95,6 +96,15 @@ def _rows() -> list[Row]:
         Row("ref-llama", "W3 absmax g64", {"scheme": "W4A16", "weights": {"num_bits": 3, "group_size": 64}}, **GPTQ_ROW),
         Row("ref-llama", "W4 zero-point g64", {"scheme": "W4A16_ASYM", "weights": {"group_size": 64}}, **GPTQ_ROW),
         Row("ref-llama", "W8 absmax per-channel", {"scheme": "W8A16"}, **GPTQ_ROW),
+        # AWQ (stage defaults: 20-point α grid, duo scaling, clipping search) and SmoothQuant
+        # (α 0.5, then the same rtn stage as the plain W8A8 row of that label).
+        Row("ref-llama", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **AWQ_ROW),
+        Row("ref-llama", "W4 zero-point g64", {"scheme": "W4A16_ASYM", "weights": {"group_size": 64}}, **AWQ_ROW),
+        Row("ref-llama", "W8A8 int8 static per-tensor", W8A8_STATIC, **SQ_ROW),
+        Row("ref-llama", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}, **SQ_ROW),
+        *_pruning_rows("ref-llama"),
+        Row("ref-llama", "MLP channels 25 %", {"structure": "mlp-channels", "ratio": 0.25}, method="structured",
+            stage_name="structured", reference="dense"),
     ]
     enc = [
         Row("minilm", "W8 absmax per-channel", {"scheme": "W8A16"}),
@@ -102,15 +112,33 @@ def _rows() -> list[Row]:
         Row("minilm", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}),
         Row("minilm", "W3 absmax g64", {"scheme": "W4A16", "weights": {"num_bits": 3, "group_size": 64}}),
         Row("minilm", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}),
-        Row("minilm", "W8A8 int8 static per-tensor",
-            {"scheme": "W8A8", "input_activations": {"strategy": "tensor", "dynamic": False}}),
+        Row("minilm", "W8A8 int8 static per-tensor", W8A8_STATIC),
         Row("minilm", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}, **GPTQ_ROW),
         Row("minilm", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **GPTQ_ROW),
+        Row("minilm", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}, **AWQ_ROW),
+        Row("minilm", "W8A8 int8 static per-tensor", W8A8_STATIC, **SQ_ROW),
+        Row("minilm", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}, **SQ_ROW),
+        *_pruning_rows("minilm"),
     ]
     return ll + enc
 
 
 GPTQ_ROW = {"method": "GPTQ", "stage_name": "gptq"}
+COMPARED = ["GPTQ", "AWQ", "SmoothQuant", "Wanda", "SparseGPT"]  # methods with a "vs" section, in this order
+PRUNE_LABELS = {"50 % unstructured": {"sparsity": 0.5}, "2:4": {"pattern": "2:4"}}
+
+
+def _pruning_rows(family: str) -> list[Row]:
+    """Magnitude, Wanda and SparseGPT at 50 % and 2:4; Wanda and SparseGPT compared with magnitude."""
+    rows = []
+    for label, body in PRUNE_LABELS.items():
+        rows.append(Row(family, label, dict(body), method="magnitude", stage_name="magnitude", reference="dense"))
+        rows.append(Row(family, label, dict(body), method="Wanda", stage_name="wanda", reference="magnitude"))
+        rows.append(Row(family, label, dict(body), method="SparseGPT", stage_name="sparsegpt", reference="magnitude"))
+    return rows
+AWQ_ROW = {"method": "AWQ", "stage_name": "awq"}
+SQ_ROW = {"method": "SmoothQuant", "stage_name": "rtn", "before": ({"smoothquant": {"alpha": 0.5}},)}
+W8A8_STATIC = {"scheme": "W8A8", "input_activations": {"strategy": "tensor", "dynamic": False}}
 
 
 @dataclass
@@ -218,7 +246,7 @@ class Setup:
         doc = {
             "model": self.model(row.family),
             "calibration": self.calibration(row.family),
-            "stages": [{row.stage_name: row.stage}],
+            "stages": [*row.before, {row.stage_name: row.stage}],
             "output": str(self.out_dir / row.slug),
         }
         return f"# compress.bench row: {row.name}\n" + yaml.safe_dump(doc, sort_keys=False)
@@ -331,13 +359,14 @@ def run_row(row: Row, setup: Setup, cache_file: Path) -> dict:
                              baseline_cache=cache, **{**setup.eval_kwargs(row.family), "max_windows": 64})
         card_eval = next(iter(card_eval.values()))
     t_eval = time.perf_counter() - t1
-    forward = _time_forward(base, base_tok, recipe) if row.stage_name == "gptq" else None
-    stage = report["stages"][0]
+    forward = _time_forward(base, base_tok, recipe) if row.stage_name == "gptq" and not row.before else None
+    stage = report["stages"][-1]  # the row's own stage; wall and memory cover every stage
     errors = [rec["relative_error"] for rec in report["layers"].values() if "relative_error" in rec]
     return {
         "row": row.name,
         "family": row.family,
         "method": row.method,
+        "reference": row.reference,
         "stage_name": row.stage_name,
         "label": row.label,
         "recipe": text,
@@ -345,11 +374,13 @@ def run_row(row: Row, setup: Setup, cache_file: Path) -> dict:
         "stage_summary": stage["summary"],
         "mean_relative_error": sum(errors) / len(errors) if errors else None,
         "forward": forward,
-        "stage_wall_s": stage["wall_s"],
-        "stage_peak_rss_mib": stage["peak_rss_mib"],
+        "stage_wall_s": sum(st["wall_s"] for st in report["stages"]),
+        "stage_peak_rss_mib": max(st["peak_rss_mib"] for st in report["stages"]),
+        "stage_summaries": [st["summary"] for st in report["stages"]],
         "process_peak_rss_mib": _peak_rss_mib(),
         "process_peak_rss_mib_compress": rss_after_compress,
         "output": report["output"],
+        "format": report.get("format"),
         "calibration": report["calibration"],
         "evaluation": results,
         "card_evaluation_wt2_64": card_eval,
@@ -587,7 +618,7 @@ def render(results: list[dict], meta: dict) -> str:
             "## ref-llama (3.8 M parameters, float32)",
             "",
             f"Calibration: `tinyshakespeare/train.txt` then `wikitext-2/train.txt` concatenated, first "
-            f"{s['ll_calib_samples']} windows of 256 tokens (built for every row; used by the static-activation row and the GPTQ rows). "
+            f"{s['ll_calib_samples']} windows of 256 tokens (built for every row; used by every row that calibrates: static activations, GPTQ, AWQ, SmoothQuant, Wanda, SparseGPT, structured). "
             f"Evaluation: `tinyshakespeare/test.txt` (TS) and `wikitext-2/test.txt` (WT2) each on its own, "
             f"256-token windows, first {s['ll_eval_windows']} windows (TS has only 88). KL = mean KL(p_base ‖ p_quantized) "
             "per position (nats); top-1 = share of positions where both models pick the same next token; "
@@ -622,22 +653,26 @@ def render(results: list[dict], meta: dict) -> str:
             "",
             "### Cost",
             "",
-            "Compression wall s = the row's one stage (`rtn` or `gptq`) alone (report.json `stages[].wall_s`). Peak RSS: of the row's "
-            "process during the stage (report.json `stages[].peak_rss_mib`), and over the whole row process "
+            "Compression wall s = the row's stages alone (the sum of report.json `stages[].wall_s`; SmoothQuant rows run two). Peak RSS: of the row's "
+            "process during the stages (report.json `stages[].peak_rss_mib`), and over the whole row process "
             "(load, calibration tokenization, stage, save, reload, evaluation with a second model loaded). "
-            "Bytes on disk = report.json `output.bytes_on_disk` (the checkpoint stores dequantized float32 weights, "
-            "so it is the size of the original); bits/parameter packed = weights at their quantized width plus "
-            "16-bit scales (and zero-points at the weight width when asymmetric), other parameters at 32 bits.",
+            "Bytes on disk = report.json `output.bytes_on_disk`, the checkpoint as saved: compressed-tensors packed "
+            "(the default `format: auto`; the format column) or dense float32 where nothing is quantized (pruning). "
+            "Linear / fp16 = the quantized linear layers' bytes in the file (packed weights, float32 scales, zero-points; "
+            "`output.quantized_layers_bytes_on_disk`) over the same layers' parameters at 2 bytes (issue bars: W4 ≤ 0.3, W8 ≤ 0.55). "
+            "Bits/parameter packed = the ideal: weights at their quantized width plus 16-bit scales (and zero-points at the "
+            "weight width when asymmetric), other parameters at 32 bits.",
             "",
-            "| method | row | compression wall s | peak RSS MiB (stage / whole process) | bytes on disk | bits/param on disk | bits/param packed | mean layer rel. error | whole row process wall s |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| method | row | compression wall s | peak RSS MiB (stage / whole process) | format | bytes on disk | linear / fp16 | bits/param on disk | bits/param packed | mean layer rel. error | whole row process wall s |",
+            "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for r in ll:
             if "error" in r:
                 continue
             o = r["output"]
             lines.append(f"| {r['method']} | {r['label']} | {r['stage_wall_s']:.2f} | {r['stage_peak_rss_mib']:.0f} / {r['process_peak_rss_mib']:.0f} | "
-                         f"{o['bytes_on_disk']:,} | {o['bits_per_parameter_on_disk']:.2f} | {o['bits_per_parameter_packed']:.2f} | "
+                         f"{(r.get('format') or {}).get('format', '–')} | {o['bytes_on_disk']:,} | {_f(o.get('quantized_layers_ratio_to_float16'), '.3f')} | "
+                         f"{o['bits_per_parameter_on_disk']:.2f} | {o['bits_per_parameter_packed']:.2f} | "
                          f"{_f(_rel_err(r), '.4f')} | {r['child_wall_s']:.0f} |")
         lines.append("")
         lines += _ll_ratios(ll)
@@ -651,7 +686,7 @@ def render(results: list[dict], meta: dict) -> str:
             "## all-MiniLM-L6-v2 (22.7 M parameters, float32, the published encoder)",
             "",
             f"Calibration: {s['enc_calib_samples']} lines of `wikitext-2/train.txt` longer than 40 characters, one sample "
-            "per line, truncated at 128 tokens (used by the static-activation row and the GPTQ rows). Evaluation: the first "
+            "per line, truncated at 128 tokens (used by every row that calibrates). Evaluation: the first "
             f"{s['enc_eval_sentences']} lines of `wikitext-2/test.txt` longer than 40 characters, truncation 128; "
             "embedding = attention-mask-weighted mean of the last hidden state, L2-normalized. Every linear layer is "
             "quantized (including the unused pooler); embeddings stay float32.",
@@ -660,8 +695,8 @@ def render(results: list[dict], meta: dict) -> str:
         if ebase and "error" not in ebase:
             lines += [f"Baseline (float32): {ebase['bytes_on_disk']:,} bytes on disk, {ebase['parameters']:,} parameters.", ""]
         lines += [
-            "| method | row | scheme | mean cosine | embedding error (1 − cos) | min cosine | NN agreement | compression wall s | peak RSS MiB (stage / process) | bytes on disk | bits/param packed |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| method | row | scheme | mean cosine | embedding error (1 − cos) | min cosine | NN agreement | compression wall s | peak RSS MiB (stage / process) | format | bytes on disk | linear / fp16 | bits/param packed |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
         ]
         for r in enc:
             if "error" in r:
@@ -672,12 +707,15 @@ def render(results: list[dict], meta: dict) -> str:
             lines.append(
                 f"| {r['method']} | {r['label']} | `{r['scheme']}` | {e['mean_cosine']:.5f} | {e['embedding_error']:.2e} | "
                 f"{e['min_cosine']:.4f} | {e['nn_agreement']:.3f} | {r['stage_wall_s']:.2f} | "
-                f"{r['stage_peak_rss_mib']:.0f} / {r['process_peak_rss_mib']:.0f} | {o['bytes_on_disk']:,} | {o['bits_per_parameter_packed']:.2f} |")
+                f"{r['stage_peak_rss_mib']:.0f} / {r['process_peak_rss_mib']:.0f} | {(r.get('format') or {}).get('format', '–')} | "
+                f"{o['bytes_on_disk']:,} | {_f(o.get('quantized_layers_ratio_to_float16'), '.3f')} | {o['bits_per_parameter_packed']:.2f} |")
         lines.append("")
         lines += _enc_ratios(enc)
 
-    lines += _gptq_vs_rtn(results)
+    lines += _method_vs(results, "GPTQ")
     lines += _gptq_cost(results)
+    for method in COMPARED[1:]:
+        lines += _method_vs(results, method)
     lines += _memory(results, meta)
     lines += _bars(results)
     lines += [
@@ -765,26 +803,49 @@ def _rel_err(r: dict):
     return r.get("stage_summary", {}).get("mean_relative_error")
 
 
+def _pairs(results: list[dict], family: str, method: str) -> list[tuple[dict, dict | None]]:
+    """(a `method` row, the row of its reference method (RTN unless the row says otherwise) with the
+    same scheme label in this run, or None), both without errors."""
+    rows = [r for r in results if r.get("family") == family and r.get("method") == method and "error" not in r]
+    if not rows:
+        return []
+    reference = rows[0].get("reference", "RTN")
+    ref = {r["label"]: r for r in results
+           if r.get("family") == family and r.get("method") == reference and "error" not in r and "label" in r}
+    return [(r, ref.get(r["label"])) for r in rows]
+
+
 def _gptq_pairs(results: list[dict], family: str) -> list[tuple[dict, dict | None]]:
-    """(GPTQ row, the RTN row of the same scheme label in this run, or None), both without errors."""
-    rtn = {r["label"]: r for r in results
-           if r.get("family") == family and r.get("method") == "RTN" and "error" not in r and "label" in r}
-    return [(r, rtn.get(r["label"])) for r in results
-            if r.get("family") == family and r.get("method") == "GPTQ" and "error" not in r]
+    return _pairs(results, family, "GPTQ")
 
 
-def _gptq_vs_rtn(results: list[dict]) -> list[str]:
-    ll, enc = _gptq_pairs(results, "ref-llama"), _gptq_pairs(results, "minilm")
+# Each compared method: what its section says about how it ran.
+METHOD_NOTES = {
+    "GPTQ": "GPTQ runs with the stage's defaults (`block_size: 128`, `dampening_frac: 0.01`, no act-order).",
+    "AWQ": "AWQ runs with the stage's defaults (20-point α grid scored on each mapping's attention/MLP output, "
+           "duo scaling, per-group clipping search over 11 ratios down to 0.5, 4096 calibration tokens per layer for the searches).",
+    "Wanda": "Wanda (|W| · ‖x‖ per input channel, compared within each output row) with the stage's defaults.",
+    "SparseGPT": "SparseGPT with the stage's defaults (`block_size: 128`, `dampening_frac: 0.01`, mask chosen per block of 128 columns).",
+    "SmoothQuant": "SmoothQuant rows run `smoothquant: {alpha: 0.5}` and then exactly the plain row's `rtn` W8A8 stage "
+                   "(same activation scheme); the smoothing maps of compress/mappings.py (for BERT only value → output "
+                   "projection is exact, so most of MiniLM's layers are not smoothed).",
+}
+
+
+def _method_vs(results: list[dict], method: str) -> list[str]:
+    ll, enc = _pairs(results, "ref-llama", method), _pairs(results, "minilm", method)
     if not ll and not enc:
         return []
-    out = ["## GPTQ vs round-to-nearest", "",
-           "Each GPTQ row against the RTN row of the same scheme, both measured in this run with the same calibration "
-           "set, evaluation windows and evaluate(). GPTQ runs with the stage's defaults (`block_size: 128`, "
-           "`dampening_frac: 0.01`, no act-order). Ratio = the fraction of RTN's damage that GPTQ leaves "
-           "(BENCH_PROTOCOL.md, Comparing): KL_gptq / KL_rtn on ref-llama, (1 − cos_gptq) / (1 − cos_rtn) on MiniLM.", ""]
+    ref = (ll or enc)[0][0].get("reference", "RTN")
+    title = "round-to-nearest" if ref == "RTN" else ref
+    out = [f"## {method} vs {title}", "",
+           f"Each {method} row against the {ref} row of the same scheme, both measured in this run with the same calibration "
+           f"set, evaluation windows and evaluate(). {METHOD_NOTES.get(method, '')} Ratio = the fraction of {ref}'s damage that {method} leaves "
+           f"(BENCH_PROTOCOL.md, Comparing): KL_{method.lower()} / KL_{ref.lower()} on ref-llama, embedding errors (1 − cos) on MiniLM.", ""]
+    m, rf = method, ref
     if ll:
         out += ["### ref-llama", "",
-                "| scheme | KL TS GPTQ / RTN | ratio TS | KL WT2 GPTQ / RTN | ratio WT2 | top-1 TS GPTQ / RTN | top-1 WT2 GPTQ / RTN | ppl TS GPTQ / RTN | ppl WT2 GPTQ / RTN |",
+                f"| scheme | KL TS {m} / {rf} | ratio TS | KL WT2 {m} / {rf} | ratio WT2 | top-1 TS {m} / {rf} | top-1 WT2 {m} / {rf} | ppl TS {m} / {rf} | ppl WT2 {m} / {rf} |",
                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for g, r in ll:
             gts, gwt = list(g["evaluation"].values())
@@ -801,10 +862,10 @@ def _gptq_vs_rtn(results: list[dict]) -> list[str]:
                 f"{gts['token_perplexity']:.2f} / {rts['token_perplexity']:.2f} | {gwt['token_perplexity']:.2f} / {rwt['token_perplexity']:.2f} |")
         out.append("")
         if any(r is None for _, r in ll):
-            out += ["(– : the RTN row of that scheme was not run this time, e.g. filtered out by `--only`.)", ""]
+            out += [f"(– : the {rf} row of that scheme was not run this time, e.g. filtered out by `--only`.)", ""]
     if enc:
         out += ["### all-MiniLM-L6-v2", "",
-                "| scheme | embedding error GPTQ / RTN | ratio | mean cosine GPTQ / RTN | min cosine GPTQ / RTN | NN agreement GPTQ / RTN |",
+                f"| scheme | embedding error {m} / {rf} | ratio | mean cosine {m} / {rf} | min cosine {m} / {rf} | NN agreement {m} / {rf} |",
                 "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for g, r in enc:
             ge = list(g["evaluation"].values())[0]
@@ -818,7 +879,7 @@ def _gptq_vs_rtn(results: list[dict]) -> list[str]:
                        f"{ge['min_cosine']:.4f} / {re_['min_cosine']:.4f} | {ge['nn_agreement']:.3f} / {re_['nn_agreement']:.3f} |")
         out.append("")
         if any(r is None for _, r in enc):
-            out += ["(– : the RTN row of that scheme was not run this time, e.g. filtered out by `--only`.)", ""]
+            out += [f"(– : the {rf} row of that scheme was not run this time, e.g. filtered out by `--only`.)", ""]
     return out
 
 
@@ -986,6 +1047,9 @@ def _bars(results: list[dict]) -> list[str]:
         ok = m["mean_cosine"] > 0.999
         out.append(f"- MiniLM W8 absmax per-channel: mean cosine {m['mean_cosine']:.5f} (> 0.999): **{'holds' if ok else 'FAILS'}**")
     out += _gptq_bars(results)
+    out += _awq_bars(results)
+    out += _smoothquant_bars(results)
+    out += _pruning_bars(results)
     if len(out) == 2:
         out.append("- (the rows that the bars concern were not run)")
     out.append("")
@@ -1062,6 +1126,98 @@ def _gptq_bars(results: list[dict]) -> list[str]:
                        f"{_signed(ctl['stage_delta'])} MiB ({_pct(ctl['stage_delta'] / extra)}): "
                        f"{_verdict(ctl['stage_delta'] < MEM_SCALING_BAR * extra)} (not the default allocator setting; "
                        "it shows how much of the growth above is heap fragmentation rather than memory held)")
+    return out
+
+
+AWQ_KL_BAR = 0.6  # ref-llama W4 g64: KL_awq / KL_rtn on each test set
+AWQ_MINILM_BAR = 0.6  # MiniLM W4 per-channel: embedding error ratio
+SQ_AGREEMENT = 0.99  # below this top-1 / NN agreement of plain W8A8, SmoothQuant must halve the damage
+SQ_HALF = 0.5
+
+
+def _awq_bars(results: list[dict]) -> list[str]:
+    out = []
+    for g, r in _pairs(results, "ref-llama", "AWQ"):
+        if r is None or "g64" not in g["label"]:
+            continue
+        parts, ok = [], True
+        for (spec, gm), rm in zip(g["evaluation"].items(), r["evaluation"].values()):
+            ratio = gm["kl_divergence"] / rm["kl_divergence"]
+            ok &= ratio <= AWQ_KL_BAR
+            parts.append(f"`{_short(spec)}` {gm['kl_divergence']:.2e} / {rm['kl_divergence']:.2e} = {ratio:.3f}")
+        out.append(f"- ref-llama AWQ {g['label']}: KL ≤ {AWQ_KL_BAR} × RTN's on each test set: {'; '.join(parts)}: {_verdict(ok)}")
+    for g, r in _pairs(results, "minilm", "AWQ"):
+        if r is None or g["label"] != "W4 absmax per-channel":
+            continue
+        ge, re_ = list(g["evaluation"].values())[0], list(r["evaluation"].values())[0]
+        ratio = ge["embedding_error"] / re_["embedding_error"]
+        out.append(f"- MiniLM AWQ {g['label']}: embedding error ≤ {AWQ_MINILM_BAR} × RTN's: {ge['embedding_error']:.2e} / "
+                   f"{re_['embedding_error']:.2e} = {ratio:.3f}: {_verdict(ratio <= AWQ_MINILM_BAR)}")
+    return out
+
+
+def _smoothquant_bars(results: list[dict]) -> list[str]:
+    """Static per-tensor W8A8: SmoothQuant never worse than plain W8A8, and at most half its damage
+    wherever plain W8A8's top-1 (ref-llama, per test set) or NN agreement (MiniLM) is under 0.99."""
+    out = []
+    for family, name in (("ref-llama", "ref-llama"), ("minilm", "MiniLM")):
+        for g, r in _pairs(results, family, "SmoothQuant"):
+            if r is None or "static" not in g["label"]:
+                continue
+            parts, ok = [], True
+            for (spec, gm), rm in zip(g["evaluation"].items(), r["evaluation"].values()):
+                if family == "ref-llama":
+                    damage, agreement, what, agree_what = "kl_divergence", "top1_agreement", "KL", "top-1"
+                else:
+                    damage, agreement, what, agree_what = "embedding_error", "nn_agreement", "embedding error", "NN agreement"
+                ratio = gm[damage] / rm[damage]
+                bar = SQ_HALF if rm[agreement] < SQ_AGREEMENT else 1.0
+                ok &= ratio <= bar
+                parts.append(f"`{_short(spec)}` {what} {gm[damage]:.2e} / {rm[damage]:.2e} = {ratio:.3f} "
+                             f"(plain {agree_what} {rm[agreement]:.4f}, so bar ≤ {bar:g})")
+            out.append(f"- {name} SmoothQuant {g['label']}: {'; '.join(parts)}: {_verdict(ok)}")
+    return out
+
+
+PRUNE_HALF = 0.5  # Wanda / SparseGPT at 50 %: at most this share of magnitude's KL or embedding error
+STRUCTURED_MIN_PCT = 15.0  # structured 25 % MLP channels: non-embedding parameters fall at least this much
+
+
+def _pruning_bars(results: list[dict]) -> list[str]:
+    out = []
+    for method in ("Wanda", "SparseGPT"):
+        for g, r in _pairs(results, "ref-llama", method):
+            if r is None or g["label"] not in PRUNE_LABELS or (g["label"] == "2:4" and method != "SparseGPT"):
+                continue
+            half = g["label"] != "2:4"  # 50 %: at most half of magnitude's KL and a lower ppl; 2:4: lower KL
+            parts, ok = [], True
+            for (spec, gm), rm in zip(g["evaluation"].items(), r["evaluation"].values()):
+                ratio = gm["kl_divergence"] / rm["kl_divergence"]
+                ok &= ratio <= (PRUNE_HALF if half else 1.0)
+                text = f"`{_short(spec)}` KL {gm['kl_divergence']:.2e} / {rm['kl_divergence']:.2e} = {ratio:.3f}"
+                if half:
+                    ok &= gm["ppl_increase_pct"] < rm["ppl_increase_pct"]
+                    text += f", Δppl {gm['ppl_increase_pct']:+.2f} % vs {rm['ppl_increase_pct']:+.2f} %"
+                parts.append(text)
+            what = f"KL ≤ {PRUNE_HALF} × magnitude's and a smaller perplexity increase" if half else "KL below magnitude's"
+            out.append(f"- ref-llama {method} {g['label']}: {what} on each test set: {'; '.join(parts)}: {_verdict(ok)}")
+        for g, r in _pairs(results, "minilm", method):
+            if r is None or g["label"] not in PRUNE_LABELS or (g["label"] == "2:4" and method != "SparseGPT"):
+                continue
+            bar = PRUNE_HALF if g["label"] != "2:4" else 1.0
+            ge, re_ = list(g["evaluation"].values())[0], list(r["evaluation"].values())[0]
+            ratio = ge["embedding_error"] / re_["embedding_error"]
+            out.append(f"- MiniLM {method} {g['label']}: embedding error {'≤ 0.5 ×' if bar < 1 else 'below'} magnitude's: "
+                       f"{ge['embedding_error']:.2e} / {re_['embedding_error']:.2e} = {ratio:.3f}: {_verdict(ratio <= bar)}")
+    for r in results:
+        if r.get("method") != "structured" or "error" in r:
+            continue
+        sm = r["stage_summary"]
+        pct = sm.get("non_embedding_removed_pct")
+        out.append(f"- {r['row']}: non-embedding parameters {sm.get('non_embedding_parameters_before', 0):,} → "
+                   f"{sm.get('non_embedding_parameters_after', 0):,} (−{_f(pct, '.1f')} %; all parameters −"
+                   f"{_f(sm.get('parameters_removed_pct'), '.1f')} %), bar ≥ {STRUCTURED_MIN_PCT:g} %: "
+                   f"{_verdict(pct is not None and pct >= STRUCTURED_MIN_PCT)}")
     return out
 
 
