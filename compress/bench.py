@@ -86,6 +86,7 @@ def _rows() -> list[Row]:
         Row("ref-llama", "W4 zero-point g64", {"scheme": "W4A16_ASYM", "weights": {"group_size": 64}}),
         Row("ref-llama", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}),
         Row("ref-llama", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}),
+        Row("ref-llama", "W4 absmax g128", {"scheme": "W4A16", "weights": {"group_size": 128}}),
         Row("ref-llama", "W3 absmax g64", {"scheme": "W4A16", "weights": {"num_bits": 3, "group_size": 64}}),
         Row("ref-llama", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}),
         Row("ref-llama", "W8A8 int8 static per-tensor", W8A8_STATIC),
@@ -1050,6 +1051,7 @@ def _bars(results: list[dict]) -> list[str]:
     out += _awq_bars(results)
     out += _smoothquant_bars(results)
     out += _pruning_bars(results)
+    out += _packed_bars(results)
     if len(out) == 2:
         out.append("- (the rows that the bars concern were not run)")
     out.append("")
@@ -1218,6 +1220,23 @@ def _pruning_bars(results: list[dict]) -> list[str]:
                    f"{sm.get('non_embedding_parameters_after', 0):,} (−{_f(pct, '.1f')} %; all parameters −"
                    f"{_f(sm.get('parameters_removed_pct'), '.1f')} %), bar ≥ {STRUCTURED_MIN_PCT:g} %: "
                    f"{_verdict(pct is not None and pct >= STRUCTURED_MIN_PCT)}")
+    return out
+
+
+PACKED_BARS = {"W4 absmax g64": 0.3, "W4 absmax g128": 0.3, "W4 zero-point g64": 0.3, "W8 absmax per-channel": 0.55}
+
+
+def _packed_bars(results: list[dict]) -> list[str]:
+    """Packed checkpoints: the quantized linear layers' bytes on disk against their float16 bytes."""
+    out = []
+    for r in results:
+        bar = PACKED_BARS.get(r.get("label"))
+        if bar is None or r.get("method") != "RTN" or "error" in r:
+            continue
+        fmt = (r.get("format") or {}).get("format")
+        ratio = r["output"].get("quantized_layers_ratio_to_float16")
+        out.append(f"- {r['row']}: checkpoint `{fmt}`, quantized linear layers {_f(r['output'].get('quantized_layers_bytes_on_disk'), ',')} "
+                   f"bytes = {_f(ratio, '.3f')} of their float16 bytes (≤ {bar}): {_verdict(ratio is not None and ratio <= bar)}")
     return out
 
 
