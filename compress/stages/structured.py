@@ -269,6 +269,7 @@ class Structured(Stage):
         return {
             "structure": self.structure,
             "ratio": self.ratio,
+            "scheme": f"structured {self.structure} {self.ratio:g}",  # the one-line description every stage gives
             "removed": f"{n_remove} of {total} {unit}" + (" per block" if self.structure != "blocks" else ""),
             **details,
             "calibration_tokens": max(stats.tokens),
