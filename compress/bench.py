@@ -479,7 +479,7 @@ def run_mem_row(row: MemRow, setup: Setup) -> dict:
         "env": row.env,
         "rss_block_starts_mib": block_starts,
         "recipe": text,
-        "scheme": stage["summary"].get("scheme", row.stage_name),
+        "scheme": stage["summary"]["scheme"],
         "stage_summary": stage["summary"],
         "stage_wall_s": stage["wall_s"],
         "stage_peak_rss_mib": stage["peak_rss_mib"],
