@@ -77,3 +77,27 @@ def test_bundled_corpus_found_from_any_directory(tokenizer, tmp_path, monkeypatc
 def test_hub_dataset_unreachable_is_a_clear_error(tokenizer):
     with pytest.raises(CompressError, match="cannot load dataset 'nonexistent-org/nonexistent-dataset'"):
         build_calibration(CalibrationConfig(dataset="nonexistent-org/nonexistent-dataset"), tokenizer)
+
+
+def _shared_corpus():
+    import os
+    from pathlib import Path
+
+    shared = Path(os.environ.get("COMPRESS_SHARED", modeling.REPO_DIR.parent / "shared"))
+    files = [shared / "data/tinyshakespeare/train.txt", shared / "data/wikitext-2/train.txt"]
+    if not all(f.is_file() for f in files):
+        pytest.skip(f"shared/ not found at {shared} (set COMPRESS_SHARED)")
+    return "\n\n".join(f.read_text() for f in files)
+
+
+@pytest.mark.parametrize("seq_len,count", [(256, 128), (256, 1500), (64, 7)])
+def test_leading_windows_equal_the_whole_texts(tokenizer, seq_len, count):
+    """Tokenizing only a prefix gives exactly the windows the whole corpus gives (the benchmark's
+    calibration: Tiny Shakespeare then WikiText-2, 128 windows of 256; and more windows than
+    Tiny Shakespeare holds, so the prefix crosses into WikiText-2)."""
+    from compress.calibration import leading_windows, token_windows
+
+    text = _shared_corpus()
+    prefix = leading_windows(tokenizer, text, seq_len, count)
+    assert prefix is not None and prefix.shape == (count, seq_len)
+    assert torch.equal(prefix, token_windows(tokenizer, text, seq_len)[:count])
