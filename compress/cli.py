@@ -101,14 +101,22 @@ def quantize(
     with progress_bar() as progress:
         report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
                             seed=S.seed, progress=progress, format=format)
-    out = output or r.output
+    _show_run(report, output or r.output, header=[f"format: {report['format']['format']} ({escape(report['format']['reason'])})"])
+
+
+def _show_run(report: dict, out, header: list[str] = (), details: list[str] = ()) -> None:
+    """What quantize and prune print after a run: JSON, nothing (--quiet), or the summary with the
+    command's own lines (`header` before the stages, `details` after them)."""
     if S.json:
         emit_json({"output": str(out), **report})
         return
     if not S.quiet:
         console.print(f"[green]wrote[/green] {out}")
-        console.print(f"format: {report['format']['format']} ({escape(report['format']['reason'])})")
+        for line in header:
+            console.print(line)
         _print_stages(report)
+        for line in details:
+            console.print(line)
         if report.get("evaluation"):
             _print_results(report["evaluation"])
         console.print(f"report: {Path(out) / 'report.md'}")
@@ -153,20 +161,12 @@ def prune(
     with progress_bar() as progress:
         report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
                             seed=S.seed, progress=progress)
-    out = output or r.output
-    if S.json:
-        emit_json({"output": str(out), **report})
-        return
-    if not S.quiet:
-        console.print(f"[green]wrote[/green] {out}")
-        _print_stages(report)
-        size = report["output"]
-        if size.get("nonzero_parameters") is not None:
-            console.print(f"parameters {size['parameters']:,}, of which nonzero {size['nonzero_parameters']:,} "
-                          f"({1 - size['nonzero_parameters'] / size['parameters']:.2%} zeros)")
-        if report.get("evaluation"):
-            _print_results(report["evaluation"])
-        console.print(f"report: {Path(out) / 'report.md'}")
+    size = report["output"]
+    details = []
+    if size.get("nonzero_parameters") is not None:
+        details.append(f"parameters {size['parameters']:,}, of which nonzero {size['nonzero_parameters']:,} "
+                       f"({1 - size['nonzero_parameters'] / size['parameters']:.2%} zeros)")
+    _show_run(report, output or r.output, details=details)
 
 
 def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, calibration, num_samples, data,
