@@ -132,18 +132,20 @@ stages:
             assert r["output_error"] <= r["rtn_output_error"] * (1 + 1e-6), name
 
 
-def _gpt_neo():
+@pytest.fixture
+def gpt_neo(tmp_path):
+    """A tiny GPT-Neo, an architecture without a smoothing map, saved to tmp_path/in."""
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
-    return GPTNeoForCausalLM(GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global"], 2]],
-                                          intermediate_size=96, vocab_size=V, max_position_embeddings=128)).eval()
+    torch.manual_seed(0)
+    save(GPTNeoForCausalLM(GPTNeoConfig(hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global"], 2]],
+                                          intermediate_size=96, vocab_size=V, max_position_embeddings=128)).eval(), tmp_path / "in")
+    return tmp_path / "in"
 
 
-def test_architecture_without_a_map_names_its_modules(tmp_path):
+def test_architecture_without_a_map_names_its_modules(gpt_neo, tmp_path):
     from compress.errors import CompressError
 
-    torch.manual_seed(0)
-    save(_gpt_neo(), tmp_path / "in")
     recipe = parse_recipe(f"""
 model: {tmp_path / 'in'}
 calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 32}}
@@ -158,10 +160,8 @@ stages:
     assert "mappings" in err.value.hint
 
 
-def test_declared_mapping_supports_a_new_architecture(tmp_path):
+def test_declared_mapping_supports_a_new_architecture(gpt_neo, tmp_path):
     """The same architecture with the mapping a user would write from that error: exact scaling."""
-    torch.manual_seed(0)
-    save(_gpt_neo(), tmp_path / "in")
     recipe = parse_recipe(f"""
 model: {tmp_path / 'in'}
 calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 32}}
