@@ -348,3 +348,41 @@ def _solve_groups(w: torch.Tensor, top: float, start: int, qmin: float, qmax: fl
         if bool(ok.all()):
             break
     return scale, zp, ok
+
+
+# --- Differentiable fake quantization, for quantization-aware training -------------------------
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """round(x) forward, identity backward: the straight-through estimator (Bengio et al. 2013)."""
+    return x + (torch.round(x) - x).detach()
+
+
+def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x forward; its gradient multiplied by `factor` backward."""
+    return (x - x * factor).detach() + x * factor
+
+
+def lsq_gradient_factor(elements_per_scale: int, qmax: int) -> float:
+    """LSQ's step-size gradient scale g = 1 / sqrt(N · Q_P) (Esser et al. 2020, section 2.2): without
+    it a scale, which collects the gradient of every weight it serves, learns orders of magnitude
+    faster than the weights themselves."""
+    return 1.0 / (elements_per_scale * qmax) ** 0.5
+
+
+def fake_quantize_ste(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int,
+                      group_size: int | None = None) -> torch.Tensor:
+    """dequantize(quantize(weight)) that gradients flow through: to `weight` straight through the
+    rounding (and not at all outside the grid's range), to `scale` as LSQ defines it, which
+    autograd derives from this expression: d/ds [round(w/s) · s] = round(w/s) - w/s inside the
+    range, qmin - z or qmax - z where clamped. Clamping before rounding gives the same values as
+    after (the bounds are integers) and LSQ's gradients.
+
+    weight [rows, cols]; scale and zero_point shaped as compute_qparams returns them ([rows, 1]
+    or [1, 1], or [rows, n_groups, 1] with `group_size`). `zero_point` is held fixed."""
+    if group_size:
+        grouped, pad = _grouped(weight, group_size)
+        codes = round_ste(torch.clamp(grouped / scale + zero_point, qmin, qmax))
+        out = ((codes - zero_point) * scale).reshape(weight.shape[0], -1)
+        return out[:, : weight.shape[1]] if pad else out
+    codes = round_ste(torch.clamp(weight / scale + zero_point, qmin, qmax))
+    return (codes - zero_point) * scale

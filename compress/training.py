@@ -1,0 +1,279 @@
+"""The training loop shared by distillation and quantization-aware training.
+
+    for step in 1..steps:
+        for each of `gradient_accumulation` micro-batches:   forward the objective, backward
+        mask gradients of pruned weights; clip; AdamW step; re-apply masks
+        learning rate: linear warm-up, then cosine (or linear, or constant) decay to min_lr
+        every eval_every steps: held-out loss (and perplexity); every save_every: a checkpoint
+
+It runs through `accelerate`, so the same code runs on the CPU, on one GPU with bf16/fp16
+autocast, and across processes with `accelerate launch` (DDP; FSDP through accelerate's config).
+What it trains is an `Objective`: a module whose forward takes a batch of token ids and returns
+the loss, so that DDP sees every trained parameter (student and projection heads) in one forward.
+
+Exact resume: the order of samples is a function of (seed, step), not of a data loader's hidden
+state, and a checkpoint (accelerate's save_state: weights, optimizer moments, RNG states) holds
+the step it was written at; resuming from step n replays steps n+1.. exactly as an uninterrupted
+run would, bit for bit on the CPU (tested).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from compress.errors import CompressError
+
+Progress = Callable[[str, int, int], None]
+
+
+class TrainingConfig(BaseModel):
+    """A training stage's `train:` keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(200, gt=0, description="optimizer steps")
+    batch_size: int = Field(8, gt=0, description="sequences per micro-batch, over all processes")
+    gradient_accumulation: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    lr: float = Field(1e-4, gt=0, description="peak learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0)
+    warmup: float = Field(0.05, ge=0, description="warm-up: a share of the steps if below 1, else a number of steps")
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the decay ends at lr · min_lr_ratio")
+    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="clip the gradient's global norm; null: no clipping")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto", description="autocast on GPU; auto: bf16 where the GPU supports it, else none; always none on CPU")
+    eval_every: int = Field(50, ge=0, description="held-out evaluation every N steps (0: only before and after)")
+    save_every: int = Field(50, ge=0, description="a resumable checkpoint every N steps (0: none)")
+
+    def warmup_steps(self) -> int:
+        return int(self.warmup * self.steps) if self.warmup < 1 else int(self.warmup)
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of the peak learning rate for optimizer step `step` (1-based)."""
+        warm = self.warmup_steps()
+        if step <= warm:
+            return step / max(warm, 1)
+        if self.schedule == "constant":
+            return 1.0
+        progress = (step - warm) / max(self.steps - warm, 1)
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if self.schedule == "cosine" else 1 - progress
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * decay
+
+
+class Objective(torch.nn.Module):
+    """What a training stage optimizes: forward(input_ids) -> (loss, {name: float})."""
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass
+class TrainState:
+    """The loop's own state that a checkpoint must restore besides weights, optimizer and RNG."""
+
+    step: int = 0
+    history: list = field(default_factory=list)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "history": json.dumps(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.history = json.loads(state["history"])
+
+
+def sample_order(step: int, micro: int, cfg: TrainingConfig, n_samples: int, seed: int) -> torch.Tensor:
+    """Indices of the samples in micro-batch `micro` of optimizer step `step` (1-based): epochs of
+    a seeded permutation, consumed in order. A pure function of its arguments, which is what makes
+    resuming exact."""
+    start = ((step - 1) * cfg.gradient_accumulation + micro) * cfg.batch_size
+    positions = torch.arange(start, start + cfg.batch_size)
+    epochs, within = positions // n_samples, positions % n_samples
+    out = torch.empty_like(positions)
+    for epoch in epochs.unique().tolist():
+        perm = torch.randperm(n_samples, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        sel = epochs == epoch
+        out[sel] = perm[within[sel]]
+    return out
+
+
+def make_accelerator(cfg: TrainingConfig, device: torch.device):
+    """An Accelerator for `device` (CPU, or the GPU of this process under `accelerate launch`)."""
+    from accelerate import Accelerator
+
+    precision = cfg.mixed_precision
+    if device.type != "cuda":
+        precision = "no"  # autocast on the CPU is slower than float32 and no more faithful
+    elif precision == "auto":
+        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return Accelerator(cpu=device.type != "cuda", mixed_precision=precision)
+
+
+def latest_checkpoint(directory: Path) -> Optional[Path]:
+    """The newest complete checkpoint in `directory` (one written through to its marker file)."""
+    done = [p for p in directory.glob("step-*") if (p / "complete").is_file()] if directory.is_dir() else []
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def run_fingerprint(*parts) -> str:
+    """A hash of what determines a training run, stored with its checkpoints: resuming from a
+    checkpoint of a different run would silently mix two runs."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def train(objective: Objective, train_ids: torch.Tensor, eval_ids: torch.Tensor, cfg: TrainingConfig, *,
+          param_groups: list[dict], device: torch.device, seed: int = 0, masks: list[tuple] = (),
+          checkpoint_dir: Optional[Path] = None, resume: bool = False, fingerprint: str = "",
+          progress: Progress = lambda *_: None, name: str = "train", stop_after: Optional[int] = None) -> dict:
+    """Train `objective`'s parameters in `param_groups` (AdamW groups, each with its peak `lr`) on
+    `train_ids` [n, seq_len]; returns the history and final held-out figures.
+
+    masks: (parameter, 0/1 tensor) pairs: pruned weights get no gradient and stay exactly zero.
+    checkpoint_dir/resume: where checkpoints go, and whether to continue from the newest one.
+    stop_after: stop (as if killed) after this many steps; for resume tests."""
+    accelerator = make_accelerator(cfg, device)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if cfg.batch_size % world:
+        raise CompressError(f"stage {name}: batch_size {cfg.batch_size} does not split over {world} processes",
+                            f"use a multiple of {world}")
+    if len(train_ids) < 1:
+        raise CompressError(f"stage {name}: no training samples", "give more training text, or lower eval_samples")
+
+    for group in param_groups:
+        group["peak_lr"] = group["lr"]
+    optimizer = torch.optim.AdamW(param_groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    objective, optimizer = accelerator.prepare(objective, optimizer)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    if checkpoint_dir is not None:
+        checkpoint_dir = Path(checkpoint_dir)
+        found = latest_checkpoint(checkpoint_dir) if resume else None
+        if found is not None:
+            written_by = (found / "fingerprint").read_text().strip() if (found / "fingerprint").is_file() else ""
+            if written_by != fingerprint:
+                raise CompressError(f"stage {name}: the checkpoint in {found} was written by a different run "
+                                    f"(model, recipe stage or data changed)",
+                                    f"drop --resume to start over, or delete {checkpoint_dir}")
+            accelerator.load_state(str(found))
+        elif accelerator.is_main_process and checkpoint_dir.exists():
+            shutil.rmtree(checkpoint_dir)  # a fresh run does not keep an older run's checkpoints
+    resumed_from = state.step
+
+    def masked() -> None:
+        with torch.no_grad():
+            for param, mask in masks:
+                param.mul_(mask)
+
+    def evaluate() -> dict:
+        objective.eval()
+        totals: dict[str, float] = {}
+        with torch.no_grad():
+            rows = eval_ids[rank::world]
+            for i in range(0, len(rows), cfg.batch_size):
+                _, parts = objective(rows[i: i + cfg.batch_size].to(accelerator.device))
+                n = len(rows[i: i + cfg.batch_size])
+                for k, v in parts.items():
+                    totals[k] = totals.get(k, 0.0) + v * n
+        count = torch.tensor([float(len(rows))] + list(totals.values()), device=accelerator.device)
+        count = accelerator.reduce(count, reduction="sum")
+        objective.train()
+        means = {k: float(v) / max(float(count[0]), 1) for k, v in zip(totals, count[1:])}
+        if "ce" in means:
+            means["perplexity"] = math.exp(min(means["ce"], 50))
+        return means
+
+    if state.step == 0 and not state.history:
+        state.history.append({"step": 0, **{f"eval_{k}": v for k, v in evaluate().items()}})
+    objective.train()
+    masked()
+    mask_of = {id(p): m for p, m in masks}
+    n = len(train_ids)
+    last: dict = {}
+    while state.step < cfg.steps:
+        step = state.step + 1
+        for group in optimizer.param_groups:
+            group["lr"] = group["peak_lr"] * cfg.lr_factor(step)
+        sums: dict[str, float] = {}
+        for micro in range(cfg.gradient_accumulation):
+            batch = train_ids[sample_order(step, micro, cfg, n, seed)][rank::world].to(accelerator.device)
+            sync = micro == cfg.gradient_accumulation - 1
+            with (accelerator.no_sync(objective) if not sync and world > 1 else _nothing()):
+                loss, parts = objective(batch)
+                accelerator.backward(loss / cfg.gradient_accumulation)
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + v / cfg.gradient_accumulation
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and id(p) in mask_of:
+                    p.grad.mul_(mask_of[id(p)])
+        grad_norm = None
+        if cfg.max_grad_norm is not None:
+            grad_norm = float(accelerator.clip_grad_norm_(
+                [p for g in optimizer.param_groups for p in g["params"]], cfg.max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        masked()
+        state.step = step
+        last = {"step": step, "lr": optimizer.param_groups[0]["lr"], **{f"train_{k}": v for k, v in sums.items()}}
+        if grad_norm is not None:
+            last["grad_norm"] = grad_norm
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            last.update({f"eval_{k}": v for k, v in evaluate().items()})
+            state.history.append(last)
+        shown = " ".join(f"{k.removeprefix('train_')} {v:.4g}" for k, v in sums.items())
+        progress(f"{name} step {step}/{cfg.steps} {shown}", step, cfg.steps)
+        if checkpoint_dir is not None and cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+            _save(accelerator, checkpoint_dir, step, fingerprint)
+        if stop_after is not None and step - resumed_from >= stop_after and step < cfg.steps:
+            raise TrainingStopped(step)
+
+    accelerator.wait_for_everyone()
+    final = {k: v for k, v in state.history[-1].items() if k.startswith("eval_")}
+    start = {k: v for k, v in state.history[0].items() if k.startswith("eval_")}
+    return {"steps": cfg.steps, "resumed_from_step": resumed_from or None, "processes": world,
+            "mixed_precision": accelerator.mixed_precision, "train_samples": n, "eval_samples": len(eval_ids),
+            "tokens_per_step": cfg.batch_size * cfg.gradient_accumulation * train_ids.shape[1],
+            "eval_before": start, "eval_after": final, "last_step": last, "history": state.history}
+
+
+class TrainingStopped(Exception):
+    """Raised by `stop_after`: the run ends as an interrupted one would, its checkpoints kept."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped after step {step}")
+        self.step = step
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _save(accelerator, directory: Path, step: int, fingerprint: str) -> None:
+    """accelerate's save_state into step-N, marked complete only once written: a kill during the
+    save leaves an incomplete directory that resume ignores. Older checkpoints are then removed."""
+    target = directory / f"step-{step}"
+    accelerator.save_state(str(target))
+    if accelerator.is_main_process:
+        (target / "fingerprint").write_text(fingerprint)
+        (target / "complete").write_text(str(step))
+        for old in directory.glob("step-*"):
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+__all__ = ["TrainingConfig", "Objective", "TrainingStopped", "train", "sample_order", "latest_checkpoint", "run_fingerprint"]
