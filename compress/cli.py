@@ -87,6 +87,7 @@ def quantize(
     force: bool = typer.Option(False, "--force", help="replace an existing output directory."),
     format: Optional[str] = typer.Option(None, "--format", help="packed (compressed-tensors: int4 packed, int8, FP8), dense "
                                          "(dequantized, in the model's dtype) or auto (the default: packed when every quantized layer can be); overrides the recipe."),
+    resume: bool = typer.Option(False, "--resume", help="training stages (qat, distill) continue from the newest checkpoint of an interrupted run."),
 ):
     """Run a recipe's stages on a model and save the compressed checkpoint with its report.
 
@@ -100,7 +101,9 @@ def quantize(
     r = load_recipe(recipe)
     with progress_bar() as progress:
         report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
-                            seed=S.seed, progress=progress, format=format)
+                            seed=S.seed, progress=progress, format=format, resume=resume)
+    if report.get("skipped"):
+        return  # a process other than the main one under `accelerate launch`: the main one reports
     _show_run(report, output or r.output, header=[f"format: {report['format']['format']} ({escape(report['format']['reason'])})"])
 
 
@@ -218,6 +221,95 @@ def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, c
     doc["stages"] = [{name: body}]
     if not no_eval:
         doc["evaluation"] = {"datasets": list(data) or ["calibration/heldout-tinyshakespeare.txt"]}
+    doc["output"] = output
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+@app.command()
+def distill(
+    teacher: Optional[str] = typer.Option(None, "--teacher", "-t", help="the model to learn from: hub id, local directory or `default`."),
+    student: Optional[str] = typer.Option(None, "--student", "-s", help="the model trained (e.g. a pruned copy of the teacher); default: a copy of the teacher, see --student-layers."),
+    student_layers: Optional[str] = typer.Option(None, help="make the student a shallower copy from these blocks, e.g. 0,2,3."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="output directory."),
+    data: list[str] = typer.Option([], "--data", "-d", help="training text: file(s) or a hub dataset; repeat for several."),
+    generate: Optional[int] = typer.Option(None, help="train on this many sequences sampled from the teacher instead (data-free)."),
+    steps: int = typer.Option(200, help="optimizer steps."),
+    lr: float = typer.Option(1e-4, help="peak learning rate."),
+    batch_size: int = typer.Option(8, help="sequences per step."),
+    seq_len: int = typer.Option(256, help="tokens per training sequence."),
+    num_samples: Optional[int] = typer.Option(None, help="training sequences taken from --data (default: all)."),
+    temperature: float = typer.Option(1.0, help="KD temperature T (the soft loss is scaled by T²)."),
+    divergence: str = typer.Option("forward", help="forward KL, reverse KL or jsd."),
+    ce_weight: float = typer.Option(0.0, help="λ: weight of the next-token loss on the training text."),
+    hidden: list[str] = typer.Option([], help="match hidden states STUDENT:TEACHER (block outputs; -1 the last); repeat for several."),
+    save_every: int = typer.Option(50, help="resumable checkpoint every N steps (0: none)."),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint of an interrupted run with the same settings."),
+    eval_data: list[str] = typer.Option([], "--eval-data", help="evaluation text(s) after training (default: the bundled held-out text)."),
+    no_eval: bool = typer.Option(False, "--no-eval", help="skip the evaluation against the teacher."),
+    force: bool = typer.Option(False, "--force", help="replace an existing output directory."),
+):
+    """Distill a teacher into a student (logit KD, optional hidden-state KD) and save the student.
+
+    Example: compress distill --teacher default --student out/pruned --data calibration/default.txt --steps 300 --output out/distilled
+    Several GPUs or machines: accelerate launch -m compress distill ...
+    """
+    from compress.pipeline import run_recipe
+    from compress.recipe import parse_recipe
+
+    doc = _distill_recipe(teacher, student, student_layers, output, data, generate, steps, lr, batch_size, seq_len,
+                          num_samples, temperature, divergence, ce_weight, hidden, save_every, eval_data, no_eval)
+    r = parse_recipe(doc, "compress distill")
+    with progress_bar() as progress:
+        report = run_recipe(r, force=force, device=S.device, dtype=S.dtype, seed=S.seed, progress=progress,
+                            resume=resume, baseline=teacher)
+    if report.get("skipped"):
+        return  # a process other than the main one under `accelerate launch`: the main one reports
+    s = report["stages"][-1]["summary"]
+    details = [f"held-out KD loss {s['held_out_kd_before']:.4g} -> {s['held_out_kd_after']:.4g}"] if "held_out_kd_after" in s else []
+    _show_run(report, output, details=details)
+
+
+def _distill_recipe(teacher, student, student_layers, output, data, generate, steps, lr, batch_size, seq_len,
+                    num_samples, temperature, divergence, ce_weight, hidden, save_every, eval_data, no_eval) -> str:
+    """The recipe `compress distill` runs, as YAML text, after checking the options agree."""
+    import yaml
+
+    if not teacher:
+        raise CompressError("no teacher given", "pass --teacher: a local directory, a hub id, or `default`")
+    if not output:
+        raise CompressError("no output directory given", "pass --output")
+    if student is None and student_layers is None:
+        raise CompressError("no student given", "pass --student MODEL, or --student-layers 0,2 for a shallower copy of the teacher")
+    if data and generate is not None:
+        raise CompressError("--data and --generate both given", "train on text (--data) or on teacher samples (--generate)")
+    if not data and generate is None:
+        raise CompressError("no training data given", "pass --data FILE (or a hub dataset), or --generate N")
+    body: dict = {"teacher": teacher, "temperature": temperature, "divergence": divergence, "ce_weight": ce_weight}
+    if student_layers is not None:
+        try:
+            body["keep_layers"] = [int(x) for x in student_layers.replace(" ", "").split(",") if x != ""]
+        except ValueError:
+            raise CompressError(f"--student-layers {student_layers!r} is not a list of block numbers", "e.g. --student-layers 0,2,3") from None
+    pairs = []
+    for h in hidden:
+        try:
+            s_idx, t_idx = (int(x) for x in h.split(":"))
+        except ValueError:
+            raise CompressError(f"--hidden {h!r} is not STUDENT:TEACHER", "e.g. --hidden -1:-1 or --hidden 2:4") from None
+        pairs.append({"student": s_idx, "teacher": t_idx})
+    if pairs:
+        body["hidden"] = pairs
+    body["data"] = {"seq_len": seq_len}
+    if generate is not None:
+        body["data"]["generate"] = {"num_sequences": generate}
+    else:
+        body["data"]["dataset"] = data[0] if len(data) == 1 else list(data)
+    if num_samples is not None:
+        body["data"]["num_samples"] = num_samples
+    body["train"] = {"steps": steps, "lr": lr, "batch_size": batch_size, "save_every": save_every}
+    doc: dict = {"model": student or teacher, "stages": [{"distill": body}]}
+    if not no_eval:
+        doc["evaluation"] = {"datasets": list(eval_data) or ["calibration/heldout-tinyshakespeare.txt"]}
     doc["output"] = output
     return yaml.safe_dump(doc, sort_keys=False)
 
@@ -387,7 +479,8 @@ def _print_stages(report: dict) -> None:
         t.add_column(col)
     for s in report["stages"]:
         t.add_row(s["name"], f"{s['wall_s']:.2f}", f"{s['peak_rss_mib']:.0f}", escape(
-                  ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s["summary"].items())))
+                  ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s["summary"].items()
+                            if not isinstance(v, dict))))  # nested details: report.json
     Console().print(t)
 
 

@@ -7,7 +7,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -47,11 +50,19 @@ def seed_everything(seed: int) -> None:
 
 def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = None, force: bool = False,
                device: str = "auto", dtype: str = "auto", seed: int = 0,
-               progress: Progress = lambda *_: None, format: str | None = None) -> dict:
+               progress: Progress = lambda *_: None, format: str | None = None, resume: bool = False,
+               baseline: str | None = None) -> dict:
     """Run every stage of `recipe` and write the compressed checkpoint; returns report.json's content.
 
     `format`: packed (compressed-tensors), dense (dequantized weights in the model's dtype) or auto
-    (packed when every quantized layer can be expressed); overrides the recipe's `format:`."""
+    (packed when every quantized layer can be expressed); overrides the recipe's `format:`.
+    `resume`: training stages continue from their newest checkpoint in the work directory beside
+    the output (kept when a run stops early, removed when it completes). `baseline`: the model the
+    output is evaluated against (default: the input model; `compress distill` gives the teacher).
+
+    Under `accelerate launch` every process runs the stages (training stages split their batches
+    across processes); only the main process saves, evaluates and returns the report, the others
+    return {"skipped": True}."""
     requested = format or recipe.format
     if requested not in ("auto", "packed", "dense"):
         raise CompressError(f"unknown format {requested!r}", "use packed, dense or auto")
@@ -63,7 +74,10 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         raise CompressError(f"{recipe.source}: no output directory given", "set `output:` in the recipe or pass --output")
     model_path = modeling.resolve_model(model_ref)
     protect = [model_path] if Path(model_path).exists() else []
-    atomic = AtomicOutput(out_dir, force=force, protect=protect)  # refuses a bad destination before any work
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    # refuses a bad destination before any work
+    atomic = AtomicOutput(out_dir, force=force, protect=protect) if main_process else nullcontext()
+    dest = Path(out_dir).expanduser().resolve()
     _check_data_files(recipe)
     if recipe.offload == "disk":
         _check_offloadable(recipe)
@@ -104,7 +118,9 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             "source": calibration.source, "fingerprint": calibration.fingerprint,
             "num_samples": len(calibration.samples), "tokens": calibration.num_tokens},
     }
-    ctx = StageContext(device=dev, calibration=calibration, seed=seed, progress=progress)
+    ctx = StageContext(device=dev, calibration=calibration, seed=seed, progress=progress, tokenizer=tokenizer,
+                       source_model=model_ref, source_hash=source["weights_sha256"], resume=resume,
+                       work_dir=dest.parent / f".{dest.name}.work")
     with atomic as tmp:
         if recipe.offload == "disk":
             # Blocks stream from the input checkpoint through the engine into tmp's shards.
@@ -115,6 +131,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             ctx.offload = DiskOffload(net, modeling.local_dir(model_ref), tmp, None, n_shards=len(blocks) + 1)
             ctx.offload.load_outside(path)
         report["stages"] = _run_stages(recipe, net, ctx)
+        if not main_process:
+            return {"skipped": True, "rank": int(os.environ["RANK"])}
         if ctx.offload is None:
             _measure_sparsity(net, ctx.layers)
         report["layers"] = ctx.layers
@@ -158,14 +176,15 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                 report["evaluation_note"] = "skipped: the model was offloaded to disk; run `compress eval` on the output"
             else:
                 _reset_model_dtype(net)
-                baseline, _, _ = modeling.load_model(model_ref, dtype="float32", device=dev)
+                reference, _, _ = modeling.load_model(baseline or model_ref, dtype="float32", device=dev)
                 report["evaluation"] = evaluate(
-                    net.to(dev), tokenizer, recipe.evaluation.datasets, baseline=baseline,
+                    net.to(dev), tokenizer, recipe.evaluation.datasets, baseline=reference,
                     causal=modeling.is_causal_lm(config), **_eval_kwargs(recipe.evaluation), device=dev, progress=progress)
-                del baseline
+                del reference
                 net.to("cpu")
         write_json(tmp / "report.json", report)
         (tmp / "report.md").write_text(run_markdown(report))
+    shutil.rmtree(ctx.work_dir, ignore_errors=True)  # the run is complete: its checkpoints are spent
     return report
 
 
@@ -174,7 +193,8 @@ def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext) -> list
     reports = []
     swaps = unfuse_experts(net) if ctx.offload is None else []  # MoE experts as plain Linear layers meanwhile
     try:
-        for name, stage in recipe.stages:
+        for index, (name, stage) in enumerate(recipe.stages):
+            ctx.stage_index = index
             with PeakMemory() as mem:
                 summary = stage.apply(net, ctx)
             reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,

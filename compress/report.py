@@ -97,7 +97,7 @@ def run_markdown(report: dict) -> str:
     lines.append(f"- versions: compress {v['compress']}, torch {v['torch']}, transformers {v['transformers']}, python {v['python']}")
     lines += ["", "## Stages", "", "| stage | wall s | peak RSS MiB | summary |", "| --- | ---: | ---: | --- |"]
     for s in report["stages"]:
-        summary = ", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items())
+        summary = ", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items() if not isinstance(v, dict))
         lines.append(f"| {s['name']} | {s['wall_s']:.2f} | {s['peak_rss_mib']:.0f} | {summary} |")
     pruned = any("sparsity" in rec for rec in report["layers"].values())
     lines += ["", "## Layers", "", "| layer | shape | weights | activations | relative error |" + (" sparsity |" if pruned else ""),

@@ -4,8 +4,10 @@ A new algorithm is one new file in this package plus one line here.
 """
 
 from compress.stages.awq import AWQ
+from compress.stages.distill import Distill
 from compress.stages.gptq import GPTQ
 from compress.stages.magnitude import Magnitude
+from compress.stages.qat import QAT
 from compress.stages.rtn import RoundToNearest
 from compress.stages.smoothquant import SmoothQuant
 from compress.stages.sparsegpt import SparseGPT
@@ -21,4 +23,6 @@ STAGES = {
     "wanda": Wanda,
     "sparsegpt": SparseGPT,
     "structured": Structured,
+    "distill": Distill,
+    "qat": QAT,
 }

@@ -26,6 +26,15 @@ class StageContext:
     layers: dict[str, dict] = field(default_factory=dict)
     # compress.offload.DiskOffload when the recipe says `offload: disk`: blocks live on disk.
     offload: Any = None
+    # What training stages need besides: the input model (the default teacher) and its hash,
+    # the tokenizer (training text), where to keep resumable checkpoints, and whether to resume.
+    tokenizer: Any = None
+    source_model: Optional[str] = None
+    source_hash: Optional[str] = None
+    work_dir: Optional[Any] = None  # pathlib.Path
+    resume: bool = False
+    stage_index: int = 0
+    stop_after_steps: Optional[int] = None  # a training stage stops as if killed (resume tests)
 
 
 class Stage(BaseModel):

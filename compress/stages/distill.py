@@ -1,0 +1,257 @@
+"""Knowledge distillation: train the model (the student) to match a teacher's outputs.
+
+    - distill:
+        teacher: null            # default: the recipe's input model, as it was before any stage
+        temperature: 2.0
+        divergence: forward      # forward KL (Hinton), reverse KL, or jsd
+        ce_weight: 0.0           # λ of the hard-label loss on the training text
+        hidden: [{student: -1, teacher: -1}]   # optional hidden-state matching
+        data: {dataset: calibration/default.txt, seq_len: 256, num_samples: 1024}
+        train: {steps: 300, lr: 1.0e-4, batch_size: 8}
+
+The student is the model as the earlier stages left it: a pruned copy of the teacher (prune,
+then distill to recover), or, with `keep_layers`, a shallower copy made of chosen teacher
+blocks. Pruned weights stay exactly zero through training (their gradient is masked and the
+mask re-applied after every step). The losses are in compress/kd.py, the loop in
+compress/training.py; this file wires model, teacher, data and loop together.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from compress import kd, modeling
+from compress.errors import CompressError
+from compress.stages.base import Stage, StageContext
+from compress.targets import LINEAR_TYPES, matches
+from compress.training import Objective, TrainingConfig, run_fingerprint, train
+from compress.training_data import TrainingData, training_sequences
+
+
+class HiddenPair(BaseModel):
+    """Match the student's hidden states after block `student` to the teacher's after block `teacher`.
+
+    Indices into the models' `hidden_states` outputs: 0 is the embeddings, i the output of block i,
+    -1 the last (after the final norm)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    student: int
+    teacher: int
+    weight: float = Field(1.0, ge=0)
+
+
+class DistillLoss(BaseModel):
+    """The loss keys, shared by `distill` and `qat` (which distills from the full-precision model)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    teacher: Optional[str] = Field(None, description="hub id or directory of the teacher; default: the recipe's input model")
+    temperature: float = Field(1.0, gt=0, description="softens both distributions; the soft loss is scaled by T²")
+    divergence: Literal["forward", "reverse", "jsd"] = "forward"
+    kd_weight: float = Field(1.0, ge=0, description="weight of the logit distillation loss (0: none)")
+    ce_weight: float = Field(0.0, ge=0, description="λ: weight of the next-token cross-entropy on the training text")
+    hidden: list[HiddenPair] = Field(default_factory=list, description="hidden-state pairs to match")
+    hidden_loss: Literal["mse", "cosine"] = "mse"
+
+
+class DistillationObjective(Objective):
+    """Student (trained), projection heads (trained), teacher (frozen, not a submodule, so never
+    saved, wrapped by DDP or handed to the optimizer)."""
+
+    def __init__(self, student: torch.nn.Module, teacher: Optional[torch.nn.Module], loss: DistillLoss, causal: bool):
+        super().__init__()
+        self.student = student
+        self._teacher = (teacher,)
+        self.loss = loss
+        self.causal = causal
+        self.projections = torch.nn.ModuleList()
+        for pair in loss.hidden:
+            s_width, t_width = _width(student), _width(teacher)
+            # A learned projection only where widths differ; identity otherwise, so that matching
+            # a pruned copy of the teacher starts from an exact correspondence.
+            self.projections.append(torch.nn.Linear(s_width, t_width, bias=False) if s_width != t_width
+                                    else torch.nn.Identity())
+
+    @property
+    def teacher(self) -> Optional[torch.nn.Module]:
+        return self._teacher[0]
+
+    def _forward(self, model: torch.nn.Module, input_ids: torch.Tensor):
+        kwargs = {"use_cache": False} if self.causal else {}
+        return model(input_ids=input_ids, output_hidden_states=bool(self.loss.hidden), **kwargs)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        loss = self.loss
+        out = self._forward(self.student, input_ids)
+        parts: dict[str, float] = {}
+        total = torch.zeros((), device=input_ids.device)
+        t_out = None
+        if self.teacher is not None and (loss.kd_weight > 0 or loss.hidden):
+            with torch.no_grad():
+                t_out = self._forward(self.teacher, input_ids)
+        if self.causal:
+            ce = kd.next_token_loss(out.logits, input_ids)
+            parts["ce"] = float(ce.detach())
+            if loss.ce_weight > 0:
+                total = total + loss.ce_weight * ce
+            if t_out is not None and loss.kd_weight > 0:
+                soft = kd.logit_kd_loss(out.logits, t_out.logits, loss.temperature, loss.divergence)
+                parts["kd"] = float(soft.detach())
+                total = total + loss.kd_weight * soft
+        for pair, projection in zip(loss.hidden, self.projections):
+            h = kd.hidden_state_loss(projection(out.hidden_states[pair.student]), t_out.hidden_states[pair.teacher],
+                                     loss.hidden_loss)
+            parts[f"hidden_{pair.student}_{pair.teacher}"] = float(h.detach())
+            total = total + pair.weight * h
+        parts["loss"] = float(total.detach())
+        return total, parts
+
+
+class Distill(DistillLoss, Stage):
+    """Train the current model to match a teacher, keeping pruned weights at zero."""
+
+    keep_layers: Optional[list[int]] = Field(
+        None, description="make the student a shallower copy: keep only these blocks (0-based) before training")
+    freeze: list[str] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
+    data: TrainingData = Field(default_factory=TrainingData)
+    train: TrainingConfig = Field(default_factory=TrainingConfig)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.data.dataset is None and self.data.generate is None  # trains on the calibration windows
+
+    def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
+        if self.keep_layers is not None:
+            keep_blocks(model, self.keep_layers, ctx, "distill")
+        teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "distill")
+        return run_training(self, "distill", model, teacher, teacher_ref, ctx, self.data, self.train,
+                            trainable=trainable_parameters(model, self.freeze, "distill"))
+
+
+# -- shared with the qat stage --------------------------------------------------------------------
+
+def load_teacher(ref: Optional[str], student: torch.nn.Module, ctx: StageContext, stage: str):
+    """The teacher in float32 on the device: `ref`, or the recipe's input model."""
+    ref = ref or ctx.source_model
+    if ref is None:
+        raise CompressError(f"stage {stage}: no teacher", "set the stage's teacher: a hub id or model directory")
+    teacher, _, config = modeling.load_model(ref, dtype="float32", device=ctx.device)
+    if getattr(config, "vocab_size", None) != getattr(student.config, "vocab_size", None):
+        raise CompressError(f"stage {stage}: teacher {ref} has vocabulary size {getattr(config, 'vocab_size', None)}, "
+                            f"the student {getattr(student.config, 'vocab_size', None)}",
+                            "distill between models that share a tokenizer")
+    teacher.requires_grad_(False)
+    return teacher, ref
+
+
+def trainable_parameters(model: torch.nn.Module, freeze: list[str], stage: str) -> list[torch.nn.Parameter]:
+    """Every parameter not matched by a `freeze` pattern (a parameter's name, or its module's)."""
+    kept, used = [], set()
+    for name, param in model.named_parameters():
+        module_name = name.rsplit(".", 1)[0]
+        hit = [p for p in freeze if matches(p, name, param) or matches(p, module_name, param)]
+        used.update(hit)
+        if hit:
+            param.requires_grad_(False)
+        else:
+            kept.append(param)
+    unused = [p for p in freeze if p not in used]
+    if unused:
+        raise CompressError(f"stage {stage}: freeze patterns {unused} match no parameter",
+                            "use parameter or module names as `compress plan` shows them, e.g. embed_tokens")
+    if not kept:
+        raise CompressError(f"stage {stage}: every parameter is frozen", "freeze fewer parameters")
+    return kept
+
+
+def pruning_masks(model: torch.nn.Module, ctx: StageContext) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(weight, mask) for every linear layer an earlier stage pruned, or in which at least 10 % of
+    the weights are exactly zero (the rule GPTQ's preserve_sparsity uses): training keeps them zero."""
+    masks = []
+    for name, module in model.named_modules():
+        if type(module).__name__ not in LINEAR_TYPES:
+            continue
+        w = module.weight
+        zero = w == 0
+        if ctx.layers.get(name, {}).get("sparsity") or float(zero.float().mean()) >= 0.1:
+            masks.append((w, (~zero).to(w.dtype)))
+    return masks
+
+
+def keep_blocks(model: torch.nn.Module, keep: list[int], ctx: StageContext, stage: str) -> None:
+    """Make `model` a shallower copy of itself from the blocks in `keep` (in that order)."""
+    from compress.engine import find_blocks
+    from compress.stages.structured import Structured
+
+    path, blocks = find_blocks(model)
+    bad = [i for i in keep if not 0 <= i < len(blocks)]
+    if bad or not keep or len(set(keep)) != len(keep):
+        raise CompressError(f"stage {stage}: keep_layers {keep} is not a list of distinct blocks of the model's {len(blocks)}",
+                            f"choose indices from 0 to {len(blocks) - 1}")
+    layer_types = getattr(model.config, "layer_types", None)
+    Structured._remove_blocks(model, path, blocks, list(keep), ctx)
+    model.config.num_hidden_layers = len(keep)
+    if isinstance(layer_types, list):
+        model.config.layer_types = [layer_types[i] for i in keep]
+
+
+def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: Optional[torch.nn.Module],
+                 teacher_ref: Optional[str], ctx: StageContext, data: TrainingData, cfg: TrainingConfig,
+                 trainable: list[torch.nn.Parameter], extra_groups: list[dict] = (), masks: Optional[list] = None) -> dict:
+    """Data, objective, loop, and the summary both training stages report."""
+    causal = modeling.is_causal_lm(model.config)
+    loss_cfg = DistillLoss(**{k: getattr(stage, k) for k in DistillLoss.model_fields})
+    if not causal and not loss_cfg.hidden:
+        raise CompressError(f"stage {name}: {type(model).__name__} has no language-model logits to distill",
+                            "match hidden states instead: hidden: [{student: -1, teacher: -1}]")
+    if not causal and loss_cfg.ce_weight:
+        raise CompressError(f"stage {name}: ce_weight needs a causal language model", "set ce_weight: 0")
+    if loss_cfg.hidden and teacher is None:
+        raise CompressError(f"stage {name}: hidden-state matching needs a teacher", "set kd_weight > 0 or a teacher")
+    teacher_hash = modeling.weights_hash(teacher_ref) if teacher_ref else None
+    train_ids, eval_ids, source = training_sequences(data, ctx.tokenizer, ctx.calibration, teacher, teacher_hash,
+                                                     ctx.seed, name, ctx.progress)
+    model.to(ctx.device)
+    objective = DistillationObjective(model, teacher, loss_cfg, causal)
+    masks = pruning_masks(model, ctx) if masks is None else masks
+    groups = [{"params": trainable, "lr": cfg.lr}]
+    if len(objective.projections) and any(p.requires_grad for p in objective.projections.parameters()):
+        groups.append({"params": list(objective.projections.parameters()), "lr": cfg.lr})
+    groups += list(extra_groups)
+    fingerprint = run_fingerprint(name, stage.model_dump(mode="json"), ctx.source_hash, teacher_hash,
+                                  train_ids.shape, float(train_ids.float().sum()), ctx.seed, ctx.stage_index)
+    checkpoint_dir = ctx.work_dir / f"{ctx.stage_index}-{name}" if ctx.work_dir is not None else None
+    result = train(objective, train_ids, eval_ids, cfg, param_groups=groups, device=ctx.device, seed=ctx.seed,
+                   masks=masks, checkpoint_dir=checkpoint_dir, resume=ctx.resume, fingerprint=fingerprint,
+                   progress=ctx.progress, name=name, stop_after=ctx.stop_after_steps)
+    model.to("cpu").eval()
+    if teacher is not None:
+        teacher.to("cpu")
+    masked_zero = all(bool((p[m == 0] == 0).all()) for p, m in masks)
+    before, after = result["eval_before"], result["eval_after"]
+    summary = {
+        "scheme": f"{name} from {teacher_ref or 'no teacher (task loss)'}",
+        "teacher": teacher_ref,
+        "data": source,
+        "steps": result["steps"],
+        "train_samples": result["train_samples"],
+        "tokens_per_step": result["tokens_per_step"],
+        "trainable_parameters": sum(p.numel() for p in trainable),
+        "masked_layers": len(masks),
+        "masks_kept": masked_zero,
+    }
+    for key, label in (("eval_kd", "held_out_kd"), ("eval_perplexity", "held_out_ppl"), ("eval_loss", "held_out_loss")):
+        if key in after:
+            summary[f"{label}_before"], summary[f"{label}_after"] = before.get(key), after[key]
+    if result["resumed_from_step"]:
+        summary["resumed_from_step"] = result["resumed_from_step"]
+    summary["training"] = {"loss": loss_cfg.model_dump(exclude={"teacher"}), "train": cfg.model_dump(), **result}
+    return summary
+
+
+def _width(model: Optional[torch.nn.Module]) -> int:
+    return int(model.config.hidden_size) if model is not None else 0

@@ -1,0 +1,182 @@
+"""Quantization-aware training: fine-tune through fake-quantized weights, then save them quantized.
+
+    - qat:
+        scheme: W3A16
+        weights: {strategy: channel}
+        scales: learned          # LSQ (Esser et al. 2020); `fixed` keeps the initial scales
+        kd_weight: 1.0           # distill from the full-precision input model (the default)...
+        ce_weight: 0.0           # ...or train on the text itself (kd_weight: 0, ce_weight: 1)
+        data: {dataset: calibration/default.txt, num_samples: 512}
+        train: {steps: 200, lr: 1.0e-4}
+
+Each target layer's weight is replaced, for the forward pass, by dequantize(quantize(W)); the
+rounding passes gradients straight through (STE) so W keeps learning, and with `scales: learned`
+the step sizes learn too, by LSQ's gradient. The starting scales are those of the weights as
+they arrive: an earlier PTQ stage at the same scheme (GPTQ, AWQ, RTN) hands over its grid
+exactly, so QAT starts from the PTQ result; otherwise round-to-nearest's. After training each
+weight is set to its final quantized values, recorded like any quantization stage's, and saved
+in the same packed format.
+
+Dynamic per-token activation quantization can be trained through too (the inputs are rounded in
+the forward pass, their gradient passed straight through).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+from pydantic import Field, model_validator
+from torch.nn.utils import parametrize
+
+from compress import activations
+from compress.errors import CompressError
+from compress.modeling import get_weight, set_weight
+from compress.quant import (QParams, compute_qparams, fake_quantize, fake_quantize_ste, int_range, lsq_gradient_factor,
+                            recover_qparams, relative_error, scale_gradient)
+from compress.schemes import QuantArgs
+from compress.stages.base import QuantizationStage, StageContext
+from compress.stages.distill import DistillLoss, load_teacher, pruning_masks, run_training, trainable_parameters
+from compress.training import TrainingConfig
+from compress.training_data import TrainingData
+
+
+class FakeQuantWeight(torch.nn.Module):
+    """A parametrization of a linear layer's weight: the layer computes with quantize-dequantize
+    of its float weight, which stays the trained parameter."""
+
+    def __init__(self, weight: torch.Tensor, args: QuantArgs, qparams: QParams, learn_scale: bool, transposed: bool):
+        super().__init__()
+        self.group_size = args.group_size if args.strategy == "group" else None
+        self.qmin, self.qmax = qparams.qmin, qparams.qmax
+        self.transposed = transposed  # GPT-2's Conv1D stores [in, out]
+        self.learn_scale = learn_scale
+        if learn_scale:
+            self.scale = torch.nn.Parameter(qparams.scale.clone())
+        else:
+            self.register_buffer("scale", qparams.scale.clone())
+        self.register_buffer("zero_point", qparams.zero_point.clone())
+        out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed else tuple(weight.shape)
+        per_scale = self.group_size or (in_f if args.strategy == "channel" else out_f * in_f)
+        self.grad_factor = lsq_gradient_factor(per_scale, self.qmax)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        w = weight.t() if self.transposed else weight
+        scale = scale_gradient(self.scale, self.grad_factor) if self.learn_scale else self.scale
+        q = fake_quantize_ste(w.float(), scale, self.zero_point, self.qmin, self.qmax, self.group_size).to(weight.dtype)
+        return q.t() if self.transposed else q
+
+
+class _ActivationSTE:
+    """Forward pre-hook: round the layer's input per token, pass the gradient straight through."""
+
+    def __init__(self, args: QuantArgs):
+        self.args = args
+
+    def __call__(self, module, inputs):
+        x = inputs[0]
+        flat = x.reshape(-1, x.shape[-1])
+        q = fake_quantize(flat.detach(), self.args.num_bits, self.args.symmetric, self.args.strategy).to(x.dtype)
+        return (x + (q.reshape(x.shape) - x).detach(), *inputs[1:])
+
+
+class QAT(DistillLoss, QuantizationStage):
+    """Fine-tune the target layers through fake quantization, distilling from the input model."""
+
+    scales: Literal["learned", "fixed"] = Field("learned", description="learned: LSQ step sizes; fixed: the starting ones")
+    scale_lr: Optional[float] = Field(None, gt=0, description="peak learning rate of the scales (default: train.lr)")
+    freeze: list[str] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
+    data: TrainingData = Field(default_factory=TrainingData)
+    train: TrainingConfig = Field(default_factory=TrainingConfig)
+
+    @model_validator(mode="after")
+    def _trainable_scheme(self) -> "QAT":
+        scheme = self.resolved_scheme()
+        if scheme.weights.type != "int":
+            raise ValueError("qat trains integer weight grids; FP8 weights are not supported")
+        act = scheme.input_activations
+        if act is not None and (not act.dynamic or act.type != "int"):
+            raise ValueError("qat trains through dynamic integer activations only; use a dynamic activation scheme")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.data.dataset is None and self.data.generate is None
+
+    def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
+        scheme = self.resolved_scheme()
+        wargs = scheme.weights
+        modules = self.select(model, "qat")
+        masks = pruning_masks(model, ctx)  # before the weights become parametrized
+        teacher, teacher_ref = (load_teacher(self.teacher, model, ctx, "qat") if self.kd_weight > 0 or self.hidden
+                                else (None, None))
+        if teacher is None and self.ce_weight == 0:
+            raise CompressError("stage qat: kd_weight and ce_weight are both 0: nothing to train on",
+                                "set kd_weight (distill from the input model) or ce_weight (the text itself)")
+        before, scales, hooks = {}, [], []
+        for name, module in modules.items():
+            weight = get_weight(module)
+            if not torch.isfinite(weight).all():
+                raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
+            before[name] = weight
+            qparams, origin = self._initial_qparams(name, module, weight, wargs, ctx)
+            fq = FakeQuantWeight(module.weight, wargs, qparams, self.scales == "learned",
+                                 type(module).__name__ == "Conv1D")
+            parametrize.register_parametrization(module, "weight", fq)
+            ctx.layers.setdefault(name, {})["qat_init"] = origin
+            if self.scales == "learned":
+                scales.append(fq.scale)
+            if scheme.input_activations is not None:
+                hooks.append(module.register_forward_pre_hook(_ActivationSTE(scheme.input_activations)))
+
+        trainable = trainable_parameters(model, self.freeze, "qat")
+        trainable = [p for p in trainable if not any(p is s for s in scales)]
+        extra = [{"params": scales, "lr": self.scale_lr or self.train.lr, "weight_decay": 0.0}] if scales else []
+        try:
+            summary = run_training(self, "qat", model, teacher, teacher_ref, ctx, self.data, self.train,
+                                   trainable=trainable, extra_groups=extra, masks=masks)
+        finally:
+            for h in hooks:
+                h.remove()
+        errors = []
+        for name, module in modules.items():
+            with torch.no_grad():
+                final = module.weight.detach().clone()  # the parametrized, quantized weight
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+            set_weight(module, (final.t() if type(module).__name__ == "Conv1D" else final).float())
+            err = relative_error(before[name], get_weight(module))
+            errors.append(err)
+            rec = ctx.layers[name]
+            rec.update({"stage": "qat", "shape": list(before[name].shape), "weights": wargs.model_dump(mode="json"),
+                        "relative_error": err, "scales": self.scales})
+            if scheme.input_activations is not None:
+                activations.attach(module, scheme.input_activations)
+                rec["input_activations"] = scheme.input_activations.model_dump(mode="json")
+        summary.update({"scheme": scheme.describe() + f", QAT ({self.scales} scales)", "layers": len(modules),
+                        "mean_relative_error": sum(errors) / len(errors), "max_relative_error": max(errors)})
+        return summary
+
+    @staticmethod
+    def _initial_qparams(name: str, module: torch.nn.Module, weight: torch.Tensor, args: QuantArgs,
+                         ctx: StageContext) -> tuple[QParams, str]:
+        """The grid the weight is already on when an earlier stage quantized it at this scheme
+        (verified exactly), else round-to-nearest's."""
+        qmin, qmax = int_range(args.num_bits, args.symmetric)
+        earlier = ctx.layers.get(name, {}).get("weights")
+        if earlier and QuantArgs(**earlier) == args and args.strategy in ("channel", "group", "tensor"):
+            stored = module.weight.detach()
+            stored = stored.t() if type(module).__name__ == "Conv1D" else stored
+            try:
+                scale, zero, failed = recover_qparams(stored, args.num_bits, args.symmetric, args.strategy, args.group_size)
+            except ValueError:
+                failed = 1
+            if not failed:
+                zero = torch.zeros_like(scale) if zero is None else zero.float()
+                if args.strategy == "group":
+                    scale, zero = scale.unsqueeze(-1), zero.unsqueeze(-1)
+                elif args.strategy == "tensor":
+                    scale, zero = scale.reshape(1, 1), zero.reshape(1, 1)
+                # the format's code range; absmax grids never use its lowest code
+                return QParams(scale.float(), zero, qmin if args.symmetric else -(2 ** (args.num_bits - 1)), qmax), \
+                    f"{ctx.layers[name].get('stage', 'earlier stage')} grid"
+        return compute_qparams(weight, args.num_bits, args.symmetric, args.strategy, args.group_size), "round-to-nearest"

@@ -1,0 +1,190 @@
+"""Knowledge distillation as a recipe stage and as `compress distill`: it recovers what pruning
+cost, keeps pruned weights at zero, builds shallower students, matches hidden states through a
+projection, and resumes exactly after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from compress import modeling
+from compress.cli import main
+from compress.pipeline import run_recipe
+from compress.recipe import parse_recipe
+
+
+def recipe(text: str):
+    return parse_recipe(text, "test")
+
+
+TRAIN = "{steps: %d, batch_size: 4, lr: %g, warmup: 0, eval_every: 0, save_every: 0}"
+
+
+def data_keys(shared, n=48, seq=64):
+    return (f"{{dataset: {shared}/data/tinyshakespeare/train.txt, seq_len: {seq}, num_samples: {n}, eval_samples: 8}}")
+
+
+def test_prune_then_distill_recovers_and_keeps_the_zeros(ref_llama, shared, tmp_path):
+    r = recipe(f"""
+calibration: {{dataset: {shared}/data/tinyshakespeare/train.txt, num_samples: 8, seq_len: 64}}
+stages:
+  - magnitude: {{sparsity: 0.5}}
+  - distill:
+      data: {data_keys(shared)}
+      train: {TRAIN % (12, 3e-4)}
+""")
+    report = run_recipe(r, model=str(ref_llama), output=str(tmp_path / "out"))
+    s = report["stages"][1]["summary"]
+    assert s["masked_layers"] == 28 and s["masks_kept"]
+    assert s["held_out_kd_after"] < 0.8 * s["held_out_kd_before"], s
+    assert s["teacher"] == str(ref_llama)
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    for name, w in weights.items():
+        if name.endswith("proj.weight"):
+            assert float((w == 0).float().mean()) >= 0.5, name  # the pruned half is still exactly zero
+    assert not (tmp_path / ".out.work").exists()  # checkpoints of a finished run are removed
+
+
+def test_shallow_student_from_chosen_blocks(ref_llama, shared, tmp_path):
+    r = recipe(f"""
+calibration: {{dataset: {shared}/data/tinyshakespeare/train.txt, num_samples: 8, seq_len: 64}}
+stages:
+  - distill:
+      keep_layers: [0, 3]
+      data: {data_keys(shared)}
+      train: {TRAIN % (10, 5e-4)}
+""")
+    report = run_recipe(r, model=str(ref_llama), output=str(tmp_path / "out"))
+    s = report["stages"][0]["summary"]
+    assert s["held_out_kd_after"] < 0.8 * s["held_out_kd_before"], s
+    student = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert student.config.num_hidden_layers == 2 and len(student.model.layers) == 2
+    teacher = AutoModelForCausalLM.from_pretrained(ref_llama)
+    # initialised from the teacher's blocks 0 and 3 (then trained: close, not equal)
+    drift = (student.model.layers[1].mlp.up_proj.weight - teacher.model.layers[3].mlp.up_proj.weight).norm()
+    assert float(drift.detach() / teacher.model.layers[3].mlp.up_proj.weight.norm().detach()) < 0.2
+
+
+def tiny_pair(tmp_path, student_width=32):
+    tok = AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR)
+    paths = []
+    for i, width in enumerate((64, student_width)):
+        torch.manual_seed(i)
+        cfg = LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=128)
+        path = tmp_path / f"m{i}"
+        LlamaForCausalLM(cfg).save_pretrained(path)
+        tok.save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
+def test_hidden_state_distillation_through_a_projection(tmp_path, repo):
+    teacher, student = tiny_pair(tmp_path)
+    r = recipe(f"""
+stages:
+  - distill:
+      teacher: {teacher}
+      kd_weight: 0.0
+      hidden: [{{student: -1, teacher: -1}}]
+      data: {{dataset: {repo}/calibration/default.txt, seq_len: 32, num_samples: 32, eval_samples: 8}}
+      train: {TRAIN % (15, 1e-2)}
+""")
+    report = run_recipe(r, model=str(student), output=str(tmp_path / "out"))
+    s = report["stages"][0]["summary"]
+    assert s["held_out_loss_after"] < 0.7 * s["held_out_loss_before"], s
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    assert not any("projection" in k for k in saved)  # the projection head is training-only
+    assert saved["model.embed_tokens.weight"].shape[1] == 32
+
+
+def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys):
+    teacher, student = tiny_pair(tmp_path, student_width=64)
+    data = str(repo / "calibration" / "default.txt")
+    out = tmp_path / "out"
+    code = main(["--json", "distill", "--teacher", str(teacher), "--student", str(student), "--data", data,
+                 "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--num-samples", "16", "--temperature", "2",
+                 "--divergence", "jsd", "--ce-weight", "0.5", "--hidden", "1:1", "--output", str(out),
+                 "--eval-data", data])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    s = report["stages"][0]["summary"]
+    assert s["steps"] == 3 and s["training"]["loss"]["divergence"] == "jsd" and s["training"]["loss"]["ce_weight"] == 0.5
+    assert report["evaluation"][data]["kl_divergence"] > 0  # measured against the teacher
+    assert (out / "report.md").is_file()
+
+    for argv, words in [
+        (["--student", str(student)], "no training data"),
+        (["--student", str(student), "--data", data, "--generate", "4"], "both given"),
+        (["--data", data], "no student"),
+        (["--student-layers", "0,7", "--data", data], "keep_layers [0, 7]"),
+        (["--student-layers", "x", "--data", data], "not a list of block numbers"),
+        (["--student", str(student), "--data", data, "--hidden", "a:b"], "STUDENT:TEACHER"),
+        (["--student", str(student), "--data", str(tmp_path / "missing.txt")], "missing.txt"),
+    ]:
+        code = main(["distill", "--teacher", str(teacher), "--steps", "2", "--output", str(tmp_path / "bad"), *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and "Traceback" not in err, (argv, err)
+        assert not (tmp_path / "bad").exists()
+
+
+def test_kill_then_resume_matches_an_uninterrupted_run(tmp_path, repo):
+    teacher, _ = tiny_pair(tmp_path)
+    data = str(repo / "calibration" / "default.txt")
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+
+    def argv(out, *extra):
+        return [sys.executable, "-m", "compress", "--quiet", "distill", "--teacher", str(teacher), "--student-layers", "1,0",
+                "--data", data, "--steps", "60", "--batch-size", "2", "--seq-len", "32", "--num-samples", "24",
+                "--save-every", "20", "--no-eval", "--output", str(out), *extra]
+
+    subprocess.run(argv(tmp_path / "whole"), env=env, check=True, timeout=600)
+    work = tmp_path / ".killed.work"
+    proc = subprocess.Popen(argv(tmp_path / "killed"), env=env)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(work.glob("*/step-*/complete")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list(work.glob("*/step-*/complete")), "no checkpoint was written before the deadline"
+    assert not (tmp_path / "killed").exists()  # nothing that looks like a finished checkpoint
+
+    subprocess.run(argv(tmp_path / "killed", "--resume"), env=env, check=True, timeout=600)
+    report = json.loads((tmp_path / "killed" / "report.json").read_text())
+    assert report["stages"][0]["summary"]["resumed_from_step"] >= 20
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "killed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not work.exists()
+
+
+def test_two_processes_with_ddp_match_one(tmp_path, repo):
+    """The same command under torchrun (what `accelerate launch` runs on GPUs), with two CPU
+    processes on the gloo backend: each takes half of every batch, DDP averages the gradients, and
+    the result equals the single-process run up to float summation order."""
+    teacher, _ = tiny_pair(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    common = ["--json", "distill", "--teacher", str(teacher), "--student-layers", "1,0",
+              "--data", str(repo / "calibration" / "default.txt"), "--steps", "6", "--batch-size", "4", "--seq-len", "32",
+              "--num-samples", "24", "--no-eval"]
+    one = subprocess.run([sys.executable, "-m", "compress", *common, "--output", str(tmp_path / "one")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
+    two = subprocess.run([*torchrun, "-m", "compress", *common, "--output", str(tmp_path / "two")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-2000:]
+    report = json.loads((tmp_path / "two" / "report.json").read_text())
+    assert report["stages"][0]["summary"]["training"]["processes"] == 2
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    t = load_file(teacher / "model.safetensors")
+    assert float((a["model.layers.0.mlp.up_proj.weight"] - t["model.layers.1.mlp.up_proj.weight"]).abs().max()) > 1e-5  # it trained

@@ -1,0 +1,149 @@
+"""Quantization-aware training: it improves on round-to-nearest at the same scheme, starts
+exactly from an earlier PTQ stage's grid, keeps pruned weights at zero, and saves the same packed
+format as PTQ."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from compress import modeling
+from compress.cli import main
+from compress.pipeline import run_recipe
+from compress.quant import compute_qparams, fake_quantize, fake_quantize_ste, recover_qparams
+from compress.recipe import parse_recipe
+from compress.schemes import QuantArgs
+from compress.stages.base import StageContext
+from compress.stages.qat import QAT
+
+TRAIN = "{steps: %d, batch_size: 4, lr: %g, warmup: 0, eval_every: 0, save_every: 0}"
+
+
+def data_keys(shared, n=48, seq=64):
+    return f"{{dataset: {shared}/data/tinyshakespeare/train.txt, seq_len: {seq}, num_samples: {n}, eval_samples: 8}}"
+
+
+def test_qat_w3_beats_its_round_to_nearest_start_and_packs(ref_llama, shared, tmp_path):
+    r = parse_recipe(f"""
+stages:
+  - qat:
+      weights: {{num_bits: 3, strategy: channel, symmetric: true}}
+      data: {data_keys(shared)}
+      train: {TRAIN % (16, 2e-4)}
+evaluation: {{datasets: [{shared}/data/tinyshakespeare/test.txt], max_windows: 8, seq_len: 64}}
+""", "test")
+    report = run_recipe(r, model=str(ref_llama), output=str(tmp_path / "out"))
+    s = report["stages"][0]["summary"]
+    # held-out KL to the float model: round-to-nearest at step 0 (the starting grid), then trained
+    assert s["held_out_kd_after"] < 0.8 * s["held_out_kd_before"], s
+    assert report["format"]["format"] == "packed"
+    layers = json.loads((tmp_path / "out" / "compress.json").read_text())["layers"]
+    assert len(layers) == 28 and all(rec["stage"] == "qat" and rec["qat_init"] == "round-to-nearest" for rec in layers.values())
+    # the packed file holds 3-bit codes that decompress to exactly the trained weights
+    loaded, _, _ = modeling.load_model(str(tmp_path / "out"), dtype="float32")
+    ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    for name, module in loaded.named_modules():
+        if name in layers:  # every row on a 3-bit symmetric grid of its own step
+            assert recover_qparams(module.weight.detach(), 3, True, "channel")[2] == 0, name
+    assert loaded(input_ids=ids).logits.isfinite().all()
+
+
+def test_qat_starts_from_an_earlier_stage_grid_exactly():
+    """GPTQ (or any PTQ stage) leaves weights on its grid: QAT recovers that grid, so its first
+    forward pass computes with exactly the PTQ weights."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 8, bias=False)
+    for args in (QuantArgs(num_bits=4, strategy="group", group_size=16, symmetric=False),
+                 QuantArgs(num_bits=3, strategy="channel", symmetric=True)):
+        with torch.no_grad():
+            # a grid that round-to-nearest from these weights would not give: scales shrunk by 10 %
+            qp = compute_qparams(layer.weight, args.num_bits, args.symmetric, args.strategy, args.group_size)
+            qp.scale *= 0.9
+            on_grid = fake_quantize(layer.weight, args.num_bits, args.symmetric, args.strategy, args.group_size, qparams=qp)
+        module = torch.nn.Linear(64, 8, bias=False)
+        module.weight.data.copy_(on_grid)
+        ctx = StageContext(device=torch.device("cpu"), layers={"l": {"stage": "gptq", "weights": args.model_dump()}})
+        got, origin = QAT._initial_qparams("l", module, on_grid.clone(), args, ctx)
+        assert origin == "gptq grid"
+        again = fake_quantize_ste(on_grid, got.scale, got.zero_point, got.qmin, got.qmax,
+                                  args.group_size if args.strategy == "group" else None)
+        assert torch.equal(again, on_grid)
+        # without an earlier stage: round-to-nearest's grid
+        _, origin = QAT._initial_qparams("l", module, on_grid.clone(), args, StageContext(device=torch.device("cpu")))
+        assert origin == "round-to-nearest"
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    tok = AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=128)
+    path = tmp_path / "tiny"
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_qat_after_pruning_and_with_activations(tiny, repo, tmp_path):
+    r = parse_recipe(f"""
+stages:
+  - magnitude: {{sparsity: 0.5}}
+  - qat:
+      scheme: W8A8
+      scales: fixed
+      data: {{dataset: {repo}/calibration/default.txt, seq_len: 32, num_samples: 16, eval_samples: 4}}
+      train: {TRAIN % (4, 1e-3)}
+""", "test")
+    report = run_recipe(r, model=str(tiny), output=str(tmp_path / "out"))
+    s = report["stages"][1]["summary"]
+    assert s["masked_layers"] == 14 and s["masks_kept"]
+    meta = json.loads((tmp_path / "out" / "compress.json").read_text())
+    for name, rec in meta["layers"].items():
+        assert rec["stage"] == "qat" and rec["input_activations"]["dynamic"] and rec["sparsity"] >= 0.5, name
+    loaded, _, _ = modeling.load_model(str(tmp_path / "out"), dtype="float32")
+    w = loaded.model.layers[0].self_attn.q_proj.weight
+    assert float((w == 0).float().mean()) >= 0.5
+    assert hasattr(loaded.model.layers[0].self_attn.q_proj, "_compress_activation_hook")  # A8 reattached on load
+
+
+def test_fixed_scales_do_not_move(tiny, repo, tmp_path):
+    r = parse_recipe(f"""
+stages:
+  - qat:
+      weights: {{num_bits: 4, strategy: channel, symmetric: true}}
+      scales: fixed
+      kd_weight: 0.0
+      ce_weight: 1.0
+      data: {{dataset: {repo}/calibration/default.txt, seq_len: 32, num_samples: 16, eval_samples: 4}}
+      train: {TRAIN % (3, 1e-3)}
+""", "test")
+    report = run_recipe(r, model=str(tiny), output=str(tmp_path / "out"), format="dense")
+    assert report["stages"][0]["summary"]["teacher"] is None  # task loss: no teacher loaded
+    before = LlamaForCausalLM.from_pretrained(tiny).model.layers[0].mlp.up_proj.weight.detach()
+    after = load_file(tmp_path / "out" / "model.safetensors")["model.layers.0.mlp.up_proj.weight"]
+    step = before.abs().amax(1, keepdim=True) / 7
+    codes = after / step
+    assert torch.allclose(codes, codes.round(), atol=1e-3)  # still on round-to-nearest's grid
+    assert not torch.equal(after, fake_quantize(before, 4, True, "channel"))  # but the weights trained
+
+
+@pytest.mark.parametrize("stage, words", [
+    ("{scheme: FP8}", "FP8 weights are not supported"),
+    ("{scheme: W8A8, input_activations: {dynamic: false, strategy: tensor}}", "dynamic integer activations only"),
+    ("{scheme: W4A16, kd_weight: 0}", "nothing to train on"),
+    ("{scheme: W4A16, freeze: [nothing_like_this]}", "match no parameter"),
+    ("{scheme: W4A16, train: {steps: 0}}", "train.steps"),
+])
+def test_bad_qat_stages(stage, words, tiny, repo, tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tiny}\nstages:\n  - qat: {stage}\n"
+                      f"calibration: {{dataset: {repo}/calibration/default.txt, num_samples: 4, seq_len: 32}}\n")
+    code = main(["quantize", "--recipe", str(recipe), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
