@@ -238,6 +238,7 @@ def distill(
     batch_size: int = typer.Option(8, help="sequences per step."),
     seq_len: int = typer.Option(256, help="tokens per training sequence."),
     num_samples: Optional[int] = typer.Option(None, help="training sequences taken from --data (default: all)."),
+    eval_samples: int = typer.Option(16, help="sequences held out for the held-out loss during training."),
     temperature: float = typer.Option(1.0, help="KD temperature T (the soft loss is scaled by T²)."),
     divergence: str = typer.Option("forward", help="forward KL, reverse KL or jsd."),
     ce_weight: float = typer.Option(0.0, help="λ: weight of the next-token loss on the training text."),
@@ -257,7 +258,7 @@ def distill(
     from compress.recipe import parse_recipe
 
     doc = _distill_recipe(teacher, student, student_layers, output, data, generate, steps, lr, batch_size, seq_len,
-                          num_samples, temperature, divergence, ce_weight, hidden, save_every, eval_data, no_eval)
+                          num_samples, eval_samples, temperature, divergence, ce_weight, hidden, save_every, eval_data, no_eval)
     r = parse_recipe(doc, "compress distill")
     with progress_bar() as progress:
         report = run_recipe(r, force=force, device=S.device, dtype=S.dtype, seed=S.seed, progress=progress,
@@ -270,7 +271,7 @@ def distill(
 
 
 def _distill_recipe(teacher, student, student_layers, output, data, generate, steps, lr, batch_size, seq_len,
-                    num_samples, temperature, divergence, ce_weight, hidden, save_every, eval_data, no_eval) -> str:
+                    num_samples, eval_samples, temperature, divergence, ce_weight, hidden, save_every, eval_data, no_eval) -> str:
     """The recipe `compress distill` runs, as YAML text, after checking the options agree."""
     import yaml
 
@@ -299,7 +300,7 @@ def _distill_recipe(teacher, student, student_layers, output, data, generate, st
         pairs.append({"student": s_idx, "teacher": t_idx})
     if pairs:
         body["hidden"] = pairs
-    body["data"] = {"seq_len": seq_len}
+    body["data"] = {"seq_len": seq_len, "eval_samples": eval_samples}
     if generate is not None:
         body["data"]["generate"] = {"num_sequences": generate}
     else:

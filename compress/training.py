@@ -230,7 +230,9 @@ def train(objective: Objective, train_ids: torch.Tensor, eval_ids: torch.Tensor,
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             last.update({f"eval_{k}": v for k, v in evaluate().items()})
             state.history.append(last)
-        shown = " ".join(f"{k.removeprefix('train_')} {v:.4g}" for k, v in sums.items())
+        shown = " ".join(f"{k} {v:.4g}" for k, v in sums.items())
+        if "ce" in sums:
+            shown += f" ppl {math.exp(min(sums['ce'], 50)):.2f}"
         progress(f"{name} step {step}/{cfg.steps} {shown}", step, cfg.steps)
         if checkpoint_dir is not None and cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
             _save(accelerator, checkpoint_dir, step, fingerprint)

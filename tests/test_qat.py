@@ -147,3 +147,19 @@ def test_bad_qat_stages(stage, words, tiny, repo, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and words in err and "Traceback" not in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_bundled_gptq_then_qat_recipe_starts_from_the_gptq_grid(tiny, repo, tmp_path):
+    from compress.recipe import load_recipe
+
+    r = load_recipe(repo / "recipes/w4a16-qat.yaml")
+    r.calibration.num_samples, r.calibration.seq_len, r.evaluation = 4, 32, None
+    qat = r.stages[1][1]
+    qat.data.seq_len, qat.data.num_samples, qat.data.eval_samples = 32, 8, 4
+    qat.train.steps, qat.train.batch_size = 2, 2
+    report = run_recipe(r, model=str(tiny), output=str(tmp_path / "o"))
+    meta = json.loads((tmp_path / "o" / "compress.json").read_text())
+    assert meta["stages"] == ["gptq", "qat"] and report["format"]["format"] == "packed"
+    assert all(rec["qat_init"] == "gptq grid" and rec["weights"]["group_size"] == 64 for rec in meta["layers"].values())
+    # QAT started where GPTQ ended: its step-0 held-out loss is the GPTQ model's
+    assert report["stages"][1]["summary"]["training"]["history"][0]["step"] == 0
