@@ -16,7 +16,7 @@ import yaml
 
 from compress import modeling, packing
 from compress.calibration import build_calibration, is_local_spec, resolve_data_path
-from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes
+from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
 from compress.evaluate import evaluate, gate
 from compress.moe import fuse_experts, unfuse_experts
@@ -47,11 +47,14 @@ def seed_everything(seed: int) -> None:
 
 def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = None, force: bool = False,
                device: str = "auto", dtype: str = "auto", seed: int = 0,
-               progress: Progress = lambda *_: None, format: str | None = None) -> dict:
+               progress: Progress = lambda *_: None, format: str | None = None, resume: bool = False,
+               cache_dir: str | None = None) -> dict:
     """Run every stage of `recipe` and write the compressed checkpoint; returns report.json's content.
 
     `format`: packed (compressed-tensors), dense (dequantized weights in the model's dtype) or auto
-    (packed when every quantized layer can be expressed); overrides the recipe's `format:`."""
+    (packed when every quantized layer can be expressed); overrides the recipe's `format:`.
+    `resume` (or a `cache_dir`): store each completed stage in the stage cache and start after the
+    last stage already there (compress.stagecache)."""
     requested = format or recipe.format
     if requested not in ("auto", "packed", "dense"):
         raise CompressError(f"unknown format {requested!r}", "use packed, dense or auto")
@@ -65,6 +68,11 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     protect = [model_path] if Path(model_path).exists() else []
     atomic = AtomicOutput(out_dir, force=force, protect=protect)  # refuses a bad destination before any work
     _check_data_files(recipe)
+    cache_root = None
+    if resume or cache_dir:
+        from compress import stagecache
+
+        cache_root = stagecache.prepare(cache_dir, recipe)
     if recipe.offload == "disk":
         _check_offloadable(recipe)
         if Path(model_path).is_dir() and packing.is_packed(model_path):
@@ -72,12 +80,14 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                                 "drop offload: disk, or start from a checkpoint written with --format dense")
     dev = pick_device(device)
     seed_everything(seed)
+    progress = watch_progress(progress)
 
     progress("loading model", 0, 1)
     if recipe.offload == "disk":
         net, tokenizer, config = modeling.load_skeleton(model_ref, dtype=dtype)
     else:
         net, tokenizer, config = modeling.load_model(model_ref, dtype=dtype, device="cpu")
+    kill_point("loaded")
     source = {
         "ref": model_ref,
         "path": model_path,
@@ -92,6 +102,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     if recipe.calibration is not None:  # built even for stages that do not need it: its fingerprint is provenance
         progress("tokenizing calibration data", 0, 1)
         calibration = build_calibration(recipe.calibration, tokenizer)
+        kill_point("calibrated")
 
     report = {
         "versions": versions(),
@@ -105,6 +116,9 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             "num_samples": len(calibration.samples), "tokens": calibration.num_tokens},
     }
     ctx = StageContext(device=dev, calibration=calibration, seed=seed, progress=progress)
+    cache = None
+    if cache_root is not None:
+        cache = stagecache.open_cache(cache_root, recipe, modeling.local_dir(model_ref), source, calibration, seed, dev)
     with atomic as tmp:
         if recipe.offload == "disk":
             # Blocks stream from the input checkpoint through the engine into tmp's shards.
@@ -114,7 +128,9 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             path, blocks = find_blocks(net, getattr(recipe.stages[0][1], "blocks", None))
             ctx.offload = DiskOffload(net, modeling.local_dir(model_ref), tmp, None, n_shards=len(blocks) + 1)
             ctx.offload.load_outside(path)
-        report["stages"] = _run_stages(recipe, net, ctx)
+        report["stages"] = _run_stages(recipe, net, ctx, cache)
+        if cache is not None:
+            report["cache"] = cache.describe()
         if ctx.offload is None:
             _measure_sparsity(net, ctx.layers)
         report["layers"] = ctx.layers
@@ -141,6 +157,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         else:
             net.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        kill_point("saving")
         effective = recipe.effective()
         effective["model"] = model_ref
         effective["output"] = str(out_dir)
@@ -169,16 +186,21 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     return report
 
 
-def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext) -> list[dict]:
-    """Each stage in order, timed, with its peak memory."""
+def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=None) -> list[dict]:
+    """Each stage in order, timed, with its peak memory; with a stage cache, the stages already
+    in it are restored instead of run, and each stage run is stored."""
     reports = []
     swaps = unfuse_experts(net) if ctx.offload is None else []  # MoE experts as plain Linear layers meanwhile
     try:
-        for name, stage in recipe.stages:
+        start = cache.restore(net, ctx, reports) if cache is not None else 0
+        for index, (name, stage) in enumerate(recipe.stages[start:], start):
             with PeakMemory() as mem:
                 summary = stage.apply(net, ctx)
             reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
                             "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary})
+            if cache is not None:
+                cache.store(index, net, ctx, reports[-1])
+            kill_point(f"stage-done:{index}")
     finally:
         fuse_experts(swaps)
     return reports
