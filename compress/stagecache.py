@@ -127,6 +127,8 @@ class StageCache:
             os.replace(tmp, final)
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
+            if final.is_dir():  # another run stored the same key first: the same result
+                return
             raise CompressError(f"cannot write the stage cache in {self.root}: {exc.strerror}",
                                 "free disk space, or pass another --cache-dir") from None
         except BaseException:
