@@ -88,8 +88,12 @@ class StageCache:
                 continue
             from safetensors.torch import load_file, load_model
 
-            load_model(net, self.entry(last) / "model.safetensors", strict=True)
-            torch.set_rng_state(load_file(self.entry(last) / "rng.safetensors")["cpu"])
+            try:  # load_model reads the whole file before touching net, so a failure leaves net as it was
+                rng = load_file(self.entry(last) / "rng.safetensors")["cpu"]
+                load_model(net, self.entry(last) / "model.safetensors", strict=True)
+            except Exception:  # a damaged entry is a cache miss, never a failed run
+                continue
+            torch.set_rng_state(rng)
             ctx.layers.clear()
             ctx.layers.update(state["layers"])
             _reattach_activation_quant(net, ctx.layers)
