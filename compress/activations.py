@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from compress.errors import CompressError
 from compress.quant import compute_qparams, fake_quantize, fake_quantize_fp8, zeropoint_qparams, absmax_qparams
 from compress.schemes import QuantArgs
 
@@ -73,7 +74,8 @@ def observe_ranges(
                 x = x[mask.bool()]
             lo, hi = float(x.min()), float(x.max())
             if not (torch.isfinite(torch.tensor([lo, hi])).all()):
-                raise FloatingPointError(f"non-finite activation at the input of {name}")
+                raise CompressError(f"layer {name}: non-finite calibration activations reach this layer "
+                                    "(NaN/Inf, or float16 overflow)", "check the model's weights, or load it in float32 (--dtype float32)")
             old = ranges.get(name)
             ranges[name] = [min(lo, old[0]), max(hi, old[1])] if old else [lo, hi]
 

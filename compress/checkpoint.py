@@ -4,8 +4,10 @@ into place only when complete; an existing destination only replaced with --forc
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -15,6 +17,44 @@ import torch
 from compress.errors import CompressError
 
 
+# Testing hook: the kill tests set these to make a run kill itself at a named point, so that every
+# point is hit deterministically (a timer would land wherever the machine happened to be).
+KILL_AT_ENV = "COMPRESS_TEST_KILL_AT"  # a point name, or a pattern such as "progress:block 2*"
+KILL_SIGNAL_ENV = "COMPRESS_TEST_KILL_SIGNAL"  # KILL (the default), INT (Ctrl-C) or TERM (`kill`)
+INCOMPLETE_MARKER = "COMPRESS_INCOMPLETE"  # in a temporary output until it is moved into place
+
+
+def kill_point(name: str) -> None:
+    """Named points where a test may kill the run: loaded, calibrated, progress:<description>,
+    cache-storing, stage-done:<i>, saving, before-move, replacing. A no-op unless COMPRESS_TEST_KILL_AT is set."""
+    pattern = os.environ.get(KILL_AT_ENV)
+    if pattern and fnmatch.fnmatchcase(name, pattern):
+        sig = {"INT": signal.SIGINT, "TERM": signal.SIGTERM}.get(os.environ.get(KILL_SIGNAL_ENV, "KILL").upper(), signal.SIGKILL)
+        signal.raise_signal(sig)  # INT/TERM surface as KeyboardInterrupt right here, as a real one would
+
+
+def watch_progress(progress):
+    """progress() with every description a kill point (`progress:<description>`), when testing."""
+    if not os.environ.get(KILL_AT_ENV):
+        return progress
+
+    def update(description: str, completed: int, total: int) -> None:
+        kill_point(f"progress:{description}")
+        progress(description, completed, total)
+
+    return update
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class AtomicOutput:
     """`with AtomicOutput(dest, force, protect=[model_dir]) as tmp:` write into tmp; on success it
     becomes dest, on any exception it is removed."""
@@ -22,6 +62,9 @@ class AtomicOutput:
     def __init__(self, dest: str | Path, force: bool = False, protect: list[str | Path] = ()):
         self.dest = Path(dest).expanduser().resolve()
         self.force = force
+        if self.dest.parent.is_dir():  # what killed runs into the same destination left behind
+            self._roll_back_interrupted_replace()
+            self._remove_stale()
         for p in protect:
             p = Path(p).expanduser().resolve()
             if self.dest == p or p in self.dest.parents:
@@ -38,6 +81,7 @@ class AtomicOutput:
             if self.tmp.exists():
                 shutil.rmtree(self.tmp)
             self.tmp.mkdir()
+            (self.tmp / INCOMPLETE_MARKER).write_text("compress is writing this directory; it is not a checkpoint\n")
         except OSError as exc:
             raise CompressError(f"cannot create output directory {self.dest}: {exc.strerror}", "check permissions and free space") from None
         return self.tmp
@@ -47,13 +91,50 @@ class AtomicOutput:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
         old = None
-        if self.dest.exists():
-            old = self.dest.parent / f".{self.dest.name}.old-{os.getpid()}"
-            os.replace(self.dest, old)
-        os.replace(self.tmp, self.dest)
+        try:  # a Ctrl-C here must not leave the finished temporary directory behind, nor lose dest
+            kill_point("before-move")
+            (self.tmp / INCOMPLETE_MARKER).unlink(missing_ok=True)
+            if self.dest.exists():
+                old = self.dest.parent / f".{self.dest.name}.old-{os.getpid()}"
+                os.replace(self.dest, old)
+                kill_point("replacing")
+            try:
+                os.replace(self.tmp, self.dest)
+            except BaseException:
+                if old is not None and not self.dest.exists():
+                    os.replace(old, self.dest)
+                    old = None
+                raise
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return False
+
+    def _left_by_dead_runs(self, kind: str) -> list[Path]:
+        """`.<dest>.<kind>-<pid>` directories of earlier runs into the same destination that were
+        killed (SIGKILL, power loss: no chance to clean up), recognised by their dead process id."""
+        found = []
+        for p in self.dest.parent.glob(f".{self.dest.name}.{kind}-*"):
+            pid = p.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)) and p.is_dir():
+                found.append(p)
+        return found
+
+    def _remove_stale(self) -> None:
+        for p in self._left_by_dead_runs("tmp"):
+            shutil.rmtree(p, ignore_errors=True)
+
+    def _roll_back_interrupted_replace(self) -> None:
+        """A --force run killed between moving the old output aside and moving the new one in
+        left the old, complete checkpoint as `.<dest>.old-<pid>`: put it back, as if the
+        interrupted run had never started."""
+        if self.dest.exists():
+            return
+        for p in self._left_by_dead_runs("old"):
+            os.replace(p, self.dest)
+            return
 
 
 def _rss_bytes() -> int:

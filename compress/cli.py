@@ -85,9 +85,13 @@ def quantize(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="hub id, local directory or `default`; overrides the recipe's model."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="output directory; overrides the recipe's output."),
     force: bool = typer.Option(False, "--force", help="replace an existing output directory."),
+    resume: bool = typer.Option(False, "--resume", help="store each completed stage in the stage cache and start after the "
+                                "last one already there: continues an interrupted run, or recomputes only from a changed stage on; "
+                                "an interrupted training stage (qat, distill) continues from its newest checkpoint."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="where --resume keeps stage results (default: "
+                                             "$COMPRESS_CACHE, else ~/.cache/compress); giving it implies --resume."),
     format: Optional[str] = typer.Option(None, "--format", help="packed (compressed-tensors: int4 packed, int8, FP8), dense "
                                          "(dequantized, in the model's dtype) or auto (the default: packed when every quantized layer can be); overrides the recipe."),
-    resume: bool = typer.Option(False, "--resume", help="training stages (qat, distill) continue from the newest checkpoint of an interrupted run."),
 ):
     """Run a recipe's stages on a model and save the compressed checkpoint with its report.
 
@@ -101,7 +105,8 @@ def quantize(
     r = load_recipe(recipe)
     with progress_bar() as progress:
         report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
-                            seed=S.seed, progress=progress, format=format, resume=resume)
+                            seed=S.seed, progress=progress, format=format, resume=resume,
+                            cache_dir=str(cache_dir) if cache_dir else None)
     if report.get("skipped"):
         return  # a process other than the main one under `accelerate launch`: the main one reports
     _show_run(report, output or r.output, header=[f"format: {report['format']['format']} ({escape(report['format']['reason'])})"])
@@ -143,6 +148,10 @@ def prune(
     data: list[str] = typer.Option([], "--data", "-d", help="evaluation text(s) (default: the bundled held-out text)."),
     no_eval: bool = typer.Option(False, "--no-eval", help="skip the evaluation against the original."),
     force: bool = typer.Option(False, "--force", help="replace an existing output directory."),
+    resume: bool = typer.Option(False, "--resume", help="store each completed stage in the stage cache and start after the "
+                                "last one already there: continues an interrupted run, or recomputes only from a changed stage on."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="where --resume keeps stage results (default: "
+                                             "$COMPRESS_CACHE, else ~/.cache/compress); giving it implies --resume."),
 ):
     """Prune a model (unstructured, N:M, or structured) and save the checkpoint with its report.
 
@@ -163,7 +172,7 @@ def prune(
                                        num_samples, data, no_eval), "compress prune")
     with progress_bar() as progress:
         report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
-                            seed=S.seed, progress=progress)
+                            seed=S.seed, progress=progress, resume=resume, cache_dir=str(cache_dir) if cache_dir else None)
     size = report["output"]
     details = []
     if size.get("nonzero_parameters") is not None:
@@ -479,7 +488,8 @@ def _print_stages(report: dict) -> None:
     for col in ("stage", "wall s", "peak RSS MiB", "summary"):
         t.add_column(col)
     for s in report["stages"]:
-        t.add_row(s["name"], f"{s['wall_s']:.2f}", f"{s['peak_rss_mib']:.0f}", escape(
+        t.add_row(s["name"] + (" (cached)" if s.get("from_cache") else ""), f"{s.get('wall_s', 0):.2f}",
+                  f"{s.get('peak_rss_mib', 0):.0f}", escape(
                   ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s["summary"].items()
                             if not isinstance(v, dict))))  # nested details: report.json
     Console().print(t)
@@ -525,6 +535,33 @@ def _hoist_global_options(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with _terminate_as_interrupt():
+        return _main(argv)
+
+
+@contextmanager
+def _terminate_as_interrupt():
+    """`kill` (SIGTERM) is handled like Ctrl-C, so the temporary output is removed on the way out
+    instead of the process vanishing mid-write (SIGKILL cannot be caught: the next run into the
+    same destination removes what it left)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = _hoist_global_options(list(sys.argv[1:] if argv is None else argv))
     debug = "--debug" in argv
@@ -538,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Without standalone mode click returns typer.Exit's code instead of raising it.
         rc = app(args=argv, prog_name="compress", standalone_mode=False)
+        if rc == 130:  # typer turns Ctrl-C into a returned 130; no command of ours exits with it
+            _interrupted(argv)
         return rc if isinstance(rc, int) else 0
     except CompressError as exc:
         if debug:
@@ -551,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print("aborted")
         return 130
     except KeyboardInterrupt:
-        console.print("interrupted: no output was written")
+        _interrupted(argv)
         return 130
     except Exception as exc:  # click usage errors come here too
         if isinstance(exc, _usage_error_types()):
@@ -563,6 +602,14 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc).splitlines()[0]) if str(exc) else ''} "
                       "[dim](rerun with --debug for the traceback, and please report it)[/dim]", soft_wrap=True, highlight=False)
         return 3
+
+
+def _interrupted(argv: list[str]) -> None:
+    """Ctrl-C: the output is written atomically, so nothing partial exists; say how to go on."""
+    resuming = "--resume" in argv or any(a.split("=", 1)[0] == "--cache-dir" for a in argv)
+    hint = ("the completed stages are in the stage cache: rerun the same command to continue" if resuming
+            else "rerun with --resume to keep completed stages across interruptions")
+    console.print(f"interrupted: no output was written [dim]({hint})[/dim]", soft_wrap=True, highlight=False)
 
 
 def _usage_error_types() -> tuple:

@@ -47,9 +47,14 @@ def load_config(ref: str):
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
+        first = str(exc).splitlines()[0]
+        if "does not recognize this architecture" in first:  # a config transformers cannot map to a class
+            kind = first.split("`")[1] if first.count("`") >= 2 else "unknown"
+            raise CompressError(f"model {ref}: architecture (model_type) '{kind}' is not supported by the installed "
+                                "transformers", "upgrade transformers, or convert the model to a supported architecture") from None
         hint = ("its config.json is damaged: restore it from the model's source" if Path(path).is_dir()
                 else "check the id or path; offline, the model must be in the local cache")
-        raise CompressError(f"cannot load model config for {ref}: {str(exc).splitlines()[0]}", hint) from None
+        raise CompressError(f"cannot load model config for {ref}: {first}", hint) from None
 
 
 def is_causal_lm(config) -> bool:
@@ -65,8 +70,6 @@ def model_class(config):
 
 def load_model(ref: str, dtype: str = "auto", device: str | torch.device = "cpu"):
     """Load (model, tokenizer, config) for a local dir, hub id or `default`."""
-    from transformers import AutoTokenizer
-
     path = resolve_model(ref)
     config = load_config(ref)
     if dtype != "auto" and dtype not in DTYPES:
@@ -80,16 +83,28 @@ def load_model(ref: str, dtype: str = "auto", device: str | torch.device = "cpu"
         model = packing.load_packed(path, config, model_class(config), None if dtype == "auto" else DTYPES[dtype])
     else:
         model = _from_pretrained(ref, path, config, torch_dtype)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise CompressError(f"cannot load the tokenizer of {ref}: {str(exc).splitlines()[0]}", "the model directory needs tokenizer files") from None
+    tokenizer = _load_tokenizer(ref, path)
     model.eval()
     model.to(device)
     if getattr(model.config, "use_cache", None) is not None:
         model.config.use_cache = False
     _reattach_activation_quant(model, path)
     return model, tokenizer, config
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def _load_tokenizer(ref: str, path: str | Path):
+    from transformers import AutoTokenizer
+
+    if Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        raise CompressError(f"model directory {ref} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})",
+                            "copy the tokenizer files from the model's source into the directory")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise CompressError(f"cannot load the tokenizer of {ref}: {str(exc).splitlines()[0]}", "the model directory needs tokenizer files") from None
 
 
 def _from_pretrained(ref: str, path: str, config, torch_dtype):
@@ -120,8 +135,6 @@ def local_dir(ref: str) -> Path:
 def load_skeleton(ref: str, dtype: str = "auto"):
     """(model, tokenizer, config) with every parameter on the meta device (for offload: disk);
     buffers such as rotary tables are real. Weights are read later, block by block."""
-    from transformers import AutoTokenizer
-
     from compress.offload import parameters_on_meta, release_freed_memory
 
     config = load_config(ref)
@@ -135,10 +148,7 @@ def load_skeleton(ref: str, dtype: str = "auto"):
     model.eval()
     if getattr(model.config, "use_cache", None) is not None:
         model.config.use_cache = False
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise CompressError(f"cannot load the tokenizer of {ref}: {str(exc).splitlines()[0]}", "the model directory needs tokenizer files") from None
+    tokenizer = _load_tokenizer(ref, path)
     from compress.moe import is_fused_experts
 
     if any(is_fused_experts(m) for m in model.modules()):

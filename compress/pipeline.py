@@ -19,7 +19,7 @@ import yaml
 
 from compress import modeling, packing
 from compress.calibration import build_calibration, is_local_spec, resolve_data_path
-from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes
+from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
 from compress.evaluate import evaluate, gate
 from compress.moe import fuse_experts, unfuse_experts
@@ -51,14 +51,16 @@ def seed_everything(seed: int) -> None:
 def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = None, force: bool = False,
                device: str = "auto", dtype: str = "auto", seed: int = 0,
                progress: Progress = lambda *_: None, format: str | None = None, resume: bool = False,
-               baseline: str | None = None) -> dict:
+               baseline: str | None = None, cache_dir: str | None = None) -> dict:
     """Run every stage of `recipe` and write the compressed checkpoint; returns report.json's content.
 
     `format`: packed (compressed-tensors), dense (dequantized weights in the model's dtype) or auto
     (packed when every quantized layer can be expressed); overrides the recipe's `format:`.
-    `resume`: training stages continue from their newest checkpoint in the work directory beside
-    the output (kept when a run stops early, removed when it completes). `baseline`: the model the
-    output is evaluated against (default: the input model; `compress distill` gives the teacher).
+    `resume` (or a `cache_dir`): store each completed stage in the stage cache and start after the
+    last stage already there (compress.stagecache); a training stage that was interrupted continues
+    from its newest checkpoint in the work directory beside the output (kept when a run stops
+    early, removed when it completes). `baseline`: the model the output is evaluated against
+    (default: the input model; `compress distill` gives the teacher).
 
     Under `accelerate launch` every process runs the stages (training stages split their batches
     across processes); only the main process saves, evaluates and returns the report, the others
@@ -79,6 +81,11 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     atomic = AtomicOutput(out_dir, force=force, protect=protect) if main_process else nullcontext()
     dest = Path(out_dir).expanduser().resolve()
     _check_data_files(recipe)
+    cache_root = None
+    if resume or cache_dir:
+        from compress import stagecache
+
+        cache_root = stagecache.prepare(cache_dir, recipe)
     if recipe.offload == "disk":
         _check_offloadable(recipe)
         if Path(model_path).is_dir() and packing.is_packed(model_path):
@@ -86,12 +93,14 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                                 "drop offload: disk, or start from a checkpoint written with --format dense")
     dev = pick_device(device)
     seed_everything(seed)
+    progress = watch_progress(progress)
 
     progress("loading model", 0, 1)
     if recipe.offload == "disk":
         net, tokenizer, config = modeling.load_skeleton(model_ref, dtype=dtype)
     else:
         net, tokenizer, config = modeling.load_model(model_ref, dtype=dtype, device="cpu")
+    kill_point("loaded")
     source = {
         "ref": model_ref,
         "path": model_path,
@@ -106,6 +115,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     if recipe.calibration is not None:  # built even for stages that do not need it: its fingerprint is provenance
         progress("tokenizing calibration data", 0, 1)
         calibration = build_calibration(recipe.calibration, tokenizer)
+        kill_point("calibrated")
 
     report = {
         "versions": versions(),
@@ -119,8 +129,11 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             "num_samples": len(calibration.samples), "tokens": calibration.num_tokens},
     }
     ctx = StageContext(device=dev, calibration=calibration, seed=seed, progress=progress, tokenizer=tokenizer,
-                       source_model=model_ref, source_hash=source["weights_sha256"], resume=resume,
+                       source_model=model_ref, source_hash=source["weights_sha256"], resume=resume or bool(cache_dir),
                        work_dir=dest.parent / f".{dest.name}.work")
+    cache = None
+    if cache_root is not None:
+        cache = stagecache.open_cache(cache_root, recipe, modeling.local_dir(model_ref), source, calibration, seed, dev)
     with atomic as tmp:
         if recipe.offload == "disk":
             # Blocks stream from the input checkpoint through the engine into tmp's shards.
@@ -130,9 +143,11 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             path, blocks = find_blocks(net, getattr(recipe.stages[0][1], "blocks", None))
             ctx.offload = DiskOffload(net, modeling.local_dir(model_ref), tmp, None, n_shards=len(blocks) + 1)
             ctx.offload.load_outside(path)
-        report["stages"] = _run_stages(recipe, net, ctx)
+        report["stages"] = _run_stages(recipe, net, ctx, cache)
         if not main_process:
             return {"skipped": True, "rank": int(os.environ["RANK"])}
+        if cache is not None:
+            report["cache"] = cache.describe()
         if ctx.offload is None:
             _measure_sparsity(net, ctx.layers)
         report["layers"] = ctx.layers
@@ -159,6 +174,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         else:
             net.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        kill_point("saving")
         effective = recipe.effective()
         effective["model"] = model_ref
         effective["output"] = str(out_dir)
@@ -188,17 +204,22 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     return report
 
 
-def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext) -> list[dict]:
-    """Each stage in order, timed, with its peak memory."""
+def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=None) -> list[dict]:
+    """Each stage in order, timed, with its peak memory; with a stage cache, the stages already
+    in it are restored instead of run, and each stage run is stored."""
     reports = []
     swaps = unfuse_experts(net) if ctx.offload is None else []  # MoE experts as plain Linear layers meanwhile
     try:
-        for index, (name, stage) in enumerate(recipe.stages):
+        start = cache.restore(net, ctx, reports) if cache is not None else 0
+        for index, (name, stage) in enumerate(recipe.stages[start:], start):
             ctx.stage_index = index
             with PeakMemory() as mem:
                 summary = stage.apply(net, ctx)
             reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
                             "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary})
+            if cache is not None:
+                cache.store(index, net, ctx, reports[-1])
+            kill_point(f"stage-done:{index}")
     finally:
         fuse_experts(swaps)
     return reports

@@ -20,6 +20,13 @@ A width that `group_size` does not divide gets a shorter last group.
 
 FP8 (e4m3) is supported as a float format: scale so that max|x| maps to 448, cast, cast back.
 Nothing here knows about models, hooks or devices.
+
+Degenerate inputs have defined results (tests/test_quant_properties.py): an all-zero slice gets
+step 1 (any step holds it exactly); a step is never below the smallest normal float32, so x / step
+cannot overflow for subnormal ranges; max - min is formed as max/n - min/n, so ranges near
+float32's maximum do not overflow to an infinite step; and NaN or Inf elements are left as they
+are while the range is taken over the finite elements, so one bad value neither hides (it stays
+visible to the stages' checks, which name the layer) nor spoils the rest of its slice.
 """
 
 from __future__ import annotations
@@ -29,6 +36,22 @@ from dataclasses import dataclass
 import torch
 
 FP8_E4M3_MAX = 448.0
+_TINY = torch.finfo(torch.float32).tiny
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _positive_step(scale: torch.Tensor) -> torch.Tensor:
+    """Step 1 for an all-zero slice; otherwise at least the smallest normal float32."""
+    return torch.where(scale > 0, scale.clamp(min=_TINY), torch.ones_like(scale))
+
+
+def _finite_or_zero(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x with NaN/Inf replaced by 0 (which every range holds already), and where they were; None
+    when all is finite (the common case costs one reduction)."""
+    finite = torch.isfinite(x)
+    if bool(finite.all()):
+        return x, None
+    return torch.where(finite, x, torch.zeros_like(x)), finite
 
 
 def int_range(bits: int, symmetric: bool) -> tuple[int, int]:
@@ -53,9 +76,8 @@ class QParams:
 def absmax_qparams(absmax: torch.Tensor, bits: int) -> QParams:
     """Symmetric parameters from the largest magnitude of each slice."""
     qmin, qmax = int_range(bits, symmetric=True)
-    scale = absmax.float() / qmax
     # An all-zero slice would give step 0; any positive step represents it exactly.
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = _positive_step(absmax.float() / qmax)
     return QParams(scale, torch.zeros_like(scale), qmin, qmax)
 
 
@@ -64,8 +86,8 @@ def zeropoint_qparams(xmin: torch.Tensor, xmax: torch.Tensor, bits: int) -> QPar
     qmin, qmax = int_range(bits, symmetric=False)
     xmin = torch.clamp(xmin.float(), max=0.0)
     xmax = torch.clamp(xmax.float(), min=0.0)
-    scale = (xmax - xmin) / (qmax - qmin)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    # xmax/n - xmin/n: (xmax - xmin) overflows float32 for ranges near its maximum
+    scale = _positive_step(xmax / (qmax - qmin) - xmin / (qmax - qmin))
     zero_point = -torch.round(xmin / scale) + qmin
     return QParams(scale, zero_point, qmin, qmax)
 
@@ -76,7 +98,9 @@ def quantize(x: torch.Tensor, qp: QParams) -> torch.Tensor:
 
 
 def dequantize(q: torch.Tensor, qp: QParams) -> torch.Tensor:
-    return (q - qp.zero_point) * qp.scale
+    # Saturates at float32's largest value: for ranges near it, the zero point's rounding can put
+    # the grid's end half a step beyond, which would read back as Inf.
+    return ((q - qp.zero_point) * qp.scale).clamp(-_F32_MAX, _F32_MAX)
 
 
 def _grouped(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
@@ -101,7 +125,7 @@ def compute_qparams(
     block of `group_size` columns). The returned parameters broadcast against the tensor as
     `grouped(x)` lays it out: [rows, n_groups, 1] for groups, [rows, 1] or [1, 1] otherwise.
     """
-    x = x.float()
+    x, _ = _finite_or_zero(x.float())
     if strategy == "group":
         if not group_size or group_size <= 0:
             raise ValueError("group quantization needs a positive group_size")
@@ -131,20 +155,24 @@ def fake_quantize(
     `qparams` may be given (static activation ranges from calibration); otherwise they are computed
     from x itself (weights, or dynamic per-token activations).
     """
+    original = x
+    x, finite = _finite_or_zero(x.float())
     if qparams is None:
         qparams = compute_qparams(x, bits, symmetric, strategy, group_size)
     if strategy == "group":
-        grouped, pad = _grouped(x.float(), group_size)  # type: ignore[arg-type]
+        grouped, pad = _grouped(x, group_size)  # type: ignore[arg-type]
         out = dequantize(quantize(grouped, qparams), qparams).reshape(x.shape[0], -1)
-        return out[:, : x.shape[1]] if pad else out
-    return dequantize(quantize(x, qparams), qparams)
+        out = out[:, : x.shape[1]] if pad else out
+    else:
+        out = dequantize(quantize(x, qparams), qparams)
+    return out if finite is None else torch.where(finite, out, original.float())
 
 
 def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | None = None) -> torch.Tensor:
     """Round x to float8 e4m3 after scaling its range onto the format's [-448, 448]."""
     if not hasattr(torch, "float8_e4m3fn"):
         raise RuntimeError("this torch build has no float8_e4m3fn dtype; FP8 needs torch >= 2.1")
-    x32 = x.float()
+    x32, finite = _finite_or_zero(x.float())
     if absmax is None:
         if strategy in ("channel", "token"):
             absmax = x32.abs().amax(dim=-1, keepdim=True)
@@ -152,9 +180,9 @@ def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | Non
             absmax = x32.abs().amax()
         else:
             raise ValueError(f"FP8 supports tensor, channel and token strategies, not {strategy!r}")
-    scale = absmax.float() / FP8_E4M3_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (x32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    scale = _positive_step(absmax.float() / FP8_E4M3_MAX)
+    out = (x32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    return out if finite is None else torch.where(finite, out, x.float())
 
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:

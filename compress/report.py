@@ -98,7 +98,8 @@ def run_markdown(report: dict) -> str:
     lines += ["", "## Stages", "", "| stage | wall s | peak RSS MiB | summary |", "| --- | ---: | ---: | --- |"]
     for s in report["stages"]:
         summary = ", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items() if not isinstance(v, dict))
-        lines.append(f"| {s['name']} | {s['wall_s']:.2f} | {s['peak_rss_mib']:.0f} | {summary} |")
+        name = s["name"] + (" (from the stage cache)" if s.get("from_cache") else "")
+        lines.append(f"| {name} | {s.get('wall_s', 0):.2f} | {s.get('peak_rss_mib', 0):.0f} | {summary} |")
     pruned = any("sparsity" in rec for rec in report["layers"].values())
     lines += ["", "## Layers", "", "| layer | shape | weights | activations | relative error |" + (" sparsity |" if pruned else ""),
               "| --- | --- | --- | --- | ---: |" + (" ---: |" if pruned else "")]

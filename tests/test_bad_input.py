@@ -419,6 +419,125 @@ def _joint_quant_activations(tmp):
 
 
 # ------------------------------------------------------------------------------------------------
+# issue 9: architecture, tokenizer, contradictions and ranges in the recipe, the stage cache, and
+# numerical faults in the calibration activations (each names the layer)
+
+
+def _edit_tensor(model_dir: Path, name: str, value: float) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors[name][0] = value
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+def _model_unknown_to_transformers(tmp):
+    d = copy_model(tmp)
+    config = json.loads((d / "config.json").read_text())
+    config["model_type"], config["architectures"] = "brandnewformer", ["BrandNewFormerForCausalLM"]
+    write(d / "config.json", json.dumps(config))
+    return quantize(tmp, GOOD_STAGE, model=str(d))
+
+
+def _model_unknown_to_engine(tmp):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    d = tmp / "neox"
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     vocab_size=2048, max_position_embeddings=64)).save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEFAULT_MODEL_DIR / f, d / f)
+    return quantize(tmp, calib_recipe("calibration/default.txt").replace(GOOD_STAGE, "stages:\n  - gptq:\n      scheme: W8A16\n"),
+                    model=str(d))
+
+
+def _tokenizer_missing(tmp):
+    d = copy_model(tmp)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).unlink()
+    return quantize(tmp, GOOD_STAGE, model=str(d))
+
+
+def _group_not_whole_for_packed(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      weights: {num_bits: 4, strategy: group, group_size: 48}\n", "--format", "packed")
+
+
+def _recipe_pattern_contradicts_sparsity(tmp):
+    return quantize(tmp, "stages:\n  - magnitude:\n      pattern: \"2:4\"\n      sparsity: 0.3\n")
+
+
+def _recipe_sparsity_out_of_range(tmp):
+    return quantize(tmp, "stages:\n  - magnitude:\n      sparsity: 1.5\n")
+
+
+def _smoothquant_alpha_out_of_range(tmp):
+    return quantize(tmp, calib_recipe("calibration/default.txt").replace(GOOD_STAGE, "stages:\n  - smoothquant:\n      alpha: 2\n"))
+
+
+def _gptq_damping_zero(tmp):
+    return quantize(tmp, calib_recipe("calibration/default.txt").replace(
+        GOOD_STAGE, "stages:\n  - gptq:\n      scheme: W8A16\n      dampening_frac: 0\n"))
+
+
+def _targets_not_a_list(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n      targets: {Linear: yes}\n")
+
+
+def _calib_zero_samples(tmp):
+    return quantize(tmp, calib_recipe("calibration/default.txt", num_samples=0))
+
+
+def _cache_dir_is_file(tmp):
+    write(tmp / "cache", "not a directory")
+    return quantize(tmp, GOOD_STAGE, "--resume", "--cache-dir", str(tmp / "cache"))
+
+
+def _resume_with_offload(tmp):
+    return quantize(tmp, "offload: disk\n" + calib_recipe("calibration/default.txt").replace(
+        GOOD_STAGE, "stages:\n  - gptq:\n      scheme: W8A16\n"), "--resume", "--cache-dir", str(tmp / "cache"))
+
+
+def _activations_fault(stage: str, value: float, *extra: str):
+    """A norm weight set to NaN/Inf (or, in float16, to a value that overflows) makes the
+    activations entering block 1's MLP non-finite while every quantized weight stays finite."""
+    def setup(tmp):
+        d = copy_model(tmp)
+        _edit_tensor(d, "model.layers.1.post_attention_layernorm.weight", value)
+        return quantize(tmp, calib_recipe("calibration/default.txt").replace(GOOD_STAGE, f"stages:\n  - {stage}\n"),
+                        *extra, model=str(d))
+    return setup
+
+
+CASES_ISSUE9 = [
+    Case("model-unknown-to-transformers", _model_unknown_to_transformers, ["{tmp}/model", "brandnewformer", "not supported"]),
+    Case("architecture-unknown-to-engine", _model_unknown_to_engine, ["gpt_neox", "blocks:"]),
+    Case("tokenizer-missing", _tokenizer_missing, ["{tmp}/model", "has no tokenizer", "tokenizer.json"]),
+    Case("group-size-not-whole-groups-packed", _group_not_whole_for_packed,
+         ["model.layers.0.self_attn.q_proj", "groups of 48", "--format dense"]),
+    Case("recipe-pattern-contradicts-sparsity", _recipe_pattern_contradicts_sparsity, ["r.yaml:3", "0.3", "2:4"]),
+    Case("recipe-sparsity-out-of-range", _recipe_sparsity_out_of_range, ["r.yaml:3", "sparsity"]),
+    Case("smoothquant-alpha-out-of-range", _smoothquant_alpha_out_of_range, ["r.yaml:7", "alpha"]),
+    Case("gptq-damping-zero", _gptq_damping_zero, ["r.yaml:8", "dampening_frac"]),
+    Case("targets-not-a-list", _targets_not_a_list, ["r.yaml:4", "targets", "list"]),
+    Case("calib-zero-samples", _calib_zero_samples, ["r.yaml:3", "num_samples"]),
+    Case("cache-dir-is-a-file", _cache_dir_is_file, ["{tmp}/cache", "is a file", "--cache-dir"]),
+    Case("resume-with-offload-disk", _resume_with_offload, ["r.yaml", "--resume", "offload: disk"]),
+    Case("activations-nan-gptq", _activations_fault("gptq: {scheme: W8A16}", float("nan")),
+         ["layer model.layers.1.mlp.", "non-finite calibration activations"]),
+    Case("activations-inf-smoothquant", _activations_fault("smoothquant: {}", float("inf")),
+         ["layer model.layers.1.mlp.", "non-finite calibration activations"]),
+    Case("activations-nan-static-ranges", _activations_fault(
+        "rtn: {scheme: W8A8, input_activations: {strategy: tensor, dynamic: false}}", float("nan")),
+         ["layer model.layers.1.mlp.", "non-finite calibration activations"]),
+    Case("activations-nan-wanda", _activations_fault("wanda: {sparsity: 0.5}", float("nan")),
+         ["layer model.layers.1.mlp.", "non-finite calibration activations"]),
+    Case("float16-overflow-in-calibration", _activations_fault("gptq: {scheme: W8A16}", 60000.0, "--dtype", "float16"),
+         ["layer model.layers.1.mlp.", "float16 overflow", "--dtype float32"]),
+]
+
+
+# ------------------------------------------------------------------------------------------------
 # usage errors (click): should also be one line
 
 
@@ -533,7 +652,7 @@ CASES = [
     Case("unknown-option", _unknown_option, ["--recipee", "--recipe"]),
     Case("missing-required-option", _missing_option, ["--recipe"]),
     Case("bad-int-option", _bad_int_option, ["--seed", "integer"]),
-]
+] + CASES_ISSUE9
 
 
 @pytest.fixture(autouse=True)

@@ -140,7 +140,7 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys):
 def test_kill_then_resume_matches_an_uninterrupted_run(tmp_path, repo):
     teacher, _ = tiny_pair(tmp_path)
     data = str(repo / "calibration" / "default.txt")
-    env = {**os.environ, "PYTHONPATH": str(repo)}
+    env = {**os.environ, "PYTHONPATH": str(repo), "COMPRESS_CACHE": str(tmp_path / "cache")}
 
     def argv(out, *extra):
         return [sys.executable, "-m", "compress", "--quiet", "distill", "--teacher", str(teacher), "--student-layers", "1,0",

@@ -110,6 +110,25 @@ def test_hessian_not_positive_definite_is_damped_more():
     assert retries > 0 and damp > 1e-9 and torch.isfinite(U).all()
 
 
+def test_extra_damping_is_recorded_in_the_layer_record_and_summary_count():
+    """A Hessian that needs more damping than the recipe's is solved and the report says so."""
+    from compress.stages.base import StageContext
+    from compress.stages.gptq import GPTQ, HessianObserver
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 16, bias=False)
+    obs = HessianObserver(layer)
+    x = torch.randn(3, 64) * 1e3  # three tokens for 64 inputs: rank 3, singular in float32
+    obs.add((x,), None, None)
+    ctx = StageContext(device=torch.device("cpu"))
+    stage = GPTQ(scheme="W8A16", dampening_frac=1e-12, min_tokens=1)
+    stage.compress_block(0, layer, "", {"proj": layer}, {"proj": obs}, ctx, None)
+    rec = ctx.layers["proj"]
+    assert rec["damp_retries"] > 0 and rec["damp"] > 1e-12
+    assert "not positive definite" in rec["note"] and f"{rec['damp']:g}" in rec["note"]
+    assert torch.isfinite(layer.weight).all()
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     out = {}

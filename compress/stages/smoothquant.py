@@ -24,6 +24,7 @@ import torch
 from pydantic import Field, PrivateAttr
 
 from compress.engine import token_rows
+from compress.errors import CompressError
 from compress.mappings import Mapping, apply_scales, mappings_for
 from compress.modeling import get_weight
 from compress.stages.base import EngineOptions, Stage, StageContext
@@ -73,6 +74,9 @@ class SmoothQuant(EngineOptions, Stage):
                 continue
             alpha = self.alpha_for(names[0], layers[names[0]])
             act_max = observers[names[0]].max
+            if not torch.isfinite(act_max).all():  # NaN scales would spread into the weights silently
+                raise CompressError(f"layer {names[0]}: non-finite calibration activations reach this layer "
+                                    "(NaN/Inf, or float16 overflow)", "check the model's weights, or load it in float32 (--dtype float32)")
             s = smoothing_scales(act_max, [get_weight(layers[n]).to(act_max.device) for n in names], alpha)
             apply_scales(block.get_submodule(mapping.smooth), [layers[n] for n in names], s)
             for n in names:
