@@ -239,12 +239,18 @@ def test_kill_between_the_two_renames_of_a_replace_rolls_back(runs, tmp_path, re
 def _small(recipe: dict) -> dict:
     recipe = {k: v for k, v in recipe.items() if k not in ("evaluation", "output", "model")}
     recipe["calibration"] = {**recipe.get("calibration", {}), "num_samples": 4, "seq_len": 32}
+    for stage in recipe["stages"]:
+        for keys in stage.values():
+            if "train" in keys:  # training stages: a few short steps
+                keys["data"] = {**keys.get("data", {}), "seq_len": 32, "num_samples": 8, "eval_samples": 4}
+                keys["train"] = {**keys["train"], "steps": 2, "batch_size": 2, "save_every": 0}
     return recipe
 
 
 @pytest.mark.parametrize("name,restorable", [
     ("w8a8-smoothquant", 1),           # smoothed norms (not Linear weights) carry over
     ("prune-mlp25+rtn", 0),            # structured pruning changes shapes: recomputed, still equal
+    ("w4a16-qat", 1),                  # GPTQ restored; QAT starts from its grid and trains the same
 ])
 def test_resume_from_the_middle_of_bundled_recipes(tmp_path, repo, name, restorable):
     if name == "prune-mlp25+rtn":
