@@ -47,6 +47,8 @@ class TrainingData(BaseModel):
     text_field: str = "text"
     seq_len: int = Field(256, gt=1, description="tokens per training sequence")
     num_samples: Optional[int] = Field(None, gt=0, description="training sequences (default: every window the text gives)")
+    shuffle: bool = Field(False, description="take num_samples windows at random (seeded) from the whole text, not the first ones: "
+                          "with several corpora concatenated, the first windows all come from the first")
     eval_samples: int = Field(16, ge=1, description="sequences held out (taken from the end) for evaluation during training")
     generate: Optional[GenerateConfig] = None
 
@@ -65,10 +67,14 @@ def training_sequences(cfg: TrainingData, tokenizer, calibration=None, teacher=N
         text = "\n\n".join(t for spec in specs for t in read_texts(spec, cfg.text_field, cfg.split, cfg.config_name) if t.strip())
         if not text.strip():
             raise CompressError(f"stage {stage}: training data {', '.join(specs)} is empty", "give a file with text in it")
-        ids = leading_windows(tokenizer, text, cfg.seq_len, want) if want else None
+        ids = leading_windows(tokenizer, text, cfg.seq_len, want) if want and not cfg.shuffle else None
         if ids is None:
             ids = token_windows(tokenizer, text, cfg.seq_len)
-        source = ", ".join(specs)
+        if cfg.shuffle and want and want <= len(ids):
+            # a seeded choice, kept in text order; the held-out windows are the last of them
+            pick = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))[:want].sort().values
+            ids = ids[pick]
+        source = ", ".join(specs) + (f" ({want} windows at random)" if cfg.shuffle and want else "")
     else:
         if calibration is None:
             raise CompressError(f"stage {stage}: no training data", "set data.dataset, data.generate, or a calibration section")

@@ -210,3 +210,24 @@ def test_default_tokenizer_round_trip_for_generated_data(tmp_path):
         logits = teacher(input_ids=a).logits[:, :-1]
     topk = logits.topk(8, dim=-1).indices
     assert bool((topk == a[:, 1:].unsqueeze(-1)).any(-1).all())
+
+
+def test_shuffled_training_windows_come_from_every_corpus(tmp_path):
+    """With corpora concatenated, the first windows all come from the first one; shuffle: true
+    draws them (seeded) from the whole text."""
+    from compress.training_data import TrainingData, training_sequences
+
+    tok = AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR)
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("the cat sat on the mat.\n" * 400)
+    second.write_text("zebra quartz vexed jumpy fog.\n" * 400)
+    marker = tok("zebra", add_special_tokens=False)["input_ids"][0]
+    def from_second(ids):
+        return int((ids == marker).any(1).sum())
+    cfg = TrainingData(dataset=[str(first), str(second)], seq_len=16, num_samples=20, eval_samples=2)
+    train_ids, _, _ = training_sequences(cfg, tok)
+    assert from_second(train_ids) == 0
+    shuffled, held_out, source = training_sequences(cfg.model_copy(update={"shuffle": True}), tok, seed=3)
+    assert from_second(shuffled) >= 5 and from_second(shuffled) <= 15 and "at random" in source
+    again, _, _ = training_sequences(cfg.model_copy(update={"shuffle": True}), tok, seed=3)
+    assert torch.equal(shuffled, again) and shuffled.shape == (20, 16) and held_out.shape == (2, 16)
