@@ -381,6 +381,57 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
         _print_results(report["evaluation"])
 
 
+@app.command()
+def bench(
+    model: str = typer.Option(..., "--model", "-m", help="the model every recipe runs on (local directory, hub id or `default`)."),
+    recipes: list[Path] = typer.Option([], "--recipes", "-r", help="recipe files; give the option once and list them, or repeat it."),
+    more: Optional[list[Path]] = typer.Argument(None, help="more recipe files.", show_default=False),
+    output: Path = typer.Option(..., "--output", "-o", help="directory for report.md, report.json, report.html and each row's checkpoint."),
+    data: list[str] = typer.Option([], "--data", "-d", help="evaluation text(s) (default: BENCH_PROTOCOL.md's test sets, when shared/ is present)."),
+    calibration: Optional[str] = typer.Option(None, help="calibration text for recipes that need one and have none (default: the protocol's)."),
+    max_windows: int = typer.Option(256, help="evaluation windows of 256 tokens per file (the protocol's cap)."),
+):
+    """Run several recipes on one model, each in its own process, and compare them as the project's
+    benchmark does: KL, top-1 and perplexity against the baseline (embedding fidelity for
+    encoders), compression time, peak memory and bytes on disk; report.md/json/html in --output.
+
+    Example: compress bench --model default --recipes recipes/w8a16-absmax.yaml recipes/w4a16-gptq.yaml --output out/bench
+    """
+    from compress.bench_recipes import bench_recipes
+
+    files = list(recipes) + list(more or [])
+    if max_windows <= 0:
+        raise CompressError(f"--max-windows {max_windows} must be positive", "e.g. --max-windows 64")
+    if output.exists() and not output.is_dir():
+        raise CompressError(f"--output {output} is a file", "give a directory")
+    with progress_bar() as progress:
+        result = bench_recipes(model, files, output, datasets=list(data) or None, calibration=calibration,
+                               max_windows=max_windows, progress=progress)
+    failed = [r["row"] for r in result["rows"] if "error" in r]
+    if S.json:
+        emit_json(result)
+    elif not S.quiet:
+        _print_bench(result, model)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _print_bench(result: dict, model: str) -> None:
+    t = Table(title=f"compress bench: {model}")
+    for col in ("recipe", "scheme", "KL (per set) / 1 − cos", "compression s", "peak RSS MiB", "bytes on disk"):
+        t.add_column(col, overflow="fold")
+    for r in result["rows"]:
+        if "error" in r:
+            t.add_row(r["row"], "[red]error[/red]", escape(r["error"]), "", "", "")
+            continue
+        quality = " / ".join(f"{m['kl_divergence']:.3e}" if "kl_divergence" in m else f"{m.get('embedding_error', float('nan')):.3e}"
+                             for m in r["evaluation"].values())
+        t.add_row(r["row"], escape(r["scheme"]), quality, f"{r['stage_wall_s']:.2f}", f"{r['process_peak_rss_mib']:.0f}",
+                  f"{r['output']['bytes_on_disk']:,}")
+    Console().print(t)
+    console.print(f"report: {result['paths']['md']} (and .json, .html)")
+
+
 def _parse_scheme_bits(scheme: str) -> int:
     """`W3`, `w4`, `W3A16` -> the weight width."""
     import re
