@@ -825,6 +825,7 @@ def render(results: list[dict], meta: dict) -> str:
         "make bench                                   # = .venv/bin/python -m compress.bench --shared ../shared --output BENCHMARKS.md",
         "python -m compress.bench --shared ../shared --output /tmp/b.md --quick --only W8   # development",
         "python -m compress.bench --shared ../shared --output /tmp/b.md --quick --only GPTQ # GPTQ and memory rows only",
+        "python -m compress.bench --shared ../shared --output /tmp/b.md --only 'ref-llama W3 absmax g64,ref-llama mixed'  # analyze's mixed precision vs uniform W3",
         "python -m compress.bench --list                                                   # every row",
         "```",
         "",
@@ -1452,7 +1453,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the shared/ directory (models/, data/)")
     p.add_argument("--output", type=Path, default=Path("BENCHMARKS.md"), help="markdown file to write")
     p.add_argument("--out-dir", type=Path, default=REPO / "bench-out", help="checkpoints, logs and results.json")
-    p.add_argument("--only", default=None, help="run only rows whose name contains this (case-insensitive)")
+    p.add_argument("--only", default=None, help="run only rows whose name contains this (case-insensitive); several, comma-separated")
     p.add_argument("--quick", action="store_true", help="fewer calibration samples and evaluation windows (development)")
     p.add_argument("--list", action="store_true", help="list the rows and exit")
     p.add_argument("--no-fork", action="store_true",
@@ -1481,7 +1482,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     all_rows = ROWS + MEM_ROWS
-    rows = [r for r in all_rows if not args.only or args.only.lower() in r.name.lower()]
+    wanted = [w.strip().lower() for w in (args.only or "").split(",") if w.strip()]
+    rows = [r for r in all_rows if not wanted or any(w in r.name.lower() for w in wanted)]
     if args.list:
         for r in all_rows:
             print(("* " if r in rows else "  ") + r.name)
