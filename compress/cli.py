@@ -119,7 +119,7 @@ def _show_run(report: dict, out, header: list[str] = (), details: list[str] = ()
             console.print(line)
         if report.get("evaluation"):
             _print_results(report["evaluation"])
-        console.print(f"report: {Path(out) / 'report.md'}")
+        console.print(f"report: {Path(out) / 'report.md'} (and report.html, report.json)")
 
 
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")

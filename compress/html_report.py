@@ -23,7 +23,8 @@ ul.meta { padding-left: 18px; } .note { color: #555; }
 svg.plot { display: block; margin: 8px 0 18px; background: #fff; }
 svg .frame { fill: none; stroke: #999; } svg .grid { stroke: #eee; } svg .axisline { stroke: #999; }
 svg .tick { font-size: 11px; fill: #444; } svg .axis { font-size: 12px; fill: #222; } svg .legend { font-size: 11px; fill: #222; }
-svg .ptitle { font-size: 13px; font-weight: 600; fill: #222; }
+svg .ptitle { font-size: 13px; font-weight: 600; fill: #222; } svg .plabel { font-size: 10px; fill: #333; }
+div.scroll { overflow-x: auto; }
 svg .point { stroke: #fff; stroke-width: 1; opacity: 0.85; } svg .front-point { stroke: #000; stroke-width: 1.5; opacity: 1; }
 svg .front { fill: none; stroke: #000; stroke-width: 1.5; stroke-dasharray: 5 3; }
 svg .bar { fill: #4c78a8; }
@@ -50,7 +51,7 @@ def table(header: list[str], rows: list[list], numeric: set[int] | None = None) 
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f'<td{" class=num" if i in numeric else ""}>{escape(str(c))}</td>'
                                      for i, c in enumerate(r)) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<div class=scroll><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
 def _weights_desc(rec: dict) -> str:

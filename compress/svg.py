@@ -36,7 +36,14 @@ def pareto_front(points: list[Point]) -> list[int]:
 
 def _ticks(lo: float, hi: float, log: bool, n: int = 5) -> list[float]:
     if log:
-        return [10.0 ** e for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)]
+        # Decades, then 1-2-5 within them, then every digit: whichever first puts 3 ticks in range
+        # (a range inside one decade would otherwise show no tick at all).
+        decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+        for mantissas in ((1,), (1, 2, 5), tuple(range(1, 10))):
+            ticks = [m * 10.0 ** e for e in decades for m in mantissas]
+            if sum(lo <= t <= hi for t in ticks) >= 3:
+                return ticks
+        return _ticks(lo, hi, False, n)  # a narrow range: evenly spaced values, placed on the log axis
     if hi == lo:
         return [lo]
     raw = (hi - lo) / n
@@ -48,7 +55,9 @@ def _ticks(lo: float, hi: float, log: bool, n: int = 5) -> list[float]:
 
 def _fmt_tick(v: float, log: bool) -> str:
     if log:
-        return f"1e{round(math.log10(v))}"
+        e = math.floor(math.log10(v) + 1e-9)
+        m = v / 10.0 ** e
+        return f"1e{e}" if abs(m - 1) < 1e-9 else f"{m:.3g}e{e}"
     if abs(v) >= 1e6:
         return f"{v / 1e6:g} M"
     if abs(v) >= 1e3:
@@ -104,6 +113,11 @@ def scatter(points: list[Point], x_label: str, y_label: str, log_y: bool = False
     if front and len(on_front) > 1:
         path = " ".join(f"{sx(usable[i].x):.1f},{sy(usable[i].y):.1f}" for i in pareto_front(usable))
         parts.append(f'<polyline points="{path}" class="front"/>')
+    for i in sorted(on_front):  # name the front's points: they are the ones worth choosing
+        p = usable[i]
+        right = sx(p.x) > ml + 0.7 * pw  # near the right edge the name goes to the left of the point
+        parts.append(f'<text x="{sx(p.x) + (-8 if right else 8):.1f}" y="{sy(p.y) - 6:.1f}" class="plabel" '
+                     f'text-anchor="{"end" if right else "start"}">{escape(p.label)}</text>')
     for i, p in enumerate(usable):
         cls = "point front-point" if i in on_front else "point"
         parts.append(f'<circle class="{cls}" cx="{sx(p.x):.1f}" cy="{sy(p.y):.1f}" r="{6 if i in on_front else 4.5}" '
