@@ -92,7 +92,7 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
 
     from compress import modeling
     from compress.bench import _fork_context, _machine, write_outputs
-    from compress.evaluate import BaselineStore, eval_sentences, eval_windows, evaluate
+    from compress.evaluate import BaselineStore, eval_sentences, eval_windows
     from compress.recipe import load_recipe
 
     if not recipes:
@@ -117,10 +117,8 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
     store = BaselineStore(output / ".baseline")
     cache = {}
     if causal:
-        for spec in datasets:
-            windows = eval_windows(tok, spec, seq_len, max_windows)
-            store.write(base, windows, 8)
-        base_eval = evaluate(base, tok, datasets, baseline=None, **eval_kwargs)
+        base_eval = {spec: store.write(base, eval_windows(tok, spec, seq_len, max_windows), 8, tokenizer=tok)
+                     for spec in datasets}
         cache = {json.dumps([spec, seq_len, max_windows]): r for spec, r in base_eval.items()}
     else:
         for spec in datasets:

@@ -59,16 +59,16 @@ class BaselineStore:
     def has(self, windows: torch.Tensor, batch_size: int) -> bool:
         return self._path(windows, batch_size).is_file()
 
-    @torch.no_grad()
-    def write(self, baseline, windows: torch.Tensor, batch_size: int, device="cpu") -> None:
+    def write(self, baseline, windows: torch.Tensor, batch_size: int, device="cpu", tokenizer=None) -> dict:
+        """Save the baseline's log-probabilities on `windows`; returns its own causal_metrics
+        (perplexity), from the same forward passes."""
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(windows, batch_size)
         tmp = path.with_suffix(".part")
         with open(tmp, "wb") as fh:
-            for start in range(0, len(windows), batch_size):
-                ids = windows[start : start + batch_size].to(device)
-                fh.write(F.log_softmax(baseline(input_ids=ids).logits.float(), dim=-1).cpu().contiguous().numpy().tobytes())
+            metrics = causal_metrics(baseline, windows, tokenizer, None, batch_size, device, save_logprobs=fh)
         tmp.replace(path)
+        return metrics
 
     def batches(self, windows: torch.Tensor, batch_size: int, vocab: int):
         """Yields [batch, seq_len, vocab] float32 tensors in the order causal_metrics asks for them."""
@@ -98,10 +98,11 @@ class BaselineStore:
 @torch.no_grad()
 def causal_metrics(model, windows: torch.Tensor, tokenizer=None, baseline=None, batch_size: int = 8,
                    device: torch.device | str = "cpu", progress=lambda *_: None, baseline_logprobs=None,
-                   prefix_windows: int | None = None) -> dict:
+                   prefix_windows: int | None = None, save_logprobs=None) -> dict:
     """Perplexity of `model` on `windows`; with a baseline model (or its saved log-probabilities,
     an iterator of batches) also KL and top-1 agreement. `prefix_windows`: the same figures over
-    only the first N windows too (under "prefix"), from the same forward passes."""
+    only the first N windows too (under "prefix"), from the same forward passes. `save_logprobs`:
+    a binary file each batch's float32 log-probabilities are written to."""
     nll, predicted, kl, agree, positions = 0.0, 0, 0.0, 0, 0
     prefix = None
     compare = baseline is not None or baseline_logprobs is not None
@@ -109,6 +110,8 @@ def causal_metrics(model, windows: torch.Tensor, tokenizer=None, baseline=None, 
         progress("evaluating", start, len(windows))
         ids = windows[start : start + batch_size].to(device)
         logp = F.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
+        if save_logprobs is not None:  # BaselineStore.write: these become every later comparison's baseline
+            save_logprobs.write(logp.cpu().contiguous().numpy().tobytes())
         targets = ids[:, 1:]
         nll -= float(logp[:, :-1].gather(-1, targets.unsqueeze(-1)).sum())
         predicted += targets.numel()

@@ -25,7 +25,8 @@ def test_saved_baseline_gives_the_same_kl_as_running_it(ref_llama, repo, tmp_pat
             p.add_(torch.randn_like(p) * 1e-3)
     windows = eval_windows(tok, str(repo / HELDOUT), 256, 6)
     store = BaselineStore(tmp_path)
-    store.write(base, windows, 2)
+    written = store.write(base, windows, 2, tokenizer=tok)
+    assert written == causal_metrics(base, windows, tok, None, 2)  # the baseline's own perplexity, same passes
     direct = causal_metrics(other, windows, None, base, 2)
     saved = causal_metrics(other, windows, None, None, 2, baseline_logprobs=store.batches(windows, 2, 2048), prefix_windows=4)
     assert saved["kl_divergence"] == direct["kl_divergence"] > 0
