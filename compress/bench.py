@@ -1422,6 +1422,7 @@ def write_outputs(results: list[dict], meta: dict, output: Path, title: str = "c
     from compress.html_report import bench_html
 
     json_path, html_path = output.with_suffix(".json"), output.with_suffix(".html")
+    output.parent.mkdir(parents=True, exist_ok=True)
     history = []
     if json_path.is_file():
         try:
