@@ -589,8 +589,10 @@ def _machine() -> dict:
 
 # Modules every job imports: a fork server loads them once and forks each job from there, so a
 # row pays neither the interpreter's start nor these imports (seconds each, per row).
-PRELOAD = ["torch", "transformers", "compress.pipeline", "compress.evaluate", "compress.modeling",
-           "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert"]
+PRELOAD = ["torch", "transformers", "compress.pipeline", "compress.evaluate", "compress.modeling", "compress.packing",
+           "compress.html_report", "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert",
+           # the packed format's library, imported on first save (about a second per row otherwise)
+           "compressed_tensors.compressors", "compressed_tensors.quantization"]
 _FORK_CONTEXT = None
 
 
