@@ -16,12 +16,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-from compress.calibration import read_texts, token_windows
+from compress.calibration import leading_windows, read_texts, token_windows
 from compress.errors import CompressError
 
 
 def eval_windows(tokenizer, spec: str, seq_len: int = 256, max_windows: int = 256) -> torch.Tensor:
     text = "\n".join(read_texts(spec))
+    # Only the prefix the first max_windows windows need is tokenized (the same windows as the
+    # whole file's: see calibration.leading_windows); a file shorter than that is tokenized whole.
+    windows = leading_windows(tokenizer, text, seq_len, max_windows)
+    if windows is not None:
+        return windows
     windows = token_windows(tokenizer, text, seq_len)
     if len(windows) == 0:
         raise CompressError(f"evaluation text {spec} is shorter than one {seq_len}-token window", "give a longer file")

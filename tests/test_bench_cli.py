@@ -66,3 +66,18 @@ def test_bench_compares_recipes(ref_llama, repo, tmp_path, capsys):
 def test_bench_without_recipes_is_a_one_line_error(ref_llama, tmp_path, capsys):
     rc = main(["bench", "--model", str(ref_llama), "--output", str(tmp_path / "b")])
     assert rc == 2 and "no recipe given" in capsys.readouterr().err
+
+
+def test_eval_windows_from_a_prefix_equal_the_whole_files(ref_llama, shared):
+    """Evaluation tokenizes only the prefix its windows need; on the protocol's test files the
+    windows are exactly those of the whole file's tokenization."""
+    from transformers import AutoTokenizer
+
+    from compress.calibration import read_texts, token_windows
+
+    tok = AutoTokenizer.from_pretrained(str(ref_llama))
+    for name in ("wikitext-2/test.txt", "tinyshakespeare/test.txt"):
+        spec = str(shared / "data" / name)
+        whole = token_windows(tok, "\n".join(read_texts(spec)), 256)[:256]
+        assert torch.equal(eval_windows(tok, spec, 256, 256), whole)
+        assert torch.equal(eval_windows(tok, spec, 256, 16), whole[:16])
