@@ -66,12 +66,12 @@ def _fmt_tick(v: float, log: bool) -> str:
 
 
 def scatter(points: list[Point], x_label: str, y_label: str, log_y: bool = False, log_x: bool = False,
-            front: bool = True, width: int = 760, height: int = 420, title: str = "") -> str:
+            front: bool = True, width: int = 940, height: int = 420, title: str = "") -> str:
     """An SVG scatter plot; points with y <= 0 on a log axis are left out (and said so in the title)."""
     usable = [p for p in points if (p.y > 0 or not log_y) and (p.x > 0 or not log_x)
               and math.isfinite(p.x) and math.isfinite(p.y)]
     dropped = len(points) - len(usable)
-    ml, mr, mt, mb = 78, 20, 30, 52
+    ml, mr, mt, mb = 78, 180, 30, 52  # the legend sits right of the frame, clear of the points
     pw, ph = width - ml - mr, height - mt - mb
     parts = [f'<svg class="plot scatter" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title or y_label)}">']
@@ -128,12 +128,12 @@ def scatter(points: list[Point], x_label: str, y_label: str, log_y: bool = False
         if not g:
             continue
         ly = mt + 14 + 16 * k
-        parts.append(f'<circle cx="{ml + pw - 150}" cy="{ly - 4}" r="4.5" fill="{colour[g]}"/>'
-                     f'<text x="{ml + pw - 140}" y="{ly}" class="legend">{escape(g)}</text>')
+        parts.append(f'<circle cx="{ml + pw + 18}" cy="{ly - 4}" r="4.5" fill="{colour[g]}"/>'
+                     f'<text x="{ml + pw + 28}" y="{ly}" class="legend">{escape(g)}</text>')
     if front:
         ly = mt + 14 + 16 * len([g for g in groups if g])
-        parts.append(f'<line x1="{ml + pw - 156}" y1="{ly - 4}" x2="{ml + pw - 144}" y2="{ly - 4}" class="front"/>'
-                     f'<text x="{ml + pw - 140}" y="{ly}" class="legend">Pareto front</text>')
+        parts.append(f'<line x1="{ml + pw + 12}" y1="{ly - 4}" x2="{ml + pw + 24}" y2="{ly - 4}" class="front"/>'
+                     f'<text x="{ml + pw + 28}" y="{ly}" class="legend">Pareto front</text>')
     parts.append("</svg>")
     return "".join(parts)
 
