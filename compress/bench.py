@@ -123,6 +123,15 @@ def _rows() -> list[Row]:
         *_pruning_rows("ref-llama"),
         Row("ref-llama", "MLP channels 25 %", {"structure": "mlp-channels", "ratio": 0.25}, method="structured",
             stage_name="structured", reference="dense"),
+        # Training rows, each within the fixed budget TRAIN_BUDGET (training text: the protocol's
+        # calibration corpora, windows drawn at random): QAT against RTN at its scheme, and the
+        # structured row above followed by distillation from the unpruned model.
+        Row("ref-llama", "W3 absmax per-channel", W3_CHANNEL),
+        Row("ref-llama", "W3 absmax per-channel", {**W3_CHANNEL, "data": TRAIN_DATA, "train": {**TRAIN_BUDGET, "lr": 2e-4}},
+            method="QAT", stage_name="qat"),
+        Row("ref-llama", "MLP channels 25 %", {"data": TRAIN_DATA, "train": {**TRAIN_BUDGET, "lr": 3e-4}},
+            method="structured+KD", stage_name="distill", reference="structured",
+            before=({"structured": {"structure": "mlp-channels", "ratio": 0.25}},)),
     ]
     enc = [
         Row("minilm", "W8 absmax per-channel", {"scheme": "W8A16"}),
@@ -142,6 +151,13 @@ def _rows() -> list[Row]:
 
 
 GPTQ_ROW = {"method": "GPTQ", "stage_name": "gptq"}
+W3_CHANNEL = {"weights": {"num_bits": 3, "strategy": "channel", "symmetric": True}}
+# The training rows' fixed budget: 100 AdamW steps of 8 windows of 256 tokens (204,800 tokens),
+# warm-up 5 %, cosine decay; the text comes from Setup.recipe_text (the calibration corpora).
+TRAIN_BUDGET = {"steps": 100, "batch_size": 8, "warmup": 0.05, "eval_every": 50, "save_every": 0}
+TRAIN_DATA = {"seq_len": 256, "num_samples": 1024, "eval_samples": 16, "shuffle": True}
+QAT_KL_BAR = 0.5  # KL_qat / KL_rtn at W3 per-channel, on each test set
+KD_RECOVERY_BAR = 0.5  # share of the structured pruning's perplexity increase that distillation recovers
 MIXED_RECIPE = "recipes/mixed-w3avg-g64.yaml"
 MIXED_LABEL = "W4/W3/W2 g64 from analyze (W3 g64 storage)"
 MIXED_REFERENCE = "W3 absmax g64"  # the uniform RTN row it must beat at equal or fewer bits
@@ -270,10 +286,13 @@ class Setup:
 
     def recipe_text(self, row: Row) -> str:
         """The recipe of one row, as YAML text: what a user would write in a file."""
+        stage = row.stage
+        if "data" in stage and "dataset" not in stage["data"]:  # training rows train on the calibration corpora
+            stage = {**stage, "data": {"dataset": self.calibration(row.family)["dataset"], **stage["data"]}}
         doc = {
             "model": self.model(row.family),
             "calibration": self.calibration(row.family),
-            "stages": [*row.before, {row.stage_name: row.stage}],
+            "stages": [*row.before, {row.stage_name: stage}],
             "output": str(self.out_dir / row.slug),
         }
         return f"# compress.bench row: {row.name}\n" + yaml.safe_dump(doc, sort_keys=False)
@@ -1177,6 +1196,7 @@ def _bars(results: list[dict]) -> list[str]:
     out += _pruning_bars(results)
     out += _packed_bars(results)
     out += _mixed_bars(results)
+    out += _training_bars(results)
     if len(out) == 2:
         out.append("- (the rows that the bars concern were not run)")
     out.append("")
@@ -1367,6 +1387,39 @@ def _pruning_bars(results: list[dict]) -> list[str]:
                    f"{sm.get('non_embedding_parameters_after', 0):,} (−{_f(pct, '.1f')} %; all parameters −"
                    f"{_f(sm.get('parameters_removed_pct'), '.1f')} %), bar ≥ {STRUCTURED_MIN_PCT:g} %: "
                    f"{_verdict(pct is not None and pct >= STRUCTURED_MIN_PCT)}")
+    return out
+
+
+def _training_bars(results: list[dict]) -> list[str]:
+    """QAT W3 per-channel: at most QAT_KL_BAR of RTN's KL. Structured MLP 25 % then distillation:
+    at least KD_RECOVERY_BAR of the pruning's perplexity increase recovered. Both within TRAIN_BUDGET."""
+    out = []
+    budget = (f"{TRAIN_BUDGET['steps']} steps × {TRAIN_BUDGET['batch_size']} × {TRAIN_DATA['seq_len']} tokens "
+              f"= {TRAIN_BUDGET['steps'] * TRAIN_BUDGET['batch_size'] * TRAIN_DATA['seq_len']:,} tokens")
+    for q, r in _pairs(results, "ref-llama", "QAT"):
+        if r is None:
+            continue
+        parts, ok = [], True
+        for (spec, qm), rm in zip(q["evaluation"].items(), r["evaluation"].values()):
+            ratio = qm["kl_divergence"] / rm["kl_divergence"]
+            ok &= ratio <= QAT_KL_BAR
+            parts.append(f"`{_short(spec)}` KL {qm['kl_divergence']:.2e} / {rm['kl_divergence']:.2e} = {ratio:.3f}, "
+                         f"Δppl {qm['ppl_increase_pct']:+.2f} % vs {rm['ppl_increase_pct']:+.2f} %")
+        out.append(f"- ref-llama QAT {q['label']} ({budget}, {q['stage_wall_s']:.0f} s): KL ≤ {QAT_KL_BAR} × RTN's on each "
+                   f"test set: {'; '.join(parts)}: {_verdict(ok)}")
+    for k, r in _pairs(results, "ref-llama", "structured+KD"):
+        if r is None:
+            continue
+        parts, ok = [], True
+        for (spec, km), pm in zip(k["evaluation"].items(), r["evaluation"].values()):
+            lost = pm["ppl_increase_pct"]
+            recovered = (lost - km["ppl_increase_pct"]) / lost if lost > 0 else float("nan")
+            ok &= lost > 0 and recovered >= KD_RECOVERY_BAR
+            parts.append(f"`{_short(spec)}` Δppl {lost:+.2f} % pruned → {km['ppl_increase_pct']:+.2f} % distilled "
+                         f"({recovered:.0%} recovered; KL {pm['kl_divergence']:.2e} → {km['kl_divergence']:.2e})")
+        out.append(f"- ref-llama structured {k['label']} then distillation ({budget}, {k['stage_summaries'][-1].get('steps')} "
+                   f"steps; {k['stage_wall_s']:.0f} s for pruning and distillation): at least {KD_RECOVERY_BAR:.0%} of the "
+                   f"perplexity increase recovered on each test set: {'; '.join(parts)}: {_verdict(ok)}")
     return out
 
 

@@ -45,11 +45,11 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def checkpoint_digest(out: Path) -> dict[str, str]:
-    """Every file of a checkpoint except report.json/report.md (wall times) with the output path
+    """Every file of a checkpoint except the reports (wall times) with the output path
     taken out of compress.json and recipe.yaml (the runs write to different directories)."""
     digest = {}
     for p in sorted(out.iterdir()):
-        if p.name in ("report.json", "report.md"):
+        if p.name in ("report.json", "report.md", "report.html"):
             continue
         data = p.read_bytes()
         if p.name == "compress.json":
