@@ -1417,8 +1417,8 @@ def _training_bars(results: list[dict]) -> list[str]:
             ok &= lost > 0 and recovered >= KD_RECOVERY_BAR
             parts.append(f"`{_short(spec)}` Δppl {lost:+.2f} % pruned → {km['ppl_increase_pct']:+.2f} % distilled "
                          f"({recovered:.0%} recovered; KL {pm['kl_divergence']:.2e} → {km['kl_divergence']:.2e})")
-        out.append(f"- ref-llama structured {k['label']} then distillation ({budget}, {k['stage_summaries'][-1].get('steps')} "
-                   f"steps; {k['stage_wall_s']:.0f} s for pruning and distillation): at least {KD_RECOVERY_BAR:.0%} of the "
+        out.append(f"- ref-llama structured {k['label']} then distillation ({budget}; "
+                   f"{k['stage_wall_s']:.0f} s for pruning and distillation): at least {KD_RECOVERY_BAR:.0%} of the "
                    f"perplexity increase recovered on each test set: {'; '.join(parts)}: {_verdict(ok)}")
     return out
 
