@@ -657,7 +657,11 @@ def _child(args: argparse.Namespace, job: str, result: Path, cache_file: Path, l
     job_argv = ["--shared", str(args.shared), "--out-dir", str(args.out_dir),
                 "--job", job, "--result", str(result), "--cache", str(cache_file)] + (["--quick"] if args.quick else [])
     env_vars = getattr(row, "env", {})
-    fork = None if (env_vars or args.no_fork) else _fork_context()
+    # Memory rows measure how resident memory grows with the model: a child forked from the
+    # preloaded server starts on the server's heap (and its fragmentation), so they get a fresh
+    # interpreter, as every row had before the server existed.
+    fresh = env_vars or args.no_fork or isinstance(row, MemRow)
+    fork = None if fresh else _fork_context()
     (args.out_dir / "logs").mkdir(parents=True, exist_ok=True)
     log_path = args.out_dir / "logs" / f"{job.replace(' ', '_').replace('/', '-')}.log"
     result.unlink(missing_ok=True)
