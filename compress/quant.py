@@ -182,6 +182,16 @@ def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | Non
             raise ValueError(f"FP8 supports tensor, channel and token strategies, not {strategy!r}")
     scale = _positive_step(absmax.float() / FP8_E4M3_MAX)
     out = (x32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    raw = absmax.float() / FP8_E4M3_MAX
+    subnormal = (raw < torch.finfo(torch.float32).tiny) & (raw > 0)  # _positive_step raised those steps
+    if bool(subnormal.any()):
+        # A range below ~5e-36 puts the step among float32's subnormals (raised to the smallest
+        # normal above, which misplaces x / step: 1e-36 came back as 1.03e-36): those slices are
+        # computed in float64. Everywhere else float32, the arithmetic packing's exactness check repeats.
+        s64 = absmax.double() / FP8_E4M3_MAX
+        s64 = torch.where(s64 > 0, s64, torch.ones_like(s64))
+        out64 = ((x32.double() / s64).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).double() * s64).float()
+        out = torch.where(subnormal, out64, out)
     return out if finite is None else torch.where(finite, out, x.float())
 
 
