@@ -108,3 +108,16 @@ def check_nm(W: torch.Tensor, n: int, m: int) -> bool:
     if cols % m:
         return False
     return bool(((W.reshape(rows, cols // m, m) == 0).sum(dim=2) >= n).all())
+
+
+def pruned_zeros(W: torch.Tensor, keep: bool | None = None) -> torch.Tensor | None:
+    """Where W is exactly zero, if those zeros are a pruning mask that later stages must keep:
+    always with keep=True, never with False; by default (None) where at least 10 % of the weights
+    are zero, since a dense layer's few exact zeros are not a mask. GPTQ and the training stages
+    share this rule."""
+    zero = W == 0
+    if keep is False:
+        return None
+    if keep is None and float(zero.float().mean()) < 0.1:
+        return None
+    return zero

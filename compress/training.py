@@ -8,8 +8,8 @@
 
 It runs through `accelerate`, so the same code runs on the CPU, on one GPU with bf16/fp16
 autocast, and across processes with `accelerate launch` (DDP; FSDP through accelerate's config).
-What it trains is an `Objective`: a module whose forward takes a batch of token ids and returns
-the loss, so that DDP sees every trained parameter (student and projection heads) in one forward.
+What it trains is an objective: a module whose forward takes a batch of token ids and returns
+(loss, {name: float}), so that DDP sees every trained parameter (student and projection heads) in one forward.
 
 Exact resume: the order of samples is a function of (seed, step), not of a data loader's hidden
 state, and a checkpoint (accelerate's save_state: weights, optimizer moments, RNG states) holds
@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Optional
@@ -67,13 +68,6 @@ class TrainingConfig(BaseModel):
         progress = (step - warm) / max(self.steps - warm, 1)
         decay = 0.5 * (1 + math.cos(math.pi * progress)) if self.schedule == "cosine" else 1 - progress
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * decay
-
-
-class Objective(torch.nn.Module):
-    """What a training stage optimizes: forward(input_ids) -> (loss, {name: float})."""
-
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:  # pragma: no cover - interface
-        raise NotImplementedError
 
 
 @dataclass
@@ -130,7 +124,7 @@ def run_fingerprint(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def train(objective: Objective, train_ids: torch.Tensor, eval_ids: torch.Tensor, cfg: TrainingConfig, *,
+def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Tensor, cfg: TrainingConfig, *,
           param_groups: list[dict], device: torch.device, seed: int = 0, masks: list[tuple] = (),
           checkpoint_dir: Optional[Path] = None, resume: bool = False, fingerprint: str = "",
           progress: Progress = lambda *_: None, name: str = "train", stop_after: Optional[int] = None) -> dict:
@@ -207,7 +201,7 @@ def train(objective: Objective, train_ids: torch.Tensor, eval_ids: torch.Tensor,
         for micro in range(cfg.gradient_accumulation):
             batch = train_ids[sample_order(step, micro, cfg, n, seed)][rank::world].to(accelerator.device)
             sync = micro == cfg.gradient_accumulation - 1
-            with (accelerator.no_sync(objective) if not sync and world > 1 else _nothing()):
+            with (accelerator.no_sync(objective) if not sync and world > 1 else nullcontext()):
                 loss, parts = objective(batch)
                 accelerator.backward(loss / cfg.gradient_accumulation)
             for k, v in parts.items():
@@ -256,14 +250,6 @@ class TrainingStopped(Exception):
         self.step = step
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _save(accelerator, directory: Path, step: int, fingerprint: str) -> None:
     """accelerate's save_state into step-N, marked complete only once written: a kill during the
     save leaves an incomplete directory that resume ignores. Older checkpoints are then removed."""
@@ -278,4 +264,4 @@ def _save(accelerator, directory: Path, step: int, fingerprint: str) -> None:
     accelerator.wait_for_everyone()
 
 
-__all__ = ["TrainingConfig", "Objective", "TrainingStopped", "train", "sample_order", "latest_checkpoint", "run_fingerprint"]
+__all__ = ["TrainingConfig", "TrainingStopped", "train", "sample_order", "latest_checkpoint", "run_fingerprint"]

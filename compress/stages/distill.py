@@ -24,10 +24,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from compress import kd, modeling
+from compress.sparsity import pruned_zeros
 from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext
 from compress.targets import LINEAR_TYPES, matches
-from compress.training import Objective, TrainingConfig, run_fingerprint, train
+from compress.training import TrainingConfig, run_fingerprint, train
 from compress.training_data import TrainingData, training_sequences
 
 
@@ -58,8 +59,10 @@ class DistillLoss(BaseModel):
     hidden_loss: Literal["mse", "cosine"] = "mse"
 
 
-class DistillationObjective(Objective):
-    """Student (trained), projection heads (trained), teacher (frozen, not a submodule, so never
+class DistillationObjective(torch.nn.Module):
+    """forward(input_ids) -> (loss, {name: float}), what compress.training.train optimizes.
+
+    Student (trained), projection heads (trained), teacher (frozen, not a submodule, so never
     saved, wrapped by DDP or handed to the optimizer)."""
 
     def __init__(self, student: torch.nn.Module, teacher: Optional[torch.nn.Module], loss: DistillLoss, causal: bool):
@@ -176,8 +179,8 @@ def pruning_masks(model: torch.nn.Module, ctx: StageContext) -> list[tuple[torch
         if type(module).__name__ not in LINEAR_TYPES:
             continue
         w = module.weight
-        zero = w == 0
-        if ctx.layers.get(name, {}).get("sparsity") or float(zero.float().mean()) >= 0.1:
+        zero = pruned_zeros(w, True if ctx.layers.get(name, {}).get("sparsity") else None)
+        if zero is not None:
             masks.append((w, (~zero).to(w.dtype)))
     return masks
 

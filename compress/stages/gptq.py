@@ -41,6 +41,7 @@ from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import QParams, absmax_qparams, compute_qparams, zeropoint_qparams, dequantize, fake_quantize, quantize, relative_error
 from compress.schemes import QuantArgs
+from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext
 
 # ---------------------------------------------------------------------------------------------
@@ -267,12 +268,7 @@ class GPTQ(EngineOptions, QuantizationStage):
 
     def _pruning_mask(self, W: torch.Tensor) -> torch.Tensor | None:
         """Where W is exactly zero, if this layer's zeros are a pruning mask to keep."""
-        zero = W == 0
-        if self.preserve_sparsity is False:
-            return None
-        if self.preserve_sparsity is None and float(zero.float().mean()) < 0.1:
-            return None  # a dense layer: its few exact zeros are not a mask
-        return zero
+        return pruned_zeros(W, self.preserve_sparsity)
 
     def _round_to_nearest(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str) -> None:
         """The fallback for a layer GPTQ cannot solve, recorded as such."""

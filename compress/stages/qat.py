@@ -176,7 +176,5 @@ class QAT(DistillLoss, QuantizationStage):
                     scale, zero = scale.unsqueeze(-1), zero.unsqueeze(-1)
                 elif args.strategy == "tensor":
                     scale, zero = scale.reshape(1, 1), zero.reshape(1, 1)
-                # the format's code range; absmax grids never use its lowest code
-                return QParams(scale.float(), zero, qmin if args.symmetric else -(2 ** (args.num_bits - 1)), qmax), \
-                    f"{ctx.layers[name].get('stage', 'earlier stage')} grid"
+                return QParams(scale.float(), zero, qmin, qmax), f"{ctx.layers[name].get('stage', 'earlier stage')} grid"
         return compute_qparams(weight, args.num_bits, args.symmetric, args.strategy, args.group_size), "round-to-nearest"
