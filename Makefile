@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export COMPRESS_SHARED := $(SHARED)
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench bench-against clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -34,6 +34,19 @@ demo: setup
 
 bench: setup
 	$(BIN)/python -m compress.bench --shared $(SHARED) --output BENCHMARKS.md
+
+# llm-compressor side by side (optional, never part of `make test`). It pins its own torch,
+# transformers and compressed-tensors, so it gets its own environment, with the same CPU torch.
+LLMC_VENV ?= .venv-llmcompressor
+LLMC_VERSION ?= 0.14.0.1
+$(LLMC_VENV)/.installed:
+	test -d $(LLMC_VENV) || $(PY) -m venv $(LLMC_VENV)
+	$(LLMC_VENV)/bin/pip install -q torch==2.13.0 || $(LLMC_VENV)/bin/pip install -q torch
+	$(LLMC_VENV)/bin/pip install -q llmcompressor==$(LLMC_VERSION)
+	touch $@
+
+bench-against: setup $(LLMC_VENV)/.installed
+	$(BIN)/python -m compress.bench --shared $(SHARED) --against llmcompressor --against-python $(LLMC_VENV)/bin/python --output BENCHMARKS-llmcompressor.md
 
 clean:
 	rm -rf out bench-out .pytest_cache

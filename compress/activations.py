@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from compress.errors import CompressError
-from compress.quant import compute_qparams, fake_quantize, fake_quantize_fp8, zeropoint_qparams, absmax_qparams
+from compress.quant import (FP8_E4M3_MAX, QParams, absmax_qparams, compute_qparams, fake_quantize, fake_quantize_fp8,
+                            zeropoint_qparams)
 from compress.schemes import QuantArgs
 
 HOOK_ATTR = "_compress_activation_hook"
@@ -20,10 +21,15 @@ HOOK_ATTR = "_compress_activation_hook"
 class ActivationFakeQuant:
     """Forward pre-hook that fake-quantizes a linear layer's input."""
 
-    def __init__(self, args: QuantArgs, static_range: tuple[float, float] | None = None):
+    def __init__(self, args: QuantArgs, static_range: tuple[float, float] | None = None,
+                 static_qparams: QParams | None = None):
         self.args = args
         self.static_range = static_range
-        if not args.dynamic and static_range is None:
+        # A checkpoint written by another tool gives its scale (and zero point) rather than a range;
+        # they are used as given, since tools differ in how they derive them (compressed-tensors
+        # divides an absmax by 127.5 and keeps code -128).
+        self.static_qparams = static_qparams
+        if not args.dynamic and static_range is None and static_qparams is None:
             raise ValueError("static activation quantization needs a range observed on calibration data")
 
     def __call__(self, module: torch.nn.Module, inputs: tuple) -> tuple:
@@ -31,11 +37,17 @@ class ActivationFakeQuant:
         flat = x.reshape(-1, x.shape[-1])
         a = self.args
         if a.type == "float":
-            absmax = None if a.dynamic else torch.tensor(max(abs(self.static_range[0]), abs(self.static_range[1])))
+            absmax = None
+            if not a.dynamic and self.static_qparams is not None:
+                absmax = self.static_qparams.scale.to(x.device) * FP8_E4M3_MAX
+            elif not a.dynamic:
+                absmax = torch.tensor(max(abs(self.static_range[0]), abs(self.static_range[1])))
             out = fake_quantize_fp8(flat, a.strategy, absmax)
         else:
-            qparams = None
-            if not a.dynamic:
+            qparams = self.static_qparams
+            if qparams is not None:
+                qparams = QParams(qparams.scale.to(x.device), qparams.zero_point.to(x.device), qparams.qmin, qparams.qmax)
+            if not a.dynamic and qparams is None:
                 lo, hi = self.static_range
                 if a.symmetric:
                     qparams = absmax_qparams(torch.tensor(max(abs(lo), abs(hi)), device=x.device), a.num_bits)
@@ -45,9 +57,10 @@ class ActivationFakeQuant:
         return (out.to(x.dtype).reshape(x.shape), *inputs[1:])
 
 
-def attach(module: torch.nn.Module, args: QuantArgs, static_range: tuple[float, float] | None = None) -> None:
+def attach(module: torch.nn.Module, args: QuantArgs, static_range: tuple[float, float] | None = None,
+           static_qparams: QParams | None = None) -> None:
     detach(module)
-    handle = module.register_forward_pre_hook(ActivationFakeQuant(args, static_range))
+    handle = module.register_forward_pre_hook(ActivationFakeQuant(args, static_range, static_qparams))
     setattr(module, HOOK_ATTR, handle)
 
 

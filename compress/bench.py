@@ -1524,6 +1524,56 @@ def write_outputs(results: list[dict], meta: dict, output: Path, title: str = "c
     return {"md": output, "json": json_path, "html": html_path}
 
 
+AGAINST_METHODS = ("GPTQ", "AWQ", "SmoothQuant", "Wanda", "SparseGPT")  # methods llm-compressor runs one-shot
+
+
+def against_rows(family: str) -> list[Row]:
+    """The protocol's rows that llm-compressor can run too: each method above, and the RTN row of
+    every label they have (the plain reference at the same scheme)."""
+    rows = [r for r in ROWS if r.family == family and r.method in AGAINST_METHODS]
+    labels = {r.label for r in rows}
+    return [r for r in ROWS if r.family == family and r.method == "RTN" and r.label in labels] + rows
+
+
+def run_against(args: argparse.Namespace, setup: Setup) -> int:
+    """`--against llmcompressor`: the protocol's rows above, each run by compress and by
+    llm-compressor (compress bench --against, compress/against.py), one markdown file."""
+    from compress.bench_recipes import bench_recipes
+
+    wanted = [w.strip().lower() for w in (args.only or "").split(",") if w.strip()]
+    sections, t0 = [], time.perf_counter()
+    for family in ("ref-llama", "minilm"):
+        rows = [r for r in against_rows(family) if not wanted or any(w in r.name.lower() for w in wanted)]
+        if not rows:
+            continue
+        recipe_dir = args.out_dir / "against" / family / "recipes"
+        shutil.rmtree(recipe_dir, ignore_errors=True)
+        recipe_dir.mkdir(parents=True)
+        files = []
+        for row in rows:
+            files.append(recipe_dir / f"{row.slug}.yaml")
+            files[-1].write_text(setup.recipe_text(row))
+        print(f"{family}: {len(rows)} row(s), each by compress and by {args.against}", file=sys.stderr, flush=True)
+        result = bench_recipes(setup.model(family), files, args.out_dir / "against" / family,
+                               datasets=setup.eval_sets(family), against=args.against, against_python=args.against_python,
+                               max_windows=setup.ll_eval_windows)
+        sections.append(Path(result["paths"]["md"]).read_text().split("\n## Run history")[0])
+    if not sections:
+        print(f"no row matches --only {args.only!r}", file=sys.stderr)
+        return 2
+    argv_used = shlex.join(sys.argv[1:])
+    head = [f"# compress and {args.against}, side by side", "",
+            f"- command: `python -m compress.bench {argv_used}`",
+            f"- date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total {time.perf_counter() - t0:.0f} s",
+            "- rows: the protocol's (`../shared/BENCH_PROTOCOL.md`, as in BENCHMARKS.md) for every method llm-compressor "
+            "runs one-shot, and round-to-nearest at the same schemes; the recipes are written to "
+            f"`{args.out_dir.name}/against/<model>/recipes/`.", ""]
+    args.output.write_text("\n".join(head) + "\n" + "\n".join(s.replace("# compress bench:", "## compress bench:", 1)
+                                                         for s in sections))
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -1538,6 +1588,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="list the rows and exit")
     p.add_argument("--no-fork", action="store_true",
                    help="start every row in a fresh interpreter instead of forking it from a preloaded server")
+    p.add_argument("--against", default=None, help="instead of the benchmark: its rows that llm-compressor can run, by both "
+                   "tools side by side (needs llm-compressor in another environment; see --against-python)")
+    p.add_argument("--against-python", default=None, help="python of the environment with llm-compressor "
+                   "(default $COMPRESS_LLMCOMPRESSOR_PYTHON)")
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
@@ -1561,6 +1615,8 @@ def main(argv: list[str] | None = None) -> int:
         args.result.write_text(json.dumps(data, indent=1, default=str))
         return 0
 
+    if args.against:
+        return run_against(args, setup)
     all_rows = ROWS + MEM_ROWS
     wanted = [w.strip().lower() for w in (args.only or "").split(",") if w.strip()]
     rows = [r for r in all_rows if not wanted or any(w in r.name.lower() for w in wanted)]

@@ -44,32 +44,41 @@ def protocol_data(causal: bool) -> tuple[list[str], dict] | None:
                                     "packing": False, "min_chars": 40}
 
 
-def _row_job(recipe_text: str, source: str, model: str, out: str, eval_kwargs: dict, datasets: list[str],
+def _row_job(recipe_text: str, source: str, model: str | None, out: str, eval_kwargs: dict, datasets: list[str],
              store_dir: str, cache: dict, result_path: str, log_path: str) -> None:
-    """In a forked process: run one recipe, score its checkpoint, write the result as JSON."""
+    """In a forked process: run one recipe (or, with `model` None, only score the checkpoint
+    already at `out`: another tool's), score its checkpoint, write the result as JSON."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     code = 1
     try:
         from compress import modeling
-        from compress.bench import _peak_rss_mib
+        from compress.bench import _peak_rss_mib, _rss_now_mib
         from compress.evaluate import BaselineStore, evaluate
         from compress.pipeline import run_recipe
         from compress.recipe import parse_recipe
 
         t0 = time.perf_counter()
-        report = run_recipe(parse_recipe(recipe_text, source), model=model, output=out, force=True, device="cpu", seed=0)
+        rss_before_load = _rss_now_mib()
+        report = None
+        if model is not None:
+            report = run_recipe(parse_recipe(recipe_text, source), model=model, output=out, force=True, device="cpu", seed=0)
         net, tok, _ = modeling.load_model(out, dtype="float32", device="cpu")
         cache_keys = {tuple(json.loads(k)): v for k, v in cache.items()}
         results = evaluate(net, tok, datasets, baseline=None, device="cpu", baseline_cache=cache_keys,
                            baseline_store=BaselineStore(store_dir), **eval_kwargs)
+        if report is None:
+            Path(result_path).write_text(json.dumps({"evaluation": results}, default=str))
+            code = 0
+            return
         stage = report["stages"][-1]
         errors = [r["relative_error"] for r in report["layers"].values() if "relative_error" in r]
         Path(result_path).write_text(json.dumps({
             "scheme": stage["summary"].get("scheme", stage["name"]), "stages": [s["name"] for s in report["stages"]],
             "stage_wall_s": sum(s["wall_s"] for s in report["stages"]),
             "stage_peak_rss_mib": max(s["peak_rss_mib"] for s in report["stages"]),
+            "rss_before_load_mib": rss_before_load,
             "process_peak_rss_mib": _peak_rss_mib(), "output": report["output"], "format": report.get("format"),
             "mean_relative_error": sum(errors) / len(errors) if errors else None,
             "evaluation": results, "job_wall_s": time.perf_counter() - t0}, default=str))
@@ -83,35 +92,54 @@ def _row_job(recipe_text: str, source: str, model: str, out: str, eval_kwargs: d
         os._exit(code)
 
 
+def _forked(fork, args: tuple, result: Path, log: Path) -> dict:
+    """Run _row_job in a fresh process from the fork server; its result, or {"error": last log line}."""
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.unlink(missing_ok=True)
+    proc = fork.Process(target=_row_job, args=(*args, str(result), str(log)))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0 or not result.is_file():
+        lines = log.read_text().strip().splitlines() if log.is_file() else []
+        return {"error": lines[-1] if lines else f"exit code {proc.exitcode}"}
+    return json.loads(result.read_text())
+
+
 def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[str] | None = None,
                   calibration: str | None = None, max_windows: int = 256, seq_len: int = 256,
-                  progress: Callable[[str, int, int], None] = lambda *_: None) -> dict:
-    """Every recipe on `model`, each in its own process; returns what report.json holds."""
+                  progress: Callable[[str, int, int], None] = lambda *_: None,
+                  against: str | None = None, against_python: str | None = None) -> dict:
+    """Every recipe on `model`, each in its own process; returns what report.json holds. With
+    `against` (llmcompressor), each recipe is also run by that tool (compress/against.py)."""
     import shlex
     import sys
 
     from compress import modeling
     from compress.bench import _fork_context, _machine, write_outputs
     from compress.evaluate import BaselineStore, eval_sentences, eval_windows
-    from compress.recipe import load_recipe
+    from compress.modeling import local_dir
 
     if not recipes:
         raise CompressError("no recipe given", "pass one or more recipe files: --recipes a.yaml b.yaml")
-    parsed = [(Path(r), load_recipe(r)) for r in recipes]  # every file checked before any work
+    causal = modeling.is_causal_lm(modeling.load_config(model))
+    protocol = protocol_data(causal)
+    cal_section = ({"dataset": calibration, "num_samples": 128, "seq_len": seq_len} if calibration
+                   else (protocol[1] if protocol else None))
+    parsed = [_with_calibration(Path(r), cal_section) for r in recipes]  # every file checked before any work
+    if against:
+        from compress import against as side
+
+        against_python = side.find_python(against, against_python)
     t_start = time.perf_counter()
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     progress("loading the baseline", 0, 1)
     base, tok, config = modeling.load_model(model, dtype="float32", device="cpu")
-    causal = modeling.is_causal_lm(config)
-    protocol = protocol_data(causal)
     if not datasets:
         if protocol is None:
             raise CompressError("no evaluation data given and the protocol's data (shared/) is not here",
                                 "pass --data FILE, or set COMPRESS_SHARED to the shared/ directory")
         datasets = protocol[0]
-    cal_section = ({"dataset": calibration, "num_samples": 128, "seq_len": seq_len} if calibration
-                   else (protocol[1] if protocol else None))
     eval_kwargs = ({"causal": True, "seq_len": seq_len, "max_windows": max_windows, "batch_size": 8} if causal
                    else {"causal": False, "max_sentences": 200})
     store = BaselineStore(output / ".baseline")
@@ -134,33 +162,20 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
     if fork is None:
         raise CompressError("compress bench needs multiprocessing's forkserver (Linux or macOS)", "run each recipe with compress quantize")
     rows = []
-    for i, (path, recipe) in enumerate(parsed):
+    for i, (path, doc) in enumerate(parsed):
         progress(f"{path.name} ({i + 1}/{len(parsed)})", i, len(parsed))
-        doc = yaml.safe_load(path.read_text())
-        if recipe.needs_calibration and recipe.calibration is None:
-            if cal_section is None:
-                raise CompressError(f"{path} needs calibration data and has no calibration section",
-                                    "add one, or pass --calibration FILE")
-            doc["calibration"] = cal_section
-        doc.pop("evaluation", None)  # the benchmark evaluates every row the same way
         name = path.stem
         out = output / "rows" / name
-        result, log = output / "rows" / f"{name}.json", output / "rows" / f"{name}.log"
-        result.parent.mkdir(parents=True, exist_ok=True)
-        result.unlink(missing_ok=True)
+        recipe_text = yaml.safe_dump(doc, sort_keys=False)
         t0 = time.perf_counter()
-        proc = fork.Process(target=_row_job, args=(yaml.safe_dump(doc, sort_keys=False), str(path), model, str(out),
-                                                    eval_kwargs, datasets, str(store.directory), cache, str(result), str(log)))
-        proc.start()
-        proc.join()
-        wall = time.perf_counter() - t0
+        job = (recipe_text, str(path), model, str(out), eval_kwargs, datasets, str(store.directory), cache)
         row = {"row": name, "family": "user", "method": name, "label": name, "recipe": path.read_text()}
-        if proc.exitcode != 0 or not result.is_file():
-            lines = log.read_text().strip().splitlines() if log.is_file() else []
-            row["error"] = lines[-1] if lines else f"exit code {proc.exitcode}"
-        else:
-            row.update(json.loads(result.read_text()))
-        row["child_wall_s"] = wall
+        row.update(_forked(fork, job, output / "rows" / f"{name}.json", output / "rows" / f"{name}.log"))
+        row["child_wall_s"] = time.perf_counter() - t0
+        if against:
+            progress(f"{path.name} with {against} ({i + 1}/{len(parsed)})", i, len(parsed))
+            row["against"] = _run_against(side, against_python, fork, str(local_dir(model).resolve()), causal, recipe_text, str(path), tok,
+                                          output / "against" / name, job)
         rows.append(row)
     progress("writing the report", len(parsed), len(parsed))
     total = time.perf_counter() - t_start
@@ -172,6 +187,60 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
     results = [baseline] + rows
     write_outputs(results, meta, output / "report.md", title=f"compress bench: {model}", render_fn=render_markdown)
     return {"meta": meta, "baseline": baseline, "rows": rows, "paths": {k: str(output / f"report.{k}") for k in ("md", "json", "html")}}
+
+
+def _with_calibration(path: Path, cal_section: dict | None) -> tuple[Path, dict]:
+    """(path, recipe document) checked by the recipe schema; a recipe whose stages need calibration
+    data and that has none gets the benchmark's (the protocol's, or --calibration). The benchmark
+    evaluates every row the same way, so a recipe's own evaluation section is dropped."""
+    import yaml
+
+    from compress.recipe import load_recipe, parse_recipe
+
+    if not path.is_file():
+        load_recipe(path)  # its error names the file
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        doc = None
+    if not isinstance(doc, dict) or "calibration" in doc or cal_section is None:
+        load_recipe(path)
+        doc.pop("evaluation", None)
+        return path, doc
+    trial = {**doc, "calibration": cal_section}
+    try:
+        recipe = parse_recipe(yaml.safe_dump(trial, sort_keys=False), str(path))
+    except CompressError:
+        load_recipe(path)  # the error as the file has it (its line numbers), if the file alone fails
+        raise
+    if recipe.needs_calibration:
+        doc = trial
+    else:
+        load_recipe(path)
+    doc.pop("evaluation", None)
+    return path, doc
+
+
+def _run_against(side, python: str, fork, model: str, causal: bool, recipe_text: str, source: str, tok,
+                 workdir: Path, job: tuple) -> dict:
+    """The same recipe through llm-compressor, then its checkpoint scored like compress's."""
+    from compress.calibration import build_calibration
+    from compress.recipe import parse_recipe
+
+    recipe = parse_recipe(recipe_text, source)
+    try:
+        modifiers, notes = side.llmcompressor_modifiers(recipe)
+    except side.Untranslatable as exc:
+        return {"skipped": str(exc)}
+    calibration = build_calibration(recipe.calibration, tok) if recipe.calibration is not None else None
+    result = side.run_llmcompressor(python, model, causal, calibration, modifiers, workdir)
+    result["notes"], result["modifiers_spec"] = notes, modifiers
+    if "error" in result:
+        return result
+    scored = _forked(fork, (job[0], job[1], None, result["checkpoint"], *job[4:]), workdir / "score.json", workdir / "score.log")
+    if "error" in scored:
+        return {**result, "error": f"scoring its checkpoint: {scored['error']}"}
+    return {**result, "evaluation": scored["evaluation"]}
 
 
 def _bytes(model: str) -> int | None:
@@ -220,6 +289,10 @@ def render_markdown(results: list[dict], meta: dict) -> str:
     lines += ["", "Each recipe ran in its own process (peak RSS is that process's); KL, top-1 and perplexity are "
               "measured as in BENCH_PROTOCOL.md against the unquantized model on the same windows. report.json holds "
               "every field; report.html plots quality against bytes on disk.", ""]
+    if any("against" in r for r in rows):
+        from compress.against import render_side_by_side
+
+        lines += render_side_by_side(rows, specs, causal)
     return "\n".join(lines)
 
 

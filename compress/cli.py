@@ -492,12 +492,19 @@ def bench(
     data: list[str] = typer.Option([], "--data", "-d", help="evaluation text(s) (default: BENCH_PROTOCOL.md's test sets, when shared/ is present)."),
     calibration: Optional[str] = typer.Option(None, help="calibration text for recipes that need one and have none (default: the protocol's)."),
     max_windows: int = typer.Option(256, help="evaluation windows of 256 tokens per file (the protocol's cap)."),
+    against: Optional[str] = typer.Option(None, help="also run each recipe with this tool and compare side by side: llmcompressor."),
+    against_python: Optional[str] = typer.Option(None, help="the python of the environment where that tool is installed "
+                                                 "(default: $COMPRESS_LLMCOMPRESSOR_PYTHON, else this one)."),
 ):
     """Run several recipes on one model, each in its own process, and compare them as the project's
     benchmark does: KL, top-1 and perplexity against the baseline (embedding fidelity for
     encoders), compression time, peak memory and bytes on disk; report.md/json/html in --output.
 
     Example: compress bench --model default --recipes recipes/w8a16-absmax.yaml recipes/w4a16-gptq.yaml --output out/bench
+
+    With --against llmcompressor, each recipe also runs through llm-compressor (installed in its
+    own environment, --against-python) on the same calibration windows, and report.md gets a
+    side-by-side table: quality, perplexity increase, time and memory, as ratios.
     """
     from compress.bench_recipes import bench_recipes
 
@@ -508,7 +515,7 @@ def bench(
         raise CompressError(f"--output {output} is a file", "give a directory")
     with progress_bar() as progress:
         result = bench_recipes(model, files, output, datasets=list(data) or None, calibration=calibration,
-                               max_windows=max_windows, progress=progress)
+                               max_windows=max_windows, progress=progress, against=against, against_python=against_python)
     failed = [r["row"] for r in result["rows"] if "error" in r]
     if S.json:
         emit_json(result)
@@ -530,6 +537,14 @@ def _print_bench(result: dict, model: str) -> None:
                              for m in r["evaluation"].values())
         t.add_row(r["row"], escape(r["scheme"]), quality, f"{r['stage_wall_s']:.2f}", f"{r['process_peak_rss_mib']:.0f}",
                   f"{r['output']['bytes_on_disk']:,}")
+        a = r.get("against")
+        if a is not None:
+            if "evaluation" in a:
+                theirs = " / ".join(f"{m['kl_divergence']:.3e}" if "kl_divergence" in m else f"{m.get('embedding_error', float('nan')):.3e}"
+                                    for m in a["evaluation"].values())
+                t.add_row("  llm-compressor", "", theirs, f"{a['wall_s']:.2f}", f"{a['peak_rss_mib']:.0f}", "")
+            else:
+                t.add_row("  llm-compressor", "", escape(a.get("skipped") or a.get("error", "")), "", "", "")
     Console().print(t)
     console.print(f"report: {result['paths']['md']} (and .json, .html)")
 

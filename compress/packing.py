@@ -376,7 +376,48 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
         raise CompressError(f"{path} ({files}): tensor {still_meta[0]} is missing", "the checkpoint may be truncated or corrupted: write it again")
     if result.unexpected_keys:
         raise CompressError(f"{path} ({files}): unexpected tensor {result.unexpected_keys[0]}", "the checkpoint does not match its config.json")
+    if not (path / "compress.json").is_file():  # another tool's checkpoint: its activation scheme is in the config
+        attach_activation_quant(model, qconfig, tensors, path)
     return model
+
+
+def attach_activation_quant(model: torch.nn.Module, qconfig, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Fake-quantize the inputs of every layer whose scheme quantizes activations, with the
+    checkpoint's own static scales (input_scale, input_zero_point) where it has them, so that a
+    W8A8 checkpoint from another tool is evaluated as it will run."""
+    from compressed_tensors.utils.match import match_named_modules
+
+    from compress import activations
+    from compress.quant import QParams
+    from compress.schemes import QuantArgs
+
+    done: set[str] = set()
+    for scheme in qconfig.config_groups.values():
+        a = scheme.input_activations
+        if a is None:
+            continue
+        strategy = getattr(a.strategy, "value", a.strategy)
+        kind = getattr(a.type, "value", a.type)
+        if strategy not in ("tensor", "token") or a.dynamic not in (True, False):
+            raise CompressError(f"{path}: activation strategy {strategy} (dynamic {a.dynamic}) is not one compress simulates",
+                                "compress evaluates per-tensor static and per-token dynamic activations")
+        args = QuantArgs(num_bits=a.num_bits, type=kind, symmetric=a.symmetric, strategy=strategy, dynamic=a.dynamic)
+        for name, module in match_named_modules(model, scheme.targets, qconfig.ignore):
+            if name in done:
+                continue
+            qparams = None
+            if not a.dynamic:
+                scale = tensors.get(f"{name}.input_scale")
+                if scale is None:
+                    raise CompressError(f"{path}: tensor {name}.input_scale is missing (static activations need it)",
+                                        "the checkpoint may be truncated or corrupted: write it again")
+                zero = tensors.get(f"{name}.input_zero_point")
+                scale = scale.float().reshape(())
+                zero = torch.zeros_like(scale) if zero is None else zero.float().reshape(())
+                qmax = 2 ** (a.num_bits - 1) - 1  # compressed-tensors' integer range: [-2^(b-1), 2^(b-1) - 1]
+                qparams = QParams(scale, zero, -qmax - 1, qmax)
+            activations.attach(module, args, static_qparams=qparams)
+            done.add(name)
 
 
 # ---------------------------------------------------------------------------------------------
