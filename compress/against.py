@@ -133,7 +133,9 @@ def find_python(against: str, python: str | None) -> str:
     or this one. Checked by importing it, so a wrong path fails before any work."""
     if against not in TOOLS:
         raise CompressError(f"--against {against}: unknown tool", f"use one of: {', '.join(TOOLS)}")
-    python = python or os.environ.get("COMPRESS_LLMCOMPRESSOR_PYTHON") or sys.executable
+    # Absolute (the runner starts in its own directory), but not resolved: a venv's python is a
+    # symlink to the base interpreter, and only the link's path finds the venv's packages.
+    python = os.path.abspath(python or os.environ.get("COMPRESS_LLMCOMPRESSOR_PYTHON") or sys.executable)
     if not Path(python).exists():
         raise CompressError(f"--against-python {python}: no such file", "give the python of the environment where llm-compressor is installed")
     try:
