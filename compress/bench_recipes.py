@@ -108,7 +108,7 @@ def _forked(fork, args: tuple, result: Path, log: Path) -> dict:
 def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[str] | None = None,
                   calibration: str | None = None, max_windows: int = 256, seq_len: int = 256,
                   progress: Callable[[str, int, int], None] = lambda *_: None,
-                  against: str | None = None, against_python: str | None = None) -> dict:
+                  against: str | None = None, against_python: str | None = None, command: str | None = None) -> dict:
     """Every recipe on `model`, each in its own process; returns what report.json holds. With
     `against` (llmcompressor), each recipe is also run by that tool (compress/against.py)."""
     import shlex
@@ -181,7 +181,7 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
     total = time.perf_counter() - t_start
     from compress import __version__
 
-    meta = {"command": "compress " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "compress bench (Python API)",
+    meta = {"command": command or ("compress " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "compress bench (Python API)"),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(), "compress": __version__,
             "total_wall_s": total, "model": model, "datasets": datasets, "loadavg_before": None, "output": str(output / "report.md")}
     results = [baseline] + rows
