@@ -109,6 +109,9 @@ def make_accelerator(cfg: TrainingConfig, device: torch.device):
         precision = "no"  # autocast on the CPU is slower than float32 and no more faithful
     elif precision == "auto":
         precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    # On the CPU accelerate runs several processes as DDP (gloo); it enables FSDP only for GPU-type
+    # process groups, so an FSDP launch config on a CPU-only machine trains as DDP (the report's
+    # `distributed` says which).
     return Accelerator(cpu=device.type != "cuda", mixed_precision=precision)
 
 
@@ -237,6 +240,7 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
     final = {k: v for k, v in state.history[-1].items() if k.startswith("eval_")}
     start = {k: v for k, v in state.history[0].items() if k.startswith("eval_")}
     return {"steps": cfg.steps, "resumed_from_step": resumed_from or None, "processes": world,
+            "distributed": getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type)),
             "mixed_precision": accelerator.mixed_precision, "train_samples": n, "eval_samples": len(eval_ids),
             "tokens_per_step": cfg.batch_size * cfg.gradient_accumulation * train_ids.shape[1],
             "eval_before": start, "eval_after": final, "last_step": last, "history": state.history}

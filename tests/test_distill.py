@@ -183,7 +183,8 @@ def test_two_processes_with_ddp_match_one(tmp_path, repo):
                          capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-2000:]
     report = json.loads((tmp_path / "two" / "report.json").read_text())
-    assert report["stages"][0]["summary"]["training"]["processes"] == 2
+    training = report["stages"][0]["summary"]["training"]
+    assert training["processes"] == 2 and training["distributed"] == "MULTI_CPU"
     a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
     t = load_file(teacher / "model.safetensors")
