@@ -20,6 +20,16 @@ def build_meta_model(model_ref: str):
     return net, config
 
 
+def _describe(name: str, stage) -> str:
+    """A stage without a quantization scheme, as the plan shows it (pruning: its target)."""
+    pattern = getattr(stage, "pattern", None)
+    if pattern:
+        return f"{name} {pattern}"
+    if hasattr(stage, "sparsity"):
+        return f"{name} sparsity {stage.sparsity if stage.sparsity is not None else 0.5:g}"
+    return name
+
+
 def make_plan(recipe: Recipe, model_ref: str) -> dict:
     net, config = build_meta_model(model_ref)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
@@ -48,10 +58,16 @@ def make_plan(recipe: Recipe, model_ref: str) -> dict:
         for n, m in chosen.items():
             w = m.weight
             out_f, in_f = (w.shape[1], w.shape[0]) if type(m).__name__ == "Conv1D" else tuple(w.shape)
-            assignments[n] = {"stage": name, "shape": [out_f, in_f],
-                              "scheme": scheme.describe() if scheme else name,
-                              "weights": scheme.weights if scheme else None,
-                              "activations": scheme.input_activations if scheme else None}
+            entry = {"stage": name, "shape": [out_f, in_f], "scheme": scheme.describe() if scheme else _describe(name, stage),
+                     "weights": scheme.weights if scheme else None,
+                     "activations": scheme.input_activations if scheme else None}
+            before = assignments.get(n)
+            if before is not None:  # stages chain on a layer: pruned, then quantized, ...
+                entry["stage"] = f"{before['stage']} → {name}"
+                entry["scheme"] = f"{before['scheme']} → {entry['scheme']}"
+                if entry["weights"] is None:  # a later stage that does not quantize keeps the earlier grid
+                    entry["weights"], entry["activations"] = before["weights"], before["activations"]
+            assignments[n] = entry
             if scheme and scheme.weights and scheme.weights.strategy == "group" and in_f % scheme.weights.group_size:
                 warnings.append(f"layer {n}: width {in_f} is not a multiple of group_size {scheme.weights.group_size}; its last group is partial")
 

@@ -105,6 +105,14 @@ def test_plan_loads_no_weights(repo, capsys, tmp_path, ref_llama):
     assert 11 < p["estimates"]["bits_per_parameter_packed"] < 12.5
 
 
+def test_plan_shows_every_stage_of_a_layer(repo, capsys, ref_llama):
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", repo / "recipes/sparse24-sparsegpt-w4a16.yaml", "--model", ref_llama)
+    a = json.loads(out)["assignments"]["model.layers.0.mlp.down_proj"]
+    assert rc == 0 and a["stage"] == "sparsegpt → gptq"
+    assert a["scheme"].startswith("sparsegpt 2:4 → W[int4 g128 sym]")
+    assert "int4" in a["weights"]
+
+
 def test_plan_warns_on_patterns_matching_nothing(tmp_path, capsys, ref_llama):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("stages:\n  - rtn: {scheme: W8A16, targets: ['re:.*qproj'], ignore: [lm_head]}\n")
