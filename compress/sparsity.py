@@ -75,8 +75,12 @@ def unstructured_mask(scores: torch.Tensor, sparsity: float, per_row: bool = Tru
     exactly round(sparsity · n) weights of each row (or of the layer)."""
     if per_row:
         return lowest_per_row(scores, prune_count(sparsity, scores.shape[1]))
+    return lowest_overall(scores, prune_count(sparsity, scores.numel()))
+
+
+def lowest_overall(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep-mask pruning exactly the k lowest scores of the whole tensor, rows taking what they get."""
     mask = torch.ones_like(scores, dtype=torch.bool)
-    k = prune_count(sparsity, scores.numel())
     if k:
         idx = torch.topk(scores.flatten(), k, largest=False).indices
         mask.view(-1)[idx] = False

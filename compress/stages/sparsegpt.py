@@ -7,8 +7,9 @@ by visiting columns in order so that one Cholesky factor serves every step, as i
     dead inputs (H_jj = 0) are zeroed; H += damp · mean(diag H) · I
     U = Cholesky factor (upper) of H⁻¹
     for each block of `block_size` columns:
-        unstructured: in each row, prune the `sparsity` share of the block's weights with the
-            smallest w² / U_jj²  (the OBS saliency: the loss their removal adds)
+        unstructured: prune the `sparsity` share of the block's weights with the smallest
+            w² / U_jj² (the OBS saliency: the loss their removal adds), over all rows together
+            as the reference implementation does (`mask_selection: row`: each row its share)
         for each column j in it:
             N:M: when j starts a group of M columns, prune the N of each row's group with the
                 smallest w² / U_jj²
@@ -25,6 +26,7 @@ Sample recipe stage:
 
     - sparsegpt:
         sparsity: 0.5            # or pattern: "2:4" (quoted: YAML reads 2:4 as a number)
+        mask_selection: block    # or row: every row exactly as sparse
         block_size: 128          # columns per lazy batched update and per unstructured mask choice
         dampening_frac: 0.01     # of the Hessian's mean diagonal
         quantize: {scheme: W4A16, weights: {group_size: 64}}   # optional: joint quantization
@@ -34,7 +36,7 @@ Sample recipe stage:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -43,7 +45,7 @@ from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
 from compress.schemes import PRESETS, QuantArgs, resolve_scheme
-from compress.sparsity import lowest_per_row, nm_mask, prune_count
+from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count
 from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext
 from compress.stages.gptq import HessianObserver, hessian_loss, inverse_hessian_cholesky
 from compress.stages.magnitude import magnitude_prune
@@ -54,13 +56,15 @@ from compress.stages.pruning import LayerTarget, PruningStage, check_weight, cou
 
 
 def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block_size: int = 128, damp: float = 0.01,
-                    quant: QuantArgs | None = None) -> tuple[torch.Tensor, dict]:
+                    quant: QuantArgs | None = None, mask_selection: str = "block") -> tuple[torch.Tensor, dict]:
     """Prune (and with `quant`, quantize) W [out, in] against Hessian H [in, in].
 
-    Returns the new weight (float32) and details. Unstructured: each row loses exactly
-    round(sparsity · in) weights, the per-block counts being the differences of the rounded
-    running totals. N:M: the block size is rounded up to a multiple of M so groups never straddle
-    blocks (block size only batches updates; for N:M it does not change the result).
+    Returns the new weight (float32) and details. Unstructured, `mask_selection` "row": each row
+    loses exactly round(sparsity · in) weights, the per-block counts being the differences of the
+    rounded running totals; "block": the block's lowest-saliency weights over all rows together
+    (the reference implementation's threshold; rows end up unevenly sparse, the layer exactly
+    round(sparsity · size)). N:M: the block size is rounded up to a multiple of M so groups never
+    straddle blocks (block size only batches updates; for N:M it does not change the result).
     """
     W = W.clone().float()
     H = H.clone().float()
@@ -90,7 +94,10 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         d = torch.diag(Hinv1)
-        if nm is None:
+        if nm is None and mask_selection == "block":
+            k = prune_count(target.sparsity, rows * i2) - prune_count(target.sparsity, rows * i1)
+            keep1 = lowest_overall(W1.pow(2) / d.pow(2)[None, :], k)
+        elif nm is None:
             k = prune_count(target.sparsity, i2) - prune_count(target.sparsity, i1)
             keep1 = lowest_per_row(W1.pow(2) / d.pow(2)[None, :], k)
         else:
@@ -164,6 +171,9 @@ class SparseGPT(EngineOptions, PruningStage):
     dampening_frac: float = Field(0.01, gt=0, description="damping as a fraction of the Hessian's mean diagonal")
     quantize: Optional[JointQuantization] = Field(None, description="quantize the kept weights in the same pass: {scheme, weights}")
     min_tokens: int = Field(16, ge=1, description="a layer that sees fewer calibration tokens falls back to magnitude pruning")
+    mask_selection: Literal["row", "block"] = Field(
+        "block", description="unstructured: each row's share of a block (row: every row exactly as sparse), or the "
+                           "block's lowest over all rows (block: the reference implementation's)")
 
     def model_dump(self, **kw):  # the saved recipe: unset scheme overrides would read as explicit nulls
         out = super().model_dump(**kw)
@@ -192,7 +202,7 @@ class SparseGPT(EngineOptions, PruningStage):
                 continue
             target = self._targets[name]
             try:
-                Q, info = sparsegpt_prune(W, H, target, self.block_size, self.dampening_frac, quant)
+                Q, info = sparsegpt_prune(W, H, target, self.block_size, self.dampening_frac, quant, self.mask_selection)
             except FloatingPointError as exc:
                 raise CompressError(f"layer {name}: {exc}", "raise dampening_frac or give more calibration samples") from None
             loss, base_loss = hessian_loss(W, Q, H), hessian_loss(W, magnitude_baseline(W, target, quant), H)
