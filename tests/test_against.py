@@ -178,3 +178,22 @@ def test_side_by_side_with_llmcompressor(ref_llama, repo, tmp_path, capsys):
     assert float((pruned["lm_head.weight"] == 0).float().mean()) < 0.01
     assert float((pruned["model.layers.0.mlp.down_proj.weight"] == 0).float().mean()) == 0.5
     assert "## Side by side: compress and llm-compressor" in (out / "report.md").read_text()
+
+
+def test_every_protocol_row_of_the_side_by_side_translates(tmp_path):
+    """`python -m compress.bench --against llmcompressor` runs the protocol's rows for the methods
+    llm-compressor has, with round-to-nearest at the same schemes; each must translate."""
+    from compress.bench import Setup, against_rows, against_section
+
+    setup = Setup(tmp_path, tmp_path / "out", quick=True)
+    for family in ("ref-llama", "minilm"):
+        rows = against_rows(family)
+        methods = {r.method for r in rows}
+        assert methods == {"RTN", "GPTQ", "AWQ", "SmoothQuant", "Wanda", "SparseGPT"}
+        assert {r.label for r in rows if r.method == "RTN"} <= {r.label for r in rows if r.method != "RTN"}
+        for row in rows:
+            mods, _ = llmcompressor_modifiers(parse_recipe(setup.recipe_text(row), row.name))
+            assert mods, row.name
+    md = "# compress bench: `x`\n\nintro\n\n## Side by side: compress and llm-compressor\n\n| a |\n\n## Run history\n\n| old |\n"
+    section = against_section(md, "minilm")
+    assert section.startswith("## all-MiniLM-L6-v2") and "### Side by side" in section and "Run history" not in section
