@@ -236,12 +236,13 @@ def render_side_by_side(rows: list[dict], specs: list[str], causal: bool) -> lis
                   f"{mo:.0f} ({r['stage_peak_rss_mib']:.0f}) / {mt:.0f} ({a['peak_rss_mib']:.0f})", _ratio(mo, mt)]
         lines.append("| " + " | ".join(cells) + " |")
         notes += [f"- {r['row']}: {n}" for n in a.get("notes", [])]
+        notes += [f"- {r['row']}: llm-compressor logged: {n}" for n in a.get("said", [])]
         patches.update(a.get("patches", []))
     versions = next((a["versions"] for a in (r.get("against") or {} for r in rows) if "versions" in a), None)
     if versions:
         lines += ["", "llm-compressor environment: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + "."]
     if notes:
-        lines += ["", "Settings that differ between the two:"] + notes
+        lines += ["", "Settings that differ between the two, and what llm-compressor said about its run:"] + notes
     if patches:
         lines += ["", "Run on a machine without a GPU, the llm-compressor runner applied: " + "; ".join(sorted(patches)) + "."]
     return lines + ["", ""]

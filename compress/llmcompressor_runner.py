@@ -70,6 +70,29 @@ def cpu_only_patches() -> list[str]:
     return done
 
 
+# What llm-compressor logs that changes how its figures read: a smoothing map it does not have
+# for the architecture (its AWQ and SmoothQuant then fall back to Llama's names, which match
+# nothing in, e.g., BERT, and the run is plain quantization).
+NOTEWORTHY = ("not found in mappings", "No mappings", "skipping", "fallback", "fall back")
+
+
+def capture_log() -> list[str]:
+    """llm-compressor's log lines worth reporting beside its figures (it logs through loguru)."""
+    said: list[str] = []
+    try:
+        from loguru import logger
+    except ImportError:
+        return said
+
+    def sink(message) -> None:
+        text = message.record["message"].split(". Using default mappings")[0].strip()
+        if any(k.lower() in text.lower() for k in NOTEWORTHY) and text not in said:
+            said.append(text[:300])
+
+    logger.add(sink, level="INFO")
+    return said
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     import torch
@@ -82,6 +105,7 @@ def main(spec_path: str) -> None:
     patches = cpu_only_patches() if not torch.cuda.is_available() else []
     torch.manual_seed(spec.get("seed", 0))
     torch.set_num_threads(spec.get("threads", torch.get_num_threads()))
+    said = capture_log()
     modifiers = [modifier_class(m["class"])(**m["args"]) for m in spec["modifiers"]]
     rss_before_load = rss_mib("VmRSS")
 
@@ -107,7 +131,7 @@ def main(spec_path: str) -> None:
         "versions": {"llmcompressor": llmcompressor.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__,
                      "compressed_tensors": importlib.import_module("compressed_tensors").__version__},
-        "modifiers": [repr(m) for m in modifiers], "patches": patches}, indent=1))
+        "modifiers": [repr(m) for m in modifiers], "patches": patches, "said": said}, indent=1))
 
 
 if __name__ == "__main__":

@@ -143,13 +143,15 @@ def test_side_by_side_table_states_ratios():
     rows = [{"row": "gptq", "evaluation": ev(1e-3, 0.5), "stage_wall_s": 2.0, "stage_peak_rss_mib": 500.0,
              "rss_before_load_mib": 400.0,
              "against": {"evaluation": ev(2e-3, 0.05), "wall_s": 8.0, "peak_rss_mib": 900.0, "rss_before_load_mib": 700.0,
-                         "notes": ["x differs"], "versions": {"llmcompressor": "9.9"}}},
+                         "notes": ["x differs"], "said": ["Architecture X not found in mappings"],
+                         "versions": {"llmcompressor": "9.9"}}},
             {"row": "mag", "evaluation": ev(1e-2, 1.0), "against": {"skipped": "magnitude: no one-shot stage"}}]
     md = "\n".join(render_side_by_side(rows, ["spec"], causal=True))
     line = next(ln for ln in md.splitlines() if ln.startswith("| gptq |"))
     assert "1.000e-03 / 2.000e-03 | 0.50 |" in line and "~10.00" in line  # a ratio over a tiny increase is marked
     assert "2.00 / 8.00 | 0.25 |" in line and "100 (500) / 200 (900) | 0.50 |" in line
     assert "| mag | magnitude: no one-shot stage |" in md and "- gptq: x differs" in md and "llmcompressor 9.9" in md
+    assert "- gptq: llm-compressor logged: Architecture X not found in mappings" in md
 
 
 @pytest.mark.skipif(not os.environ.get("COMPRESS_LLMCOMPRESSOR_PYTHON"),
