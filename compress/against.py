@@ -117,6 +117,8 @@ def llmcompressor_modifiers(recipe) -> tuple[list[dict], list[str]]:
             mods.append({"class": "SparseGPTModifier",
                          "args": {**_pruning_args(name, cfg), "block_size": cfg.block_size,
                                   "dampening_frac": cfg.dampening_frac}})
+            if cfg.mask_selection == "row" and not cfg.pattern:
+                notes.append("sparsegpt mask_selection row: llm-compressor chooses over each block's rows together")
         elif name == "wanda":
             mods.append({"class": "WandaPruningModifier", "args": _pruning_args(name, cfg)})
         else:

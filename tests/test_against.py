@@ -52,6 +52,8 @@ def test_quantization_recipes_translate_with_the_same_scheme():
 
 
 def test_pruning_recipes_translate_and_the_rest_say_why_not():
+    mods, notes = llmcompressor_modifiers(recipe("  - sparsegpt: {sparsity: 0.5, mask_selection: row}\n"))
+    assert any("mask_selection row" in n for n in notes)
     mods, _ = llmcompressor_modifiers(recipe('  - sparsegpt: {pattern: "2:4"}\n  - wanda: {sparsity: 0.3}\n'))
     assert [m["class"] for m in mods] == ["SparseGPTModifier", "WandaPruningModifier"]
     assert (mods[0]["args"]["sparsity"], mods[0]["args"]["mask_structure"]) == (0.5, "2:4")
