@@ -30,6 +30,20 @@ def _describe(name: str, stage) -> str:
     return name
 
 
+def _training_bytes(recipe: Recipe, params: int, model_bytes: int) -> int:
+    """What a distill or qat stage holds besides the model: float32 gradients and AdamW's two
+    moments for every parameter (an upper bound: frozen parts have none), and a teacher the size
+    of the input model when it distills from one (a different teacher: its size is not known
+    from this model's config, so the input model's stands in)."""
+    most = 0
+    for name, stage in recipe.stages:
+        if name not in ("distill", "qat"):
+            continue
+        teacher = getattr(stage, "kd_weight", 0) > 0 or bool(getattr(stage, "hidden", None))
+        most = max(most, 3 * params * 4 + (model_bytes if teacher else 0))
+    return most
+
+
 def make_plan(recipe: Recipe, model_ref: str) -> dict:
     net, config = build_meta_model(model_ref)
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
@@ -80,6 +94,7 @@ def make_plan(recipe: Recipe, model_ref: str) -> dict:
     hidden = getattr(config, "hidden_size", 0) or 0
     act_bytes = (cal.num_samples * cal.seq_len * hidden * 4) if cal else 0
     eval_bytes = params * 4 * 2 if recipe.evaluation and recipe.evaluation.datasets else 0
+    train_bytes = _training_bytes(recipe, params, model_bytes)
     return {
         "model": model_ref,
         "architecture": (getattr(config, "architectures", None) or ["?"])[0],
@@ -93,7 +108,9 @@ def make_plan(recipe: Recipe, model_ref: str) -> dict:
             # The model in its dtype, a float32 working copy of the largest layer (x3: weight,
             # its quantized copy, and scratch), the calibration activations of one layer input,
             # and for the evaluation a float32 copy of the model and of the baseline.
-            "peak_memory_bytes": model_bytes + 3 * largest * 4 + act_bytes + eval_bytes,
+            # Training stages add their optimizer state and teacher (_training_bytes).
+            "peak_memory_bytes": model_bytes + 3 * largest * 4 + act_bytes + eval_bytes + train_bytes,
+            "training_bytes": train_bytes,
             "output_bytes_dequantized": model_bytes,
             "output_bytes_packed": packed_bits // 8,
             "bits_per_parameter_packed": packed_bits / params,

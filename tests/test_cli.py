@@ -113,6 +113,18 @@ def test_plan_shows_every_stage_of_a_layer(repo, capsys, ref_llama):
     assert "int4" in a["weights"]
 
 
+def test_plan_counts_training_state_and_teacher(repo, capsys, ref_llama):
+    """A QAT recipe holds gradients and two AdamW moments per parameter and the float teacher."""
+    _, out, _ = run(capsys, "--json", "plan", "--recipe", repo / "recipes/w3a16-qat.yaml", "--model", ref_llama)
+    qat = json.loads(out)
+    _, out, _ = run(capsys, "--json", "plan", "--recipe", repo / "recipes/w4a16-zeropoint-g64.yaml", "--model", ref_llama)
+    rtn = json.loads(out)
+    params = qat["parameters"]
+    assert qat["estimates"]["training_bytes"] == 3 * params * 4 + params * 4  # float32 ref-llama: teacher = 4 bytes/param
+    assert rtn["estimates"]["training_bytes"] == 0
+    assert qat["estimates"]["peak_memory_bytes"] > rtn["estimates"]["peak_memory_bytes"] + 3 * params * 4
+
+
 def test_plan_warns_on_patterns_matching_nothing(tmp_path, capsys, ref_llama):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("stages:\n  - rtn: {scheme: W8A16, targets: ['re:.*qproj'], ignore: [lm_head]}\n")
