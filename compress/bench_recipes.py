@@ -195,28 +195,12 @@ def _with_calibration(path: Path, cal_section: dict | None) -> tuple[Path, dict]
     evaluates every row the same way, so a recipe's own evaluation section is dropped."""
     import yaml
 
-    from compress.recipe import load_recipe, parse_recipe
+    from compress.recipe import load_recipe
 
-    if not path.is_file():
-        load_recipe(path)  # its error names the file
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
-        doc = None
-    if not isinstance(doc, dict) or "calibration" in doc or cal_section is None:
-        load_recipe(path)
-        doc.pop("evaluation", None)
-        return path, doc
-    trial = {**doc, "calibration": cal_section}
-    try:
-        recipe = parse_recipe(yaml.safe_dump(trial, sort_keys=False), str(path))
-    except CompressError:
-        load_recipe(path)  # the error as the file has it (its line numbers), if the file alone fails
-        raise
-    if recipe.needs_calibration:
-        doc = trial
-    else:
-        load_recipe(path)
+    recipe = load_recipe(path, default_calibration=cal_section)
+    doc = yaml.safe_load(path.read_text())
+    if doc.get("calibration") is None and recipe.calibration is not None:
+        doc["calibration"] = cal_section
     doc.pop("evaluation", None)
     return path, doc
 

@@ -210,8 +210,10 @@ def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: d
     return f"{path}{line}: {key}: {msg}", hint
 
 
-def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
-    """Validate a recipe's text completely; raise CompressError on the first problem."""
+def parse_recipe(text: str, path: str = "<recipe>", default_calibration: dict | None = None) -> Recipe:
+    """Validate a recipe's text completely; raise CompressError on the first problem.
+    `default_calibration`: the calibration section a recipe gets when its stages need one and it
+    has none (`compress bench` gives the protocol's)."""
     from compress.stages import STAGES
 
     try:
@@ -266,6 +268,9 @@ def parse_recipe(text: str, path: str = "<recipe>") -> Recipe:
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         raise CompressError(first + more, hint)
     assert top is not None
+    if default_calibration is not None and top.calibration is None and any(
+            getattr(cfg, "needs_calibration", False) for _, cfg in stages):
+        top.calibration = CalibrationConfig.model_validate(default_calibration)
     recipe = Recipe(path, top, stages)
     _check_contradictions(recipe, path)
     return recipe
@@ -293,7 +298,7 @@ def _why_calibration(cfg) -> str:
     return "it measures activations layer by layer"
 
 
-def load_recipe(path: Union[str, Path]) -> Recipe:
+def load_recipe(path: Union[str, Path], default_calibration: dict | None = None) -> Recipe:
     p = Path(path)
     if p.is_dir():
         raise CompressError(f"recipe {p} is a directory", "give the path of a .yaml recipe file")
@@ -308,4 +313,4 @@ def load_recipe(path: Union[str, Path]) -> Recipe:
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         raise CompressError(f"{p}:{line}: recipe is not UTF-8 text (byte 0x{raw[exc.start]:02x})", "save the file as UTF-8") from None
-    return parse_recipe(text, str(p))
+    return parse_recipe(text, str(p), default_calibration)

@@ -81,3 +81,19 @@ def test_eval_windows_from_a_prefix_equal_the_whole_files(ref_llama, shared):
         whole = token_windows(tok, "\n".join(read_texts(spec)), 256)[:256]
         assert torch.equal(eval_windows(tok, spec, 256, 256), whole)
         assert torch.equal(eval_windows(tok, spec, 256, 16), whole[:16])
+
+
+def test_a_recipe_without_calibration_gets_the_benchmarks(tmp_path):
+    """compress bench fills in its calibration set only where a recipe's stages need one."""
+    from compress.bench_recipes import _with_calibration
+
+    section = {"dataset": "calibration/default.txt", "num_samples": 4, "seq_len": 32}
+    gptq, rtn = tmp_path / "gptq.yaml", tmp_path / "rtn.yaml"
+    gptq.write_text("stages:\n  - gptq: {scheme: W4A16}\nevaluation: {datasets: [x.txt]}\n")
+    rtn.write_text("stages:\n  - rtn: {scheme: W4A16}\n")
+    assert _with_calibration(gptq, section)[1] == {"stages": [{"gptq": {"scheme": "W4A16"}}], "calibration": section}
+    assert "calibration" not in _with_calibration(rtn, section)[1]
+    from compress.errors import CompressError
+
+    with pytest.raises(CompressError, match="needs calibration data"):
+        _with_calibration(gptq, None)
