@@ -4,7 +4,7 @@ transformers read), written and read through the `compressed-tensors` library.
     in-memory model (dequantized weights) + per-layer records (ctx.layers)
       -> per layer: scales recovered and verified exactly (compress.quant.recover_qparams)
       -> the library's compressor for the layer's scheme: int4 packed into int32, int8 as int8,
-         FP8 as float8_e4m3fn, scales (float32) and zero points per tensor, channel or group
+         FP8 as float8_e4m3fn, scales (in the model's dtype where exact, else float32) and zero points per tensor, channel or group
       -> the library decompresses each layer again, which must give back our weights bit for bit
       -> save_pretrained with that state dict, and `quantization_config` in config.json
 
@@ -160,7 +160,7 @@ def _activation_qparams(rec: dict) -> dict[str, torch.Tensor]:
 def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str, torch.Tensor], str]:
     """The layer's tensors in the format (local names: weight_packed, weight_scale, ...), and the
     format's name. Raises CompressError when the packed layer would not give back its weights."""
-    from compress.quant import recover_qparams
+    from compress.quant import recover_qparams, scales_as
 
     w = rec["weights"]
     weight = module.weight.detach().cpu()
@@ -169,9 +169,16 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
     if failed:
         raise NotPackable(f"layer {name}: {failed} weight group(s) are not on a {w['num_bits']}-bit grid the format can store exactly",
                             "pass --format dense; the layer's weights were changed after quantization")
+    if weight.dtype in (torch.bfloat16, torch.float16) and w["type"] == "int":
+        # readers hold scales in the model's dtype: store them so wherever they are exact there
+        # (stages round them so: compress.quant.scales_stored_as), so nothing is cast on load
+        in_dtype = scales_as(weight, scale, zero_point, w["num_bits"], w["strategy"], w.get("group_size"), weight.dtype)
+        scale = scale if in_dtype is None else in_dtype
     scheme = ct_scheme(rec, [name])
     compressor, fmt = _compressor(scheme)
-    state = {"weight": weight, "weight_scale": scale}
+    # float32 in: the library divides by the scale in the weight's dtype, and in bfloat16 that
+    # division can round an 8-bit code to its neighbour
+    state = {"weight": weight.float(), "weight_scale": scale}
     if zero_point is not None:
         state["weight_zero_point"] = zero_point
     state.update(_activation_qparams(rec))
@@ -235,8 +242,9 @@ def save_packed(net: torch.nn.Module, layers: dict, directory: Path, packed: tup
     state, qconfig = packed or pack_model(net, layers)
     net.save_pretrained(directory, state_dict=state)
     ModelCompressor(quantization_config=qconfig).update_config(str(directory))
-    packed_layers = sum(1 for k in state if k.endswith(".weight_scale"))
-    return {"compressed_tensors_format": qconfig.format, "packed_layers": packed_layers, "scale_dtype": "float32"}
+    scales = [v for k, v in state.items() if k.endswith(".weight_scale")]
+    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in scales})
+    return {"compressed_tensors_format": qconfig.format, "packed_layers": len(scales), "scale_dtype": "/".join(dtypes)}
 
 
 def quantized_size(directory: Path, net: torch.nn.Module, layers: dict) -> dict:

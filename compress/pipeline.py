@@ -23,6 +23,7 @@ from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes, kill
 from compress.errors import CompressError
 from compress.evaluate import evaluate, gate
 from compress.moe import fuse_experts, unfuse_experts
+from compress.quant import scales_stored_as
 from compress.recipe import EvaluationConfig, Recipe
 from compress.report import versions, write_json, write_reports
 from compress.schemes import QuantArgs, packed_weight_bits
@@ -210,9 +211,10 @@ def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=N
     swaps = unfuse_experts(net) if ctx.offload is None else []  # MoE experts as plain Linear layers meanwhile
     try:
         start = cache.restore(net, ctx, reports) if cache is not None else 0
+        saved_dtype = next(net.parameters()).dtype  # a half-precision checkpoint holds its scales so too
         for index, (name, stage) in enumerate(recipe.stages[start:], start):
             ctx.stage_index = index
-            with PeakMemory() as mem:
+            with PeakMemory() as mem, scales_stored_as(saved_dtype):
                 summary = stage.apply(net, ctx)
             reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
                             "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary})

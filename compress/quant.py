@@ -21,6 +21,12 @@ A width that `group_size` does not divide gets a shorter last group.
 FP8 (e4m3) is supported as a float format: scale so that max|x| maps to 448, cast, cast back.
 Nothing here knows about models, hooks or devices.
 
+Scales are float32 values; inside `scales_stored_as(torch.bfloat16)` (or float16) every weight
+scale computed here is rounded up to a value that dtype holds exactly. The pipeline sets it to the
+dtype a half-precision model is saved in, because compressed-tensors readers (transformers, vLLM)
+hold a layer's scales in the model's dtype: with float32 scales they would compute with slightly
+different weights from the ones that were evaluated. Rounding up keeps every value in range.
+
 Degenerate inputs have defined results (tests/test_quant_properties.py): an all-zero slice gets
 step 1 (any step holds it exactly); a step is never below the smallest normal float32, so x / step
 cannot overflow for subnormal ranges; max - min is formed as max/n - min/n, so ranges near
@@ -31,6 +37,8 @@ visible to the stages' checks, which name the layer) nor spoils the rest of its 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +51,30 @@ _F32_MAX = torch.finfo(torch.float32).max
 def _positive_step(scale: torch.Tensor) -> torch.Tensor:
     """Step 1 for an all-zero slice; otherwise at least the smallest normal float32."""
     return torch.where(scale > 0, scale.clamp(min=_TINY), torch.ones_like(scale))
+
+
+_SCALE_DTYPE: ContextVar[torch.dtype] = ContextVar("scale_dtype", default=torch.float32)
+
+
+@contextmanager
+def scales_stored_as(dtype: torch.dtype):
+    """Within: weight scales are values `dtype` represents exactly (no-op for float32)."""
+    token = _SCALE_DTYPE.set(dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32)
+    try:
+        yield
+    finally:
+        _SCALE_DTYPE.reset(token)
+
+
+def storable_scale(scale: torch.Tensor) -> torch.Tensor:
+    """`scale` rounded up to the nearest value of the current scale dtype (as float32); a scale
+    that dtype cannot hold (float16 overflow) stays as it is, and is then stored in float32."""
+    dtype = _SCALE_DTYPE.get()
+    if dtype == torch.float32:
+        return scale
+    rounded = scale.to(dtype)
+    rounded = torch.where(rounded.float() < scale, torch.nextafter(rounded, torch.full_like(rounded, float("inf"))), rounded)
+    return torch.where(torch.isfinite(rounded) & (rounded > 0), rounded.float(), scale)
 
 
 def _finite_or_zero(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -77,7 +109,7 @@ def absmax_qparams(absmax: torch.Tensor, bits: int) -> QParams:
     """Symmetric parameters from the largest magnitude of each slice."""
     qmin, qmax = int_range(bits, symmetric=True)
     # An all-zero slice would give step 0; any positive step represents it exactly.
-    scale = _positive_step(absmax.float() / qmax)
+    scale = storable_scale(_positive_step(absmax.float() / qmax))
     return QParams(scale, torch.zeros_like(scale), qmin, qmax)
 
 
@@ -87,7 +119,7 @@ def zeropoint_qparams(xmin: torch.Tensor, xmax: torch.Tensor, bits: int) -> QPar
     xmin = torch.clamp(xmin.float(), max=0.0)
     xmax = torch.clamp(xmax.float(), min=0.0)
     # xmax/n - xmin/n: (xmax - xmin) overflows float32 for ranges near its maximum
-    scale = _positive_step(xmax / (qmax - qmin) - xmin / (qmax - qmin))
+    scale = storable_scale(_positive_step(xmax / (qmax - qmin) - xmin / (qmax - qmin)))
     zero_point = -torch.round(xmin / scale) + qmin
     return QParams(scale, zero_point, qmin, qmax)
 
@@ -376,6 +408,12 @@ def _solve_groups(w: torch.Tensor, top: float, start: int, qmin: float, qmax: fl
         # and the float32 neighbours, for a value that rounded out of its interval
         up, down = torch.full_like(cand, float("inf")), torch.full_like(cand, -float("inf"))
         trials += [cand, torch.nextafter(cand, up), torch.nextafter(cand, down)]
+    if w.dtype in (torch.bfloat16, torch.float16) and not float8:
+        # a stage under scales_stored_as(dtype) used a scale of the weight's own dtype, within one
+        # of its steps of s0: try those too (their 8-bit products round coarsely, so the
+        # intervals above can miss them)
+        near = start_scale.to(w.dtype)
+        trials += [torch.nextafter(near, torch.full_like(near, d)).float() for d in (float("inf"), -float("inf"))] + [near.float()]
     for trial in trials:
         good, zp_t = check(trial)
         if scale is None:
@@ -386,6 +424,34 @@ def _solve_groups(w: torch.Tensor, top: float, start: int, qmin: float, qmax: fl
         if bool(ok.all()):
             break
     return scale, zp, ok
+
+
+def scales_as(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int, strategy: str,
+              group_size: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """recover_qparams' float32 scales as values of `dtype` that give back `weight` just as
+    exactly, or None when some group has none (its scale is then kept in float32).
+
+    A stage that ran under `scales_stored_as(dtype)` used such a scale, and it lies in the interval
+    every recovered scale comes from, within one step of `dtype` of the recovered one: the nearest
+    value and its two neighbours are tried, each group verified as recover_qparams verifies."""
+    rows, cols = weight.shape
+    per_group = group_size if strategy == "group" else (cols if strategy == "channel" else rows * cols)
+    w = weight.detach().reshape(-1, per_group)
+    x = w.float()
+    z = torch.zeros(w.shape[0], 1) if zero_point is None else zero_point.reshape(-1, 1).float()
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    nearest = scale.reshape(-1, 1).to(dtype)
+    chosen = ok = None
+    for cand in (nearest, torch.nextafter(nearest, torch.full_like(nearest, float("inf"))),
+                 torch.nextafter(nearest, torch.full_like(nearest, -float("inf")))):
+        s = cand.float()
+        q = torch.round(x / s + z).clamp(qmin, qmax)
+        good = (((q - z) * s).to(w.dtype) == w).all(-1, keepdim=True) & torch.isfinite(s) & (s > 0)
+        chosen = cand if chosen is None else torch.where(ok, chosen, cand)
+        ok = good if ok is None else ok | good
+        if bool(ok.all()):
+            return chosen.reshape(scale.shape)
+    return None
 
 
 # --- Differentiable fake quantization, for quantization-aware training -------------------------

@@ -14,7 +14,8 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from compress import modeling, packing, parse_recipe, run_recipe
 from compress.cli import main
 from compress.pipeline import evaluate_model
-from compress.quant import fake_quantize, fake_quantize_fp8, recover_qparams
+from compress.quant import (compute_qparams, fake_quantize, fake_quantize_fp8, recover_qparams, scales_as,
+                            scales_stored_as)
 from compress.stages.base import StageContext
 from compress.stages.rtn import RoundToNearest
 
@@ -41,8 +42,10 @@ def quantize(tmp, name, stage_yaml, model="default", extra="", fmt=None, dtype="
 
 
 def in_memory(stage_kwargs, model="default", dtype="auto"):
+    """The stage run in memory as the pipeline runs it (scales held as the model's dtype holds them)."""
     net, _, _ = modeling.load_model(model, dtype=dtype)
-    RoundToNearest(**stage_kwargs).apply(net, StageContext(device=torch.device("cpu")))
+    with scales_stored_as(next(net.parameters()).dtype):
+        RoundToNearest(**stage_kwargs).apply(net, StageContext(device=torch.device("cpu")))
     return net
 
 
@@ -98,6 +101,32 @@ def test_recovered_scales_reproduce_weights_exactly(dtype):
     assert recover_qparams(W.to(dtype), 4, True, "group", 64)[2] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scales_in_the_model_dtype(dtype):
+    """Under scales_stored_as(dtype) every scale is a value of dtype, never smaller than the plain
+    one (no code range shrinks), the rounding error stays within half a step, and the packer
+    finds those very scales again from the weights alone."""
+    torch.manual_seed(0)
+    W = torch.randn(64, 256) * 0.02
+    for bits, sym, strategy, group in [(4, True, "group", 64), (4, False, "group", 64), (8, True, "channel", None),
+                                       (8, False, "channel", None), (3, True, "group", 32)]:
+        plain = compute_qparams(W, bits, sym, strategy, group)
+        with scales_stored_as(dtype):
+            held = compute_qparams(W, bits, sym, strategy, group)
+            q = fake_quantize(W, bits, sym, strategy, group)
+        assert torch.equal(held.scale.to(dtype).float(), held.scale)
+        assert (held.scale >= plain.scale).all() and (held.scale <= plain.scale * (1 + 2**-7)).all()
+        step = held.scale.expand(-1, -1, group).reshape(64, 256) if group else held.scale
+        assert ((q - W).abs() <= step / 2 + 1e-9).all()
+        stored = q.to(dtype)
+        scale, zp, failed = recover_qparams(stored, bits, sym, strategy, group)
+        assert failed == 0
+        in_dtype = scales_as(stored, scale, zp, bits, strategy, group, dtype)
+        assert in_dtype is not None and in_dtype.dtype == dtype, (bits, sym, strategy)
+    with scales_stored_as(torch.float32):  # float32 models keep float32 scales as computed
+        assert torch.equal(compute_qparams(W, 8, True, "channel").scale, W.abs().amax(1, keepdim=True) / 127)
+
+
 # ---------------------------------------------------------------------------------------------
 # The bundled model: bytes, exactness, transformers, round trip
 
@@ -122,25 +151,59 @@ def test_w4_group64_bytes_and_exact_decompression(w4g64):
         assert torch.equal(weight.to(modules[name].weight.dtype), modules[name].weight), name
 
 
-def test_plain_transformers_loads_packed_logits_match(w4g64, tmp_path):
-    out, _ = w4g64
+def plain_transformers_logits(path, tmp_path, dequantize=False) -> torch.Tensor:
+    """Logits of the checkpoint as plain transformers computes them, in a process that never
+    imports compress; `dequantize`: CompressedTensorsConfig(dequantize=True), which transformers
+    needs for asymmetric pack-quantized checkpoints (see README)."""
     script = (
         "import sys, torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+        "from transformers import AutoModelForCausalLM, CompressedTensorsConfig\n"
+        "kw = {'quantization_config': CompressedTensorsConfig(dequantize=True)} if sys.argv[3] == '1' else {}\n"
+        "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], **kw).eval()\n"
         "ids = torch.arange(40).reshape(2, 20) * 37 % 2048\n"
         "with torch.no_grad():\n"
         "    torch.save(m(input_ids=ids).logits, sys.argv[2])\n"
         "assert not any(k == 'compress' or k.startswith('compress.') for k in sys.modules)\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", script, str(out), str(tmp_path / "logits.pt")], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path / "logits.pt"), "1" if dequantize else "0"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    theirs = torch.load(tmp_path / "logits.pt")
+    return torch.load(tmp_path / "logits.pt")
+
+
+def relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    ours, theirs = ours.float(), theirs.float()
+    return float((ours - theirs).abs().max() / ours.abs().max())
+
+
+def test_plain_transformers_loads_packed_logits_match(w4g64, tmp_path):
+    out, _ = w4g64
+    theirs = plain_transformers_logits(out, tmp_path)
     net = in_memory({"scheme": "W4A16", "weights": {"group_size": 64}}, dtype="float32")
     with torch.no_grad():
         ours = net(input_ids=IDS).logits
-    assert ((ours - theirs).abs().max() / ours.abs().max()) <= 1e-4
+    assert relative_difference(ours, theirs) <= 1e-4
+
+
+def test_bfloat16_scales_and_asymmetric_in_plain_transformers(tmp_path):
+    """A bfloat16 model's checkpoint holds bfloat16 scales (the stage rounded them so), so that
+    transformers, which computes with scales in the model's dtype, gets our weights exactly;
+    an asymmetric one loads through CompressedTensorsConfig(dequantize=True), also exactly."""
+    out, report = quantize(tmp_path, "bf16", "{scheme: W4A16, weights: {group_size: 64}}")
+    assert report["format"]["scale_dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("model.layers.0.mlp.down_proj.weight_scale").get_dtype() == "BF16"
+    net = in_memory({"scheme": "W4A16", "weights": {"group_size": 64}})
+    assert next(net.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        ours = net(input_ids=IDS).logits
+    assert relative_difference(ours, plain_transformers_logits(out, tmp_path)) <= 1e-4
+    asym, report = quantize(tmp_path, "asym", "{scheme: W4A16_ASYM, weights: {group_size: 64}}")
+    assert report["format"]["scale_dtype"] == "bfloat16"
+    net = in_memory({"scheme": "W4A16_ASYM", "weights": {"group_size": 64}})
+    with torch.no_grad():
+        ours = net(input_ids=IDS).logits
+    assert relative_difference(ours, plain_transformers_logits(asym, tmp_path, dequantize=True)) <= 1e-4
 
 
 def test_round_trip_perplexity(w4g64):

@@ -33,7 +33,7 @@ from compress import activations
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import (QParams, compute_qparams, fake_quantize, fake_quantize_ste, int_range, lsq_gradient_factor,
-                            recover_qparams, relative_error, scale_gradient)
+                            recover_qparams, relative_error, scale_gradient, storable_scale)
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext
 from compress.stages.distill import DistillLoss, load_teacher, pruning_masks, run_training, trainable_parameters
@@ -141,6 +141,8 @@ class QAT(DistillLoss, QuantizationStage):
         errors = []
         for name, module in modules.items():
             with torch.no_grad():
+                fq = module.parametrizations.weight[0]
+                fq.scale.copy_(storable_scale(fq.scale))  # learned steps, as the checkpoint's dtype holds them
                 final = module.weight.detach().clone()  # the parametrized, quantized weight
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
             set_weight(module, (final.t() if type(module).__name__ == "Conv1D" else final).float())
