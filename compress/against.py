@@ -61,9 +61,19 @@ def _config_groups(cfg) -> dict:
     if scheme.input_activations is not None:
         group["input_activations"] = scheme.input_activations.model_dump(mode="json", exclude_none=True)
     for args in group.values():
-        if isinstance(args, dict) and args.get("strategy") != "group":
-            args.pop("group_size", None)
+        if isinstance(args, dict):
+            args.pop("full_range", None)  # compressed-tensors' symmetric grid is always the full one
+            if args.get("strategy") != "group":
+                args.pop("group_size", None)
     return {"group_0": group}
+
+
+def _grid_note(name: str, cfg) -> list[str]:
+    w = cfg.resolved_scheme().weights
+    if w.type == "int" and w.symmetric and not w.full_range:
+        return [f"{name}: compress rounded to absmax's 2^b - 1 codes; llm-compressor's symmetric grid has all 2^b "
+                "(compress's `full_range: true`)"]
+    return []
 
 
 def _pruning_args(name: str, cfg) -> dict:
@@ -89,6 +99,7 @@ def llmcompressor_modifiers(recipe) -> tuple[list[dict], list[str]]:
         if name == "rtn":
             mods.append({"class": "QuantizationModifier",
                          "args": {"config_groups": _config_groups(cfg), "ignore": ct_targets(cfg.ignore)}})
+            notes += _grid_note(name, cfg)
         elif name == "gptq":
             actorder = None if not cfg.actorder else ("weight" if cfg.static_groups else "group")
             mods.append({"class": "GPTQModifier",
@@ -97,6 +108,7 @@ def llmcompressor_modifiers(recipe) -> tuple[list[dict], list[str]]:
                                   "actorder": actorder}})
             if cfg.shrink_grid:
                 notes.append("gptq shrink_grid: llm-compressor ran its default min/max observer")
+            notes += _grid_note(name, cfg)
         elif name == "awq":
             if cfg.mappings:
                 raise Untranslatable("awq: custom mappings are not translated")
@@ -106,6 +118,7 @@ def llmcompressor_modifiers(recipe) -> tuple[list[dict], list[str]]:
             if cfg.quantize:
                 mods.append({"class": "QuantizationModifier",
                              "args": {"config_groups": _config_groups(cfg), "ignore": ct_targets(cfg.ignore)}})
+                notes += _grid_note(name, cfg)
         elif name == "smoothquant":
             if cfg.mappings or cfg.alpha_overrides:
                 raise Untranslatable("smoothquant: custom mappings and alpha_overrides are not translated")

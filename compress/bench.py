@@ -114,6 +114,9 @@ def _rows() -> list[Row]:
         Row("ref-llama", "W3 absmax g64", {"scheme": "W4A16", "weights": {"num_bits": 3, "group_size": 64}}, **GPTQ_ROW),
         Row("ref-llama", "W4 zero-point g64", {"scheme": "W4A16_ASYM", "weights": {"group_size": 64}}, **GPTQ_ROW),
         Row("ref-llama", "W8 absmax per-channel", {"scheme": "W8A16"}, **GPTQ_ROW),
+        # compressed-tensors' symmetric grid (all 2^b codes, `full_range`), the one llm-compressor uses
+        Row("ref-llama", "W3 full-range g64", W3_FULL_G64),
+        Row("ref-llama", "W3 full-range g64", W3_FULL_G64, **GPTQ_ROW),
         # AWQ (stage defaults: 20-point α grid, duo scaling, clipping search) and SmoothQuant
         # (α 0.5, then the same rtn stage as the plain W8A8 row of that label).
         Row("ref-llama", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **AWQ_ROW),
@@ -152,6 +155,7 @@ def _rows() -> list[Row]:
 
 GPTQ_ROW = {"method": "GPTQ", "stage_name": "gptq"}
 W3_CHANNEL = {"weights": {"num_bits": 3, "strategy": "channel", "symmetric": True}}
+W3_FULL_G64 = {"scheme": "W4A16", "weights": {"num_bits": 3, "group_size": 64, "full_range": True}}
 # The training rows' fixed budget: 100 AdamW steps of 8 windows of 256 tokens (204,800 tokens),
 # warm-up 5 %, cosine decay; the text comes from Setup.recipe_text (the calibration corpora).
 TRAIN_BUDGET = {"steps": 100, "batch_size": 8, "warmup": 0.05, "eval_every": 50, "save_every": 0}

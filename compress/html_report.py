@@ -59,7 +59,7 @@ def _weights_desc(rec: dict) -> str:
     if not w:
         return "-"
     gran = f"g{w['group_size']}" if w.get("group_size") else w.get("strategy", "")
-    return f"{w.get('type', 'int')}{w.get('num_bits')} {gran} {'sym' if w.get('symmetric') else 'asym'}"
+    return f"{w.get('type', 'int')}{w.get('num_bits')} {gran} {('sym full' if w.get('full_range') else 'sym') if w.get('symmetric') else 'asym'}"
 
 
 def run_html(report: dict) -> str:

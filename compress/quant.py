@@ -7,6 +7,12 @@ any width from 2 to 8:
       q = round(x / step),  step = max|x| / (2^(b-1) - 1),  x_hat = q * step
   (The course writes the multiplier 127 / max|x|; `step` is its inverse, the size of one code.)
 
+* full-range absmax (symmetric, `full_range`): codes in [-2^(b-1), 2^(b-1) - 1], all 2^b of them,
+      step = max|x| / (2^(b-1) - 0.5),  q = clamp(round(x / step)),  x_hat = q * step
+  The grid compressed-tensors (and so llm-compressor) uses: one level more, a step 2^(b-1) - 0.5
+  over 2^(b-1) - 1 finer (14 % at 3 bits), at the price of the positive extreme landing half a
+  step short. Worst-case rounding error max|x| / (2^b - 1) against absmax's max|x| / (2^b - 2).
+
 * zero-point (asymmetric): codes in [-2^(b-1), 2^(b-1) - 1], e.g. [-128, 127].
       step = (max - min) / (2^b - 1),  zero_point = -round(min / step) - 2^(b-1)
       q = clamp(round(x / step + zero_point)),  x_hat = (q - zero_point) * step
@@ -105,11 +111,12 @@ class QParams:
     qmax: int
 
 
-def absmax_qparams(absmax: torch.Tensor, bits: int) -> QParams:
-    """Symmetric parameters from the largest magnitude of each slice."""
-    qmin, qmax = int_range(bits, symmetric=True)
+def absmax_qparams(absmax: torch.Tensor, bits: int, full_range: bool = False) -> QParams:
+    """Symmetric parameters from the largest magnitude of each slice; `full_range` adds code
+    -2^(b-1), with ±max|x| half a step inside the grid's reach on both sides."""
+    qmin, qmax = int_range(bits, symmetric=not full_range)
     # An all-zero slice would give step 0; any positive step represents it exactly.
-    scale = storable_scale(_positive_step(absmax.float() / qmax))
+    scale = storable_scale(_positive_step(absmax.float() / (qmax + 0.5 if full_range else qmax)))
     return QParams(scale, torch.zeros_like(scale), qmin, qmax)
 
 
@@ -148,7 +155,7 @@ def _grouped(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
 
 
 def compute_qparams(
-    x: torch.Tensor, bits: int, symmetric: bool, strategy: str, group_size: int | None = None
+    x: torch.Tensor, bits: int, symmetric: bool, strategy: str, group_size: int | None = None, full_range: bool = False
 ) -> QParams:
     """Quantization parameters of a 2-D tensor [rows, cols] at the given granularity.
 
@@ -170,7 +177,7 @@ def compute_qparams(
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
     if symmetric:
-        return absmax_qparams(x.abs().amax(dim=dims, keepdim=True), bits)
+        return absmax_qparams(x.abs().amax(dim=dims, keepdim=True), bits, full_range)
     return zeropoint_qparams(x.amin(dim=dims, keepdim=True), x.amax(dim=dims, keepdim=True), bits)
 
 
@@ -181,6 +188,7 @@ def fake_quantize(
     strategy: str,
     group_size: int | None = None,
     qparams: QParams | None = None,
+    full_range: bool = False,
 ) -> torch.Tensor:
     """Quantize then dequantize a 2-D tensor, returning float32 values on the integer grid.
 
@@ -190,7 +198,7 @@ def fake_quantize(
     original = x
     x, finite = _finite_or_zero(x.float())
     if qparams is None:
-        qparams = compute_qparams(x, bits, symmetric, strategy, group_size)
+        qparams = compute_qparams(x, bits, symmetric, strategy, group_size, full_range)
     if strategy == "group":
         grouped, pad = _grouped(x, group_size)  # type: ignore[arg-type]
         out = dequantize(quantize(grouped, qparams), qparams).reshape(x.shape[0], -1)
@@ -280,9 +288,11 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
         qmin, qmax, top = -FP8_E4M3_MAX, FP8_E4M3_MAX, [FP8_E4M3_MAX]
     else:
         qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1  # the format's range (absmax uses one code less)
-        # the code of the group's extreme (or its code span, asymmetric): the grid's end first, as
-        # round-to-nearest and AWQ leave it, then every smaller one (GPTQ may stop short of the end)
-        top = list(range(qmax, 0, -1)) if symmetric else list(range(2**bits - 1, 0, -1))
+        # the code of the group's extreme (or its code span, asymmetric): the grid's ends first, as
+        # round-to-nearest and AWQ leave them (absmax's qmax; the full range's -2^(b-1)), then every
+        # smaller one (GPTQ may stop short of the end)
+        top = [qmax, qmax + 1, *range(qmax - 1, 0, -1)] if symmetric else list(range(2**bits - 1, 0, -1))
+    ends = 2 if symmetric and not float8 else 1
     scale = zp = ok = None
     for i, t in enumerate(top):
         for start in range(_STARTS):  # each attempt only on the groups not yet verified
@@ -296,7 +306,7 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
             bad = (~ok).squeeze(-1).nonzero().squeeze(-1)
             s_b, z_b, ok_b = _solve_groups(w[bad], t, start, qmin, qmax, symmetric, float8)
             scale[bad], zp[bad], ok[bad] = s_b, z_b, ok_b
-        if bool(ok.all()) or (i == 0 and float((~ok).float().mean()) > 0.5):
+        if bool(ok.all()) or (i == ends - 1 and float((~ok).float().mean()) > 0.5):
             break
     failed = int((~ok).sum())
     scale = scale.reshape(shape[0], shape[1])

@@ -27,6 +27,8 @@ class QuantArgs(BaseModel):
     strategy: Literal["tensor", "channel", "group", "token"] = "channel"
     group_size: Optional[int] = Field(None, description="columns per scale when strategy is group")
     dynamic: bool = Field(False, description="activations: ranges from each input (true) or from calibration (false)")
+    full_range: bool = Field(False, description="symmetric int: all 2^b codes, [-2^(b-1), 2^(b-1)-1], step max|x|/(2^(b-1)-0.5) "
+                             "(compressed-tensors' grid); false: absmax, codes symmetric about 0")
 
     @model_validator(mode="after")
     def _consistent(self) -> "QuantArgs":
@@ -39,6 +41,8 @@ class QuantArgs(BaseModel):
                 raise ValueError("FP8 quantization is symmetric: set symmetric: true")
             if self.strategy == "group":
                 raise ValueError("FP8 supports tensor, channel and token strategies, not group")
+        if self.full_range and (self.type != "int" or not self.symmetric):
+            raise ValueError("full_range is for symmetric int quantization (zero-point already uses all 2^b codes)")
         if self.strategy == "group":
             if self.group_size is None:
                 raise ValueError("strategy group needs group_size (e.g. 64 or 128)")
@@ -54,7 +58,7 @@ class QuantArgs(BaseModel):
     def describe(self) -> str:
         kind = f"{'fp' if self.type == 'float' else 'int'}{self.num_bits}"
         gran = f"g{self.group_size}" if self.strategy == "group" else f"per-{self.strategy}"
-        sym = "sym" if self.symmetric else "asym"
+        sym = ("sym full" if self.full_range else "sym") if self.symmetric else "asym"
         dyn = "" if not self.dynamic else " dynamic"
         return f"{kind} {gran} {sym}{dyn}"
 

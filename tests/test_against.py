@@ -45,6 +45,13 @@ def test_quantization_recipes_translate_with_the_same_scheme():
     assert group["input_activations"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}
     assert "group_size" not in group["weights"] and mods[1]["args"]["actorder"] is None
 
+    # llm-compressor's symmetric grid is compress's full_range one: translated without a word;
+    # absmax's grid (one code fewer) is translated too, and the difference said
+    mods, notes = llmcompressor_modifiers(recipe("  - rtn: {scheme: W4A16, weights: {num_bits: 3, full_range: true}}\n"))
+    assert "full_range" not in mods[0]["args"]["config_groups"]["group_0"]["weights"] and notes == []
+    _, notes = llmcompressor_modifiers(recipe("  - rtn: {scheme: W4A16, weights: {num_bits: 3}}\n"))
+    assert any("full_range: true" in n for n in notes)
+
     mods, notes = llmcompressor_modifiers(recipe("  - awq: {scheme: W4A16, weights: {group_size: 64}, grid: 10}\n"))
     assert [m["class"] for m in mods] == ["AWQModifier", "QuantizationModifier"]
     assert mods[0]["args"] == {"duo_scaling": True, "n_grid": 10}

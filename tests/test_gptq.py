@@ -32,11 +32,13 @@ def correlated_layer(out_features=48, in_features=96, tokens=2048, seed=0):
     (QuantArgs(num_bits=2, strategy="group", group_size=16, symmetric=False), False, False),
     (QuantArgs(num_bits=8, strategy="channel"), False, False),
     (QuantArgs(num_bits=4, strategy="tensor"), False, False),
+    (QuantArgs(num_bits=3, strategy="group", group_size=32, full_range=True), False, False),
+    (QuantArgs(num_bits=3, strategy="group", group_size=32, full_range=True), True, True),
 ])
 def test_gptq_beats_round_to_nearest(args, actorder, static):
     W, X, H = correlated_layer()
     Q, info = gptq_quantize(W, H, args, block_size=32, actorder=actorder, static_groups=static)
-    rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
+    rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
     gptq_err = ((W - Q) @ X.t()).pow(2).sum()
     rtn_err = ((W - rtn) @ X.t()).pow(2).sum()
     assert gptq_err < 0.5 * rtn_err

@@ -206,6 +206,24 @@ def test_bfloat16_scales_and_asymmetric_in_plain_transformers(tmp_path):
     assert relative_difference(ours, plain_transformers_logits(asym, tmp_path, dequantize=True)) <= 1e-4
 
 
+def test_full_range_grid_packs_exactly(tmp_path):
+    """The full symmetric grid (code -8 at 4 bits) is the format's own: packed, decompressed by
+    compressed-tensors to exactly the evaluated weights, and the extra code is really stored."""
+    stage = {"scheme": "W4A16", "weights": {"group_size": 64, "full_range": True}}
+    out, report = quantize(tmp_path, "full", "{scheme: W4A16, weights: {group_size: 64, full_range: true}}", dtype="float32")
+    assert report["format"]["format"] == "packed"
+    modules = dict(in_memory(stage, dtype="float32").named_modules())
+    decompressed = ct_decompress(out)
+    lowest = []
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        for name, weight in decompressed.items():
+            assert torch.equal(weight.to(modules[name].weight.dtype), modules[name].weight), name
+            scale = f.get_tensor(f"{name}.weight_scale").float()
+            codes = (weight.float().reshape(weight.shape[0], -1, 64) / scale.unsqueeze(-1)).round()
+            lowest.append(int(codes.min()))
+    assert min(lowest) == -8
+
+
 def test_round_trip_perplexity(w4g64):
     out, report = w4g64
     in_memory_ppl = report["evaluation"][HELDOUT]["token_perplexity"]

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from compress.schemes import QuantArgs
+
 from compress.quant import (
     absmax_qparams,
     compute_qparams,
@@ -58,6 +60,30 @@ def test_error_within_half_step_and_codes_in_range(bits, symmetric, strategy, gr
     once = fake_quantize(w, bits, symmetric, strategy, group_size)
     twice = fake_quantize(once, bits, symmetric, strategy, group_size)
     assert torch.allclose(once, twice, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("strategy,group_size", [("tensor", None), ("channel", None), ("group", 16)])
+def test_full_range_grid(bits, strategy, group_size):
+    """full_range: all 2^b codes, [-2^(b-1), 2^(b-1)-1], step max|x| / (2^(b-1) - 0.5), error still
+    within half a step (the positive extreme lands half a step short, the negative one on the end)."""
+    torch.manual_seed(bits)
+    w = torch.randn(12, 64) * torch.rand(12, 1) * 3
+    qp = compute_qparams(w, bits, True, strategy, group_size, full_range=True)
+    plain = compute_qparams(w, bits, True, strategy, group_size)
+    assert (qp.qmin, qp.qmax) == (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    assert torch.allclose(qp.scale * (2 ** (bits - 1) - 0.5), plain.scale * (2 ** (bits - 1) - 1))
+    q = fake_quantize(w, bits, True, strategy, group_size, full_range=True)
+    step = qp.scale.expand(-1, -1, group_size).reshape(w.shape) if group_size else qp.scale.expand_as(w)
+    codes = (q / step).round()
+    assert codes.min() >= qp.qmin and codes.max() <= qp.qmax and torch.allclose(codes * step, q, atol=1e-6)
+    assert (q - w).abs().le(step / 2 + 1e-6).all()
+    if bits == 3 and strategy == "group":  # one level more is a finer step: clearly less error at 3 bits
+        assert (q - w).pow(2).mean() < 0.85 * (fake_quantize(w, bits, True, strategy, group_size) - w).pow(2).mean()
+    # a slice whose extreme is negative uses the extra code; a positive one ends at qmax
+    assert bool((codes == qp.qmin).any()) if strategy != "tensor" else codes.min() == qp.qmin or codes.max() == qp.qmax
+    with pytest.raises(ValueError, match="full_range"):
+        QuantArgs(num_bits=bits, symmetric=False, full_range=True)
 
 
 def test_finer_granularity_and_more_bits_lower_error():

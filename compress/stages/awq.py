@@ -98,7 +98,7 @@ def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 2
 
     def quantized(ratio: torch.Tensor) -> torch.Tensor:
         if args.symmetric:
-            qp = absmax_qparams(hi0 * ratio, args.num_bits)
+            qp = absmax_qparams(hi0 * ratio, args.num_bits, args.full_range)
         else:
             qp = zeropoint_qparams(lo0 * ratio, hi0 * ratio, args.num_bits)
         return dequantize(quantize(Wg, qp), qp)
@@ -205,7 +205,7 @@ class AWQ(EngineOptions, QuantizationStage):
                 apply_scales(prev, balance, s)
                 for layer in balance:
                     W = get_weight(layer)
-                    set_weight(layer, fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size))
+                    set_weight(layer, fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range))
                 out = runner.outputs(n_batches, mapping.inspect)
                 errors[alpha] = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
                 restore()
@@ -228,9 +228,9 @@ class AWQ(EngineOptions, QuantizationStage):
             if self.clip and args.strategy != "tensor":
                 Q, ratio = clip_search(X, W, args, self.clip_grid, self.max_shrink)
             else:
-                Q, ratio = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size), 1.0
+                Q, ratio = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range), 1.0
             X0, W0 = observers[name].inputs(), originals[name].to(X.device)
-            rtn = fake_quantize(W0, args.num_bits, args.symmetric, args.strategy, args.group_size)
+            rtn = fake_quantize(W0, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
             set_weight(module, Q)
             record = ctx.layers.setdefault(name, {})
             record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),

@@ -125,6 +125,7 @@ class QuantArgsOverride(BaseModel):
     strategy: Optional[Literal["tensor", "channel", "group", "token"]] = None
     group_size: Optional[int] = Field(None, gt=0)
     dynamic: Optional[bool] = None
+    full_range: Optional[bool] = None
 
 
 class QuantizationStage(Stage):

@@ -80,7 +80,7 @@ def _column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | Non
     is shrunk to r · (min, max) for r from 1 down to 1 - max_shrink, keeping the r whose rounding
     error Σ_j weight_j (w_j - q_j)² is least (weight: the columns' Hessian diagonal)."""
     strategy = "tensor" if args.strategy == "tensor" else "channel"
-    qp = compute_qparams(W, args.num_bits, args.symmetric, strategy)
+    qp = compute_qparams(W, args.num_bits, args.symmetric, strategy, full_range=args.full_range)
     if not shrink_grid or strategy == "tensor":
         return qp
     weight = torch.ones(W.shape[1], device=W.device) if weight is None else weight
@@ -89,7 +89,7 @@ def _column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | Non
     lo, hi = W.amin(1, keepdim=True), W.amax(1, keepdim=True)
     for i in range(1, shrink_grid + 1):
         r = 1 - max_shrink * i / shrink_grid
-        cand = (absmax_qparams(torch.maximum(-lo, hi) * r, args.num_bits) if args.symmetric
+        cand = (absmax_qparams(torch.maximum(-lo, hi) * r, args.num_bits, args.full_range) if args.symmetric
                 else zeropoint_qparams(lo * r, hi * r, args.num_bits))
         err = ((W - dequantize(quantize(W, cand), cand)).pow(2) * weight).sum(1, keepdim=True)
         better = err < best_err
@@ -248,7 +248,7 @@ class GPTQ(EngineOptions, QuantizationStage):
                     info["sparsity_preserved"] = float(keep_zero.float().mean())
             except FloatingPointError as exc:
                 raise CompressError(f"layer {name}: {exc}", "raise dampening_frac or give more calibration samples") from None
-            rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
+            rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
             gptq_loss, rtn_loss = hessian_loss(W, Q, H), hessian_loss(W, rtn, H)
             ctx.progress(f"block {index + 1}: {name} loss {gptq_loss:.3g} (rtn {rtn_loss:.3g})", k + 1, len(layers))
             set_weight(module, Q)
@@ -274,7 +274,7 @@ class GPTQ(EngineOptions, QuantizationStage):
         """The fallback for a layer GPTQ cannot solve, recorded as such."""
         args = self.resolved_scheme().weights
         W = get_weight(module)
-        rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size)
+        rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
         set_weight(module, rtn)
         ctx.layers.setdefault(name, {}).update({
             "stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),

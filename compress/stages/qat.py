@@ -163,7 +163,7 @@ class QAT(DistillLoss, QuantizationStage):
                          ctx: StageContext) -> tuple[QParams, str]:
         """The grid the weight is already on when an earlier stage quantized it at this scheme
         (verified exactly), else round-to-nearest's."""
-        qmin, qmax = int_range(args.num_bits, args.symmetric)
+        qmin, qmax = int_range(args.num_bits, args.symmetric and not args.full_range)
         earlier = ctx.layers.get(name, {}).get("weights")
         if earlier and QuantArgs(**earlier) == args and args.strategy in ("channel", "group", "tensor"):
             stored = module.weight.detach()
@@ -179,4 +179,5 @@ class QAT(DistillLoss, QuantizationStage):
                 elif args.strategy == "tensor":
                     scale, zero = scale.reshape(1, 1), zero.reshape(1, 1)
                 return QParams(scale.float(), zero, qmin, qmax), f"{ctx.layers[name].get('stage', 'earlier stage')} grid"
-        return compute_qparams(weight, args.num_bits, args.symmetric, args.strategy, args.group_size), "round-to-nearest"
+        return (compute_qparams(weight, args.num_bits, args.symmetric, args.strategy, args.group_size, args.full_range),
+                "round-to-nearest")

@@ -25,7 +25,7 @@ def quantize_weight(weight: torch.Tensor, args: QuantArgs) -> torch.Tensor:
     """Round a [out_features, in_features] weight to the scheme's grid; returns float32."""
     if args.type == "float":
         return fake_quantize_fp8(weight, args.strategy)
-    return fake_quantize(weight, args.num_bits, args.symmetric, args.strategy, args.group_size)
+    return fake_quantize(weight, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
 
 
 class RoundToNearest(QuantizationStage):

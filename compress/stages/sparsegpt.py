@@ -82,7 +82,8 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
 
     qp = None
     if quant is not None and group is None:
-        qp = compute_qparams(W, quant.num_bits, quant.symmetric, "tensor" if quant.strategy == "tensor" else "channel")
+        qp = compute_qparams(W, quant.num_bits, quant.symmetric, "tensor" if quant.strategy == "tensor" else "channel",
+                             full_range=quant.full_range)
 
     Hinv, damp_used, retries = inverse_hessian_cholesky(H, damp)
 
@@ -111,7 +112,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
                 # Scales from the group's current (already error-compensated) values, with the
                 # weights already known to be pruned left out of the range.
                 ahead = torch.cat([W1[:, i:] * keep1[:, i:], W[:, i2:]], dim=1)[:, :group]
-                qp = compute_qparams(ahead, quant.num_bits, quant.symmetric, "channel")
+                qp = compute_qparams(ahead, quant.num_bits, quant.symmetric, "channel", full_range=quant.full_range)
             w = W1[:, i : i + 1]
             q = w if quant is None else dequantize(quantize(w, qp), qp)
             q = q.masked_fill(~keep1[:, i : i + 1], 0.0)
@@ -130,7 +131,7 @@ def magnitude_baseline(W: torch.Tensor, target: LayerTarget, quant: QuantArgs | 
     pruned = magnitude_prune(W, target)
     if quant is None:
         return pruned
-    return fake_quantize(pruned, quant.num_bits, quant.symmetric, quant.strategy, quant.group_size)
+    return fake_quantize(pruned, quant.num_bits, quant.symmetric, quant.strategy, quant.group_size, full_range=quant.full_range)
 
 
 # ---------------------------------------------------------------------------------------------
