@@ -12,7 +12,7 @@ import torch
 
 from compress.errors import CompressError
 from compress.quant import (FP8_E4M3_MAX, QParams, absmax_qparams, compute_qparams, fake_quantize, fake_quantize_fp8,
-                            zeropoint_qparams)
+                            scales_stored_as, zeropoint_qparams)
 from compress.schemes import QuantArgs
 
 HOOK_ATTR = "_compress_activation_hook"
@@ -33,6 +33,12 @@ class ActivationFakeQuant:
             raise ValueError("static activation quantization needs a range observed on calibration data")
 
     def __call__(self, module: torch.nn.Module, inputs: tuple) -> tuple:
+        # activation scales stay float32 (as saved, and as evaluated), also when a stage's
+        # calibration forward runs under a half-precision model's weight-scale rounding
+        with scales_stored_as(torch.float32):
+            return self._fake_quantize(inputs)
+
+    def _fake_quantize(self, inputs: tuple) -> tuple:
         x = inputs[0]
         flat = x.reshape(-1, x.shape[-1])
         a = self.args
@@ -50,10 +56,10 @@ class ActivationFakeQuant:
             if not a.dynamic and qparams is None:
                 lo, hi = self.static_range
                 if a.symmetric:
-                    qparams = absmax_qparams(torch.tensor(max(abs(lo), abs(hi)), device=x.device), a.num_bits)
+                    qparams = absmax_qparams(torch.tensor(max(abs(lo), abs(hi)), device=x.device), a.num_bits, a.full_range)
                 else:
                     qparams = zeropoint_qparams(torch.tensor(lo, device=x.device), torch.tensor(hi, device=x.device), a.num_bits)
-            out = fake_quantize(flat, a.num_bits, a.symmetric, a.strategy, qparams=qparams)
+            out = fake_quantize(flat, a.num_bits, a.symmetric, a.strategy, qparams=qparams, full_range=a.full_range)
         return (out.to(x.dtype).reshape(x.shape), *inputs[1:])
 
 

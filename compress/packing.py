@@ -151,7 +151,7 @@ def _activation_qparams(rec: dict) -> dict[str, torch.Tensor]:
         scale = torch.tensor([max(abs(lo), abs(hi)) / FP8_E4M3_MAX])
         return {"input_scale": torch.where(scale > 0, scale, torch.ones_like(scale)).float()}
     if a["symmetric"]:
-        qp = absmax_qparams(torch.tensor([max(abs(lo), abs(hi))]), a["num_bits"])
+        qp = absmax_qparams(torch.tensor([max(abs(lo), abs(hi))]), a["num_bits"], bool(a.get("full_range")))
         return {"input_scale": qp.scale.float()}
     qp = zeropoint_qparams(torch.tensor([lo]), torch.tensor([hi]), a["num_bits"])
     return {"input_scale": qp.scale.float(), "input_zero_point": qp.zero_point.to(torch.int8)}

@@ -11,7 +11,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from compress import modeling, packing, parse_recipe, run_recipe
+from compress import activations, modeling, packing, parse_recipe, run_recipe
+from compress.schemes import QuantArgs
 from compress.cli import main
 from compress.pipeline import evaluate_model
 from compress.quant import (compute_qparams, fake_quantize, fake_quantize_fp8, recover_qparams, scales_as,
@@ -293,6 +294,20 @@ def test_static_activations_and_fp8(tiny, tmp_path):
         assert f.get_tensor("model.layers.0.self_attn.q_proj.input_scale").numel() == 1
     acts = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["input_activations"]
     assert acts["strategy"] == "tensor" and acts["dynamic"] is False
+    # full_range activations: compressed-tensors' input_scale convention (absmax / 127.5), code -128 in use
+    out, _ = quantize(tmp_path, "static-full", "{scheme: W8A8, input_activations: {strategy: tensor, dynamic: false, "
+                      "full_range: true}}", model=path, extra=cal)
+    lo, hi = json.loads((out / "compress.json").read_text())["layers"]["model.layers.0.self_attn.q_proj"]["activation_range"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        scale = f.get_tensor("model.layers.0.self_attn.q_proj.input_scale")
+    assert float(scale) == pytest.approx(max(-lo, hi) / 127.5, rel=1e-6)
+    hook = activations.ActivationFakeQuant(QuantArgs(num_bits=8, strategy="tensor", full_range=True), static_range=(-2.55, 1.0))
+    x = torch.tensor([[-2.55, -1.0, 0.3, 1.0]])
+    assert hook(None, (x,))[0].min().item() == pytest.approx(-128 * 2.55 / 127.5)  # the extra code
+    with scales_stored_as(torch.bfloat16):  # a stage's calibration forward: activation scales stay float32
+        assert hook(None, (x,))[0].min().item() == pytest.approx(-128 * 2.55 / 127.5, rel=1e-7)
+    plain = activations.ActivationFakeQuant(QuantArgs(num_bits=8, strategy="tensor"), static_range=(-2.55, 1.0))
+    assert plain(None, (x,))[0].min().item() == pytest.approx(-2.55)  # absmax: -127 steps of 2.55 / 127
     out, _ = quantize(tmp_path, "fp8", "{scheme: FP8_DYNAMIC}", model=path)
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "F8_E4M3"

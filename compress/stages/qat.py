@@ -76,7 +76,8 @@ class _ActivationSTE:
     def __call__(self, module, inputs):
         x = inputs[0]
         flat = x.reshape(-1, x.shape[-1])
-        q = fake_quantize(flat.detach(), self.args.num_bits, self.args.symmetric, self.args.strategy).to(x.dtype)
+        q = fake_quantize(flat.detach(), self.args.num_bits, self.args.symmetric, self.args.strategy,
+                          full_range=self.args.full_range).to(x.dtype)
         return (x + (q.reshape(x.shape) - x).detach(), *inputs[1:])
 
 
