@@ -293,21 +293,11 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
         # smaller one (GPTQ may stop short of the end)
         top = [qmax, qmax + 1, *range(qmax - 1, 0, -1)] if symmetric else list(range(2**bits - 1, 0, -1))
     ends = 2 if symmetric and not float8 else 1
-    scale = zp = ok = None
-    for i, t in enumerate(top):
-        for start in range(_STARTS):  # each attempt only on the groups not yet verified
-            if ok is None:
-                scale, zp, ok = _solve_groups(w, t, start, qmin, qmax, symmetric, float8)
-                if float((~ok).float().mean()) > 0.5:
-                    break  # most groups are off any grid: not a quantized weight (or not this scheme)
-                continue
-            if bool(ok.all()):
-                break
-            bad = (~ok).squeeze(-1).nonzero().squeeze(-1)
-            s_b, z_b, ok_b = _solve_groups(w[bad], t, start, qmin, qmax, symmetric, float8)
-            scale[bad], zp[bad], ok[bad] = s_b, z_b, ok_b
-        if bool(ok.all()) or (i == ends - 1 and float((~ok).float().mean()) > 0.5):
-            break
+    scale, zp, ok = _quick_groups(w, top[:ends], qmin, qmax, symmetric, float8)
+    if not bool(ok.all()):
+        bad = (~ok).squeeze(-1).nonzero().squeeze(-1)
+        s_b, z_b, ok_b = _search_groups(w[bad], top, ends, len(w), qmin, qmax, symmetric, float8)
+        scale[bad], zp[bad], ok[bad] = s_b, z_b, ok_b
     failed = int((~ok).sum())
     scale = scale.reshape(shape[0], shape[1])
     zero_point = None if symmetric or float8 else zp.reshape(shape[0], shape[1]).to(torch.int8)
@@ -317,7 +307,90 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
     return scale, zero_point, failed
 
 
+def _search_groups(w: torch.Tensor, top: list[float], ends: int, total: int, qmin: float, qmax: float, symmetric: bool,
+                   float8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The interval search (_solve_groups) over every extreme code and starting scale, each
+    attempt only on the groups not yet verified; it gives up early when, after the grid's ends,
+    most of the weight's `total` groups are off any grid (not a quantized weight, or not this
+    scheme)."""
+    scale = zp = ok = None
+    too_many = 0.5 * total
+    for i, t in enumerate(top):
+        for start in range(_STARTS):
+            if ok is None:
+                scale, zp, ok = _solve_groups(w, t, start, qmin, qmax, symmetric, float8)
+                if int((~ok).sum()) > too_many:
+                    break
+                continue
+            if bool(ok.all()):
+                break
+            bad = (~ok).squeeze(-1).nonzero().squeeze(-1)
+            s_b, z_b, ok_b = _solve_groups(w[bad], t, start, qmin, qmax, symmetric, float8)
+            scale[bad], zp[bad], ok[bad] = s_b, z_b, ok_b
+        if bool(ok.all()) or (i == ends - 1 and int((~ok).sum()) > too_many):
+            break
+    return scale, zp, ok
+
+
 _STARTS = 6  # starting scales per extreme code: least squares, then s0 and four nudges of it
+
+
+def _verify(w: torch.Tensor, x: torch.Tensor, s: torch.Tensor, qmin: float, qmax: float, symmetric: bool,
+            float8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Do the codes the format would store for groups w [n, group] (x: w in float32) at scales
+    s [n, 1] (as compressed-tensors computes them: clamp(round(w / s + z))) give w back exactly?
+    ([n, 1] verified, and the zero point used.)"""
+    if float8:
+        return (((x / s).clamp(qmin, qmax).to(torch.float8_e4m3fn).float() * s).to(w.dtype) == w).all(-1, keepdim=True), \
+            torch.zeros_like(s)
+    if symmetric:
+        options = [torch.zeros_like(s)]
+    else:  # the lowest code at the group's minimum, or the highest at its maximum
+        m = torch.round(x / s)
+        options = [qmin - m.amin(-1, keepdim=True).clamp(max=0), qmax - m.amax(-1, keepdim=True).clamp(min=0)]
+    ok, chosen = None, None
+    for zp in options:
+        zp = zp.clamp(qmin, qmax)
+        q = torch.round(x / s + zp).clamp(qmin, qmax)
+        good = (((q - zp) * s).to(w.dtype) == w).all(-1, keepdim=True)
+        chosen = zp if chosen is None else torch.where(ok, chosen, zp)
+        ok = good if ok is None else ok | good
+    return ok, chosen
+
+
+def _quick_groups(w: torch.Tensor, tops: list[float], qmin: float, qmax: float, symmetric: bool,
+                  float8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The common case first, cheaply: a group whose extreme sits at a grid end (round-to-nearest,
+    AWQ, most GPTQ groups) has extent / top within a rounding or two of its scale (or, for a
+    scale of the weight's half dtype, that value rounded to it). Only the groups none of these
+    verify go to the interval search. (scale, zero point, verified), each [n, 1]."""
+    x = w.float()
+    if symmetric or float8:
+        extent = x.abs().amax(-1, keepdim=True)
+    else:
+        extent = x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)
+    scale = zp = ok = None
+    for top in tops:
+        s0 = extent / top
+        s0 = torch.where(s0 > 0, s0, torch.ones_like(s0))
+        up, down = torch.full_like(s0, float("inf")), torch.full_like(s0, -float("inf"))
+        cands = [s0, torch.nextafter(s0, up), torch.nextafter(s0, down)]
+        if w.dtype in (torch.bfloat16, torch.float16) and not float8:
+            near = s0.to(w.dtype)
+            cands += [near.float(), torch.nextafter(near, up.to(w.dtype)).float(), torch.nextafter(near, down.to(w.dtype)).float()]
+        for cand in cands:
+            todo = None if ok is None else (~ok).squeeze(-1).nonzero().squeeze(-1)
+            if todo is None:
+                ok, zp = _verify(w, x, cand, qmin, qmax, symmetric, float8)
+                scale = cand.clone()
+            elif len(todo):
+                good, zp_t = _verify(w[todo], x[todo], cand[todo], qmin, qmax, symmetric, float8)
+                scale[todo] = torch.where(good, cand[todo], scale[todo])
+                zp[todo] = torch.where(good, zp_t, zp[todo])
+                ok[todo] = good
+            if bool(ok.all()):
+                return scale, zp, ok
+    return scale, zp, ok
 
 
 def _solve_groups(w: torch.Tensor, top: float, start: int, qmin: float, qmax: float, symmetric: bool,
@@ -384,23 +457,7 @@ def _solve_groups(w: torch.Tensor, top: float, start: int, qmin: float, qmax: fl
         return [torch.where(valid, v, scale.double()).float() for v in ((s_lo + s_hi) / 2, s_lo, s_hi)]
 
     def check(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Do the codes the format would store (as compressed-tensors computes them:
-        clamp(round(w / s + z))) give w back exactly? And the zero point used."""
-        if float8:
-            return ((codes(s) * s).to(w.dtype) == w).all(-1, keepdim=True), torch.zeros_like(s)
-        m = codes(s)
-        if symmetric:
-            options = [torch.zeros_like(s)]
-        else:  # the lowest code at the group's minimum, or the highest at its maximum
-            options = [qmin - m.amin(-1, keepdim=True).clamp(max=0), qmax - m.amax(-1, keepdim=True).clamp(min=0)]
-        ok, chosen = None, None
-        for zp in options:
-            zp = zp.clamp(qmin, qmax)
-            q = torch.round(x / s + zp).clamp(qmin, qmax)
-            good = (((q - zp) * s).to(w.dtype) == w).all(-1, keepdim=True)
-            chosen = zp if chosen is None else torch.where(ok, chosen, zp)
-            ok = good if ok is None else ok | good
-        return ok, chosen
+        return _verify(w, x, s, qmin, qmax, symmetric, float8)
 
     scale = ok = zp = None
     s0 = extent / top
