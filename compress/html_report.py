@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from html import escape
 
+from compress.schemes import symmetry_label
 from compress.svg import Point, bars, scatter
 
 CSS = """
@@ -59,7 +60,7 @@ def _weights_desc(rec: dict) -> str:
     if not w:
         return "-"
     gran = f"g{w['group_size']}" if w.get("group_size") else w.get("strategy", "")
-    return f"{w.get('type', 'int')}{w.get('num_bits')} {gran} {('sym full' if w.get('full_range') else 'sym') if w.get('symmetric') else 'asym'}"
+    return f"{w.get('type', 'int')}{w.get('num_bits')} {gran} {symmetry_label(w.get('symmetric'), w.get('full_range', False))}"
 
 
 def run_html(report: dict) -> str:

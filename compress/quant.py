@@ -336,14 +336,17 @@ _STARTS = 6  # starting scales per extreme code: least squares, then s0 and four
 
 
 def _verify(w: torch.Tensor, x: torch.Tensor, s: torch.Tensor, qmin: float, qmax: float, symmetric: bool,
-            float8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            float8: bool, zero_point: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Do the codes the format would store for groups w [n, group] (x: w in float32) at scales
     s [n, 1] (as compressed-tensors computes them: clamp(round(w / s + z))) give w back exactly?
-    ([n, 1] verified, and the zero point used.)"""
+    ([n, 1] verified, and the zero point used: `zero_point` [n, 1] when given, else the one that
+    puts the group's lowest or highest code at the grid's end.)"""
     if float8:
         return (((x / s).clamp(qmin, qmax).to(torch.float8_e4m3fn).float() * s).to(w.dtype) == w).all(-1, keepdim=True), \
             torch.zeros_like(s)
-    if symmetric:
+    if zero_point is not None:
+        options = [zero_point]
+    elif symmetric:
         options = [torch.zeros_like(s)]
     else:  # the lowest code at the group's minimum, or the highest at its maximum
         m = torch.round(x / s)
@@ -512,8 +515,8 @@ def scales_as(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     for cand in (nearest, torch.nextafter(nearest, torch.full_like(nearest, float("inf"))),
                  torch.nextafter(nearest, torch.full_like(nearest, -float("inf")))):
         s = cand.float()
-        q = torch.round(x / s + z).clamp(qmin, qmax)
-        good = (((q - z) * s).to(w.dtype) == w).all(-1, keepdim=True) & torch.isfinite(s) & (s > 0)
+        good = _verify(w, x, s, qmin, qmax, symmetric=zero_point is None, float8=False, zero_point=z)[0]
+        good = good & torch.isfinite(s) & (s > 0)
         chosen = cand if chosen is None else torch.where(ok, chosen, cand)
         ok = good if ok is None else ok | good
         if bool(ok.all()):

@@ -10,6 +10,8 @@ from xml.sax.saxutils import escape, quoteattr
 
 import torch
 
+from compress.schemes import symmetry_label
+
 
 def versions() -> dict:
     import transformers
@@ -106,7 +108,7 @@ def run_markdown(report: dict) -> str:
     for name, rec in report["layers"].items():
         w = rec.get("weights") or {}
         a = rec.get("input_activations")
-        wdesc = f"int{w.get('num_bits')} {w.get('strategy')}" + (f" g{w['group_size']}" if w.get("group_size") else "") + ((" sym full" if w.get("full_range") else " sym") if w.get("symmetric") else " asym") if w else "-"
+        wdesc = f"int{w.get('num_bits')} {w.get('strategy')}" + (f" g{w['group_size']}" if w.get("group_size") else "") + " " + symmetry_label(w.get("symmetric"), w.get("full_range", False)) if w else "-"
         adesc = f"{a['type']}{a['num_bits']} {a['strategy']}{' dynamic' if a.get('dynamic') else ' static'}" if a else "-"
         sparse = ""
         if pruned:

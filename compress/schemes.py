@@ -58,9 +58,14 @@ class QuantArgs(BaseModel):
     def describe(self) -> str:
         kind = f"{'fp' if self.type == 'float' else 'int'}{self.num_bits}"
         gran = f"g{self.group_size}" if self.strategy == "group" else f"per-{self.strategy}"
-        sym = ("sym full" if self.full_range else "sym") if self.symmetric else "asym"
+        sym = symmetry_label(self.symmetric, self.full_range)
         dyn = "" if not self.dynamic else " dynamic"
         return f"{kind} {gran} {sym}{dyn}"
+
+
+def symmetry_label(symmetric: bool, full_range: bool = False) -> str:
+    """How reports name a grid: sym (absmax), sym full (all 2^b codes) or asym (zero-point)."""
+    return ("sym full" if full_range else "sym") if symmetric else "asym"
 
 
 def _w(bits: int, strategy: str = "channel", group_size: int | None = None, symmetric: bool = True, type: str = "int"):
