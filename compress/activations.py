@@ -47,7 +47,7 @@ class ActivationFakeQuant:
             if not a.dynamic and self.static_qparams is not None:
                 absmax = self.static_qparams.scale.to(x.device) * FP8_E4M3_MAX
             elif not a.dynamic:
-                absmax = torch.tensor(max(abs(self.static_range[0]), abs(self.static_range[1])))
+                absmax = torch.tensor(max(abs(self.static_range[0]), abs(self.static_range[1])), device=x.device)
             out = fake_quantize_fp8(flat, a.strategy, absmax)
         else:
             qparams = self.static_qparams

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -103,7 +104,14 @@ def sample_order(step: int, micro: int, cfg: TrainingConfig, n_samples: int, see
 def make_accelerator(cfg: TrainingConfig, device: torch.device):
     """An Accelerator for `device` (CPU, or the GPU of this process under `accelerate launch`)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # accelerate keeps one process-wide state and refuses an Accelerator with another device or
+        # precision. In a single process every training stage (QAT on the GPU, then a CPU run in the
+        # same Python session) may ask for its own, so each starts from a fresh state; under
+        # `accelerate launch` the state holds the process group and is kept.
+        AcceleratorState._reset_state(reset_partial_state=True)
     precision = cfg.mixed_precision
     if device.type != "cuda":
         precision = "no"  # autocast on the CPU is slower than float32 and no more faithful
@@ -165,6 +173,8 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
         elif accelerator.is_main_process and checkpoint_dir.exists():
             shutil.rmtree(checkpoint_dir)  # a fresh run does not keep an older run's checkpoints
     resumed_from = state.step
+    # The masks were taken from the weights before `prepare` moved them to the device.
+    masks = [(param, mask.to(param.device)) for param, mask in masks]
 
     def masked() -> None:
         with torch.no_grad():

@@ -231,3 +231,16 @@ def test_shuffled_training_windows_come_from_every_corpus(tmp_path):
     assert from_second(shuffled) >= 5 and from_second(shuffled) <= 15 and "at random" in source
     again, _, _ = training_sequences(cfg.model_copy(update={"shuffle": True}), tok, seed=3)
     assert torch.equal(shuffled, again) and shuffled.shape == (20, 16) and held_out.shape == (2, 16)
+
+
+def test_a_second_training_run_may_ask_for_other_accelerator_settings(tmp_path):
+    """accelerate keeps one process-wide state: an earlier Accelerator with other settings (here
+    bf16 autocast, as a GPU stage asks for) must not make the next training stage fail."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # whatever earlier tests left
+    Accelerator(cpu=True, mixed_precision="bf16")
+    teacher, student = _pair()
+    result = _run(student, teacher, None, steps=2)
+    assert result["steps"] == 2

@@ -103,10 +103,10 @@ def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 2
             qp = zeropoint_qparams(lo0 * ratio, hi0 * ratio, args.num_bits)
         return dequantize(quantize(Wg, qp), qp)
 
-    best_err = torch.full(hi0.shape, float("inf"))
-    best_ratio = torch.ones(hi0.shape)
+    best_err = torch.full(hi0.shape, float("inf"), device=W.device)
+    best_ratio = torch.ones(hi0.shape, device=W.device)
     for i in range(int(max_shrink * grid) + 1):
-        ratio = torch.full(hi0.shape, 1 - i / grid)
+        ratio = torch.full(hi0.shape, 1 - i / grid, device=W.device)
         delta = Wg - quantized(ratio)                                   # [out, n_groups, group]
         err = torch.einsum("ogk,gtk->ogt", delta, Xg).pow(2).sum(-1, keepdim=True)
         better = err < best_err

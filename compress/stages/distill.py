@@ -234,7 +234,7 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
     model.to("cpu").eval()
     if teacher is not None:
         teacher.to("cpu")
-    masked_zero = all(bool((p[m == 0] == 0).all()) for p, m in masks)
+    masked_zero = all(bool((p[m.to(p.device) == 0] == 0).all()) for p, m in masks)
     before, after = result["eval_before"], result["eval_after"]
     summary = {
         "scheme": f"{name} from {teacher_ref or 'no teacher (task loss)'}",
