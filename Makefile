@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export COMPRESS_SHARED := $(SHARED)
 
-.PHONY: setup test demo bench bench-against clean
+.PHONY: setup test demo bench bench-cuda bench-against clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ demo: setup
 
 bench: setup
 	$(BIN)/python -m compress.bench --shared $(SHARED) --output BENCHMARKS.md
+
+# The same benchmark's GPTQ and memory rows on a CUDA device (BENCHMARKS-cuda.md); needs a GPU.
+bench-cuda: setup
+	$(BIN)/python -m compress.bench --shared $(SHARED) --device cuda --only 'ref-llama GPTQ,layers in RAM' --output BENCHMARKS-cuda.md
 
 # llm-compressor side by side (optional, never part of `make test`). It pins its own torch,
 # transformers and compressed-tensors, so it gets its own environment, with the same CPU torch.

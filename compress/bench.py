@@ -236,6 +236,7 @@ class Setup:
     shared: Path
     out_dir: Path
     quick: bool = False
+    device: str = "cpu"  # where rows compress and evaluate (`--device`); protocol figures are CPU
     # Filled in by __post_init__ from `quick`.
     ll_calib_samples: int = field(init=False)
     ll_eval_windows: int = field(init=False)
@@ -381,7 +382,7 @@ def run_baseline(family: str, setup: Setup, cache_file: Path) -> dict:
 
     t0 = time.perf_counter()
     path = setup.model(family)
-    net, tok, _ = modeling.load_model(path, dtype="float32", device="cpu")
+    net, tok, _ = modeling.load_model(path, dtype="float32", device=setup.device)
     kw = setup.eval_kwargs(family)
     results = {}
     store = setup.baseline_store(family)
@@ -389,12 +390,12 @@ def run_baseline(family: str, setup: Setup, cache_file: Path) -> dict:
         # One forward pass per window gives the baseline's perplexity and the log-probabilities
         # that every row's KL and top-1 read instead of running the baseline again.
         results = {spec: store.write(net, eval_windows(tok, spec, kw["seq_len"], kw["max_windows"]), kw["batch_size"],
-                                     tokenizer=tok) for spec in setup.eval_sets(family)}
+                                     device=setup.device, tokenizer=tok) for spec in setup.eval_sets(family)}
         cache = {(spec, kw["seq_len"], kw["max_windows"]): r for spec, r in results.items()}
         cache_file.write_text(json.dumps({_cache_key(k): v for k, v in cache.items()}, indent=1))
     else:
         for spec in setup.eval_sets(family):
-            store.write_embeddings(net, tok, eval_sentences(spec, kw["max_sentences"]))
+            store.write_embeddings(net, tok, eval_sentences(spec, kw["max_sentences"]), device=setup.device)
     return {
         "row": f"{family} baseline",
         "family": family,
@@ -415,32 +416,32 @@ def run_row(row: Row, setup: Setup, cache_file: Path) -> dict:
     t0 = time.perf_counter()
     text = setup.recipe_text(row)
     recipe = parse_recipe(text, f"<bench: {row.name}>")
-    report = run_recipe(recipe, force=True, device="cpu", seed=0)
+    report = run_recipe(recipe, force=True, device=setup.device, seed=0)
     rss_after_compress = _peak_rss_mib()
     t_compress = time.perf_counter() - t0
 
     out = str(setup.out_dir / row.slug)
-    net, tok, _ = modeling.load_model(out, dtype="float32", device="cpu")  # reattaches activation quant
+    net, tok, _ = modeling.load_model(out, dtype="float32", device=setup.device)  # reattaches activation quant
     timed_forward = row.stage_name == "gptq" and not row.before
     # The baseline's log-probabilities / embeddings and perplexity come from the baseline job's
     # store and cache; the model itself is loaded only where something still needs it.
     store = setup.baseline_store(row.family)
     base = base_tok = None
     if timed_forward or not store.directory.is_dir():
-        base, base_tok, _ = modeling.load_model(setup.model(row.family), dtype="float32", device="cpu")
+        base, base_tok, _ = modeling.load_model(setup.model(row.family), dtype="float32", device=setup.device)
     cache = _load_cache(cache_file)
     card = row.family == "ref-llama" and row.method == "RTN" and row.label in CARD_REF_LLAMA
     t1 = time.perf_counter()
     # The model card's KL and top-1 are over the first 64 windows of WT2: the same forward passes
     # give them, as the running sums after the 64th window.
-    results = evaluate(net, tok, setup.eval_sets(row.family), baseline=base, device="cpu", baseline_cache=cache,
+    results = evaluate(net, tok, setup.eval_sets(row.family), baseline=base, device=setup.device, baseline_cache=cache,
                        baseline_store=store, prefix_windows=CARD_WINDOWS if card else None,
                        **setup.eval_kwargs(row.family))
     card_eval = results[setup.data("wikitext-2/test.txt")].get("prefix") if card else None
     for r in results.values():
         r.pop("prefix", None)
     t_eval = time.perf_counter() - t1
-    forward = _time_forward(base, base_tok, recipe) if timed_forward else None
+    forward = _time_forward(base, base_tok, recipe, setup.device) if timed_forward else None
     stage = report["stages"][-1]  # the row's own stage; wall and memory cover every stage
     errors = [rec["relative_error"] for rec in report["layers"].values() if "relative_error" in rec]
     return {
@@ -471,7 +472,7 @@ def run_row(row: Row, setup: Setup, cache_file: Path) -> dict:
     }
 
 
-def _time_forward(model, tokenizer, recipe) -> dict:
+def _time_forward(model, tokenizer, recipe, device: str = "cpu") -> dict:
     """One plain forward pass of the uncompressed float32 model over the row's calibration samples,
     batch 1 as the calibration engine runs them: the yardstick for GPTQ's wall time."""
     import torch
@@ -479,12 +480,15 @@ def _time_forward(model, tokenizer, recipe) -> dict:
     from compress.calibration import build_calibration
 
     cal = build_calibration(recipe.calibration, tokenizer)
-    model.eval()
+    model.eval().to(device)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     with torch.no_grad():
-        model(**cal.samples[0])  # warm-up, untimed (first-call allocations)
+        model(**{k: v.to(device) for k, v in cal.samples[0].items()})  # warm-up, untimed (first-call allocations)
+        sync()
         t0 = time.perf_counter()
         for sample in cal.samples:
-            model(**sample)
+            model(**{k: v.to(device) for k, v in sample.items()})  # the copy is part of the engine's work too
+        sync()
         wall = time.perf_counter() - t0
     return {"wall_s": wall, "samples": len(cal.samples), "tokens": cal.num_tokens, "fingerprint": cal.fingerprint}
 
@@ -547,7 +551,7 @@ def run_mem_row(row: MemRow, setup: Setup) -> dict:
         if desc.startswith("block") and desc.endswith(": calibrating") and done == 0:
             block_starts.append(_rss_now_mib())
 
-    report = run_recipe(recipe, force=True, device="cpu", seed=0, progress=progress)
+    report = run_recipe(recipe, force=True, device=setup.device, seed=0, progress=progress)
     stage = report["stages"][0]
     return {
         "row": row.name,
@@ -563,6 +567,7 @@ def run_mem_row(row: MemRow, setup: Setup) -> dict:
         "stage_summary": stage["summary"],
         "stage_wall_s": stage["wall_s"],
         "stage_peak_rss_mib": stage["peak_rss_mib"],
+        "stage_peak_cuda_mib": stage.get("peak_cuda_mib") if setup.device != "cpu" else None,
         "process_peak_rss_mib": _peak_rss_mib(),
         "rss_before_load_mib": rss_start,
         "rss_stage_start_mib": marks.get("stage_start"),
@@ -605,7 +610,8 @@ def _machine() -> dict:
         load = os.getloadavg()
     except OSError:
         load = None
-    return {"nproc": nproc, "cpu": cpu, "loadavg": load, "mem_gib": mem, "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"nproc": nproc, "cpu": cpu, "gpu": gpu, "loadavg": load, "mem_gib": mem, "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
 
@@ -659,7 +665,8 @@ def _child(args: argparse.Namespace, job: str, result: Path, cache_file: Path, l
     """Run one job in its own process: forked from the preloaded server, or a fresh interpreter
     where the row sets environment variables read at start-up (the allocator's) or with --no-fork."""
     job_argv = ["--shared", str(args.shared), "--out-dir", str(args.out_dir),
-                "--job", job, "--result", str(result), "--cache", str(cache_file)] + (["--quick"] if args.quick else [])
+                "--job", job, "--result", str(result), "--cache", str(cache_file), "--device", args.device] + (
+                    ["--quick"] if args.quick else [])
     env_vars = getattr(row, "env", {})
     # Memory rows measure how resident memory grows with the model: a child forked from the
     # preloaded server starts on the server's heap (and its fragmentation), so they get a fresh
@@ -742,8 +749,10 @@ def render(results: list[dict], meta: dict) -> str:
         f"- command: `{meta['command']}`" + (f" (via `make bench`)" if meta.get("via_make") else ""),
         f"- date: {meta['date']}",
         f"- machine: {meta['machine']['nproc']} CPU cores available (nproc), {meta['machine']['cpu']}, "
-        f"{_f(meta['machine']['mem_gib'], '.0f')} GiB RAM, {meta['machine']['platform']}; CPU only, "
-        f"torch uses {meta['machine']['torch_threads']} threads",
+        f"{_f(meta['machine']['mem_gib'], '.0f')} GiB RAM, {meta['machine']['platform']}; "
+        + (f"rows compressed and evaluated on {meta['machine']['gpu']} (`--device {meta.get('device')}`), "
+           if meta.get("device", "cpu") != "cpu" else "CPU only, ")
+        + f"torch uses {meta['machine']['torch_threads']} threads",
         f"- versions: torch {meta['machine']['torch']}, transformers {meta['machine']['transformers']}, "
         f"python {meta['machine']['python']}, compress {meta['compress']}",
         f"- total run time: {meta['total_wall_s']:.0f} s" + (f"; rows filtered with `--only {meta['only']}`" if meta.get("only") else ""),
@@ -752,7 +761,9 @@ def render(results: list[dict], meta: dict) -> str:
         lines.append("- **--quick run: fewer calibration samples and evaluation windows than the protocol; "
                      "not protocol figures.**")
     lines += [
-        "- **Timings are noisy**: a shared 2-core virtual machine, on which other processes may run at the same "
+        "- **Timings are noisy**: "
+        + (f"a {meta['machine']['nproc']}-core" if meta.get("device", "cpu") != "cpu" else "a shared 2-core")
+        + " virtual machine, on which other processes may run at the same "
         f"time (1-minute load average {_load(meta.get('loadavg_before'))} at the start of this run, "
         f"{_load(meta['machine'].get('loadavg'))} at the end); wall seconds and memory drift from run to run. "
         "Compare wall times only as ratios within one run.",
@@ -1120,17 +1131,18 @@ def _memory(results: list[dict], meta: dict) -> list[str]:
             "previous block compressed and, with offload, written out and dropped), as first / last / highest. "
             "Parameters on device = `stages[0].summary.max_parameters_on_device` "
             "(on CPU the compute device is the CPU itself, so in RAM it counts every parameter; with offload, those "
-            "materialised from disk at once).", "",
-            "| layers | mode | checkpoint MiB | stage peak RSS MiB | process peak RSS MiB | RSS before MiB | RSS at stage start MiB | RSS at block starts MiB (first / last / highest) | parameters on device | stage wall s | row CPU/wall (load at start) |",
-            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "materialised from disk at once). Stage peak GPU MiB = report.json `stages[0].peak_cuda_mib` "
+            "(`torch.cuda.max_memory_allocated` over the stage; only with `--device cuda`).", "",
+            "| layers | mode | checkpoint MiB | stage peak GPU MiB | stage peak RSS MiB | process peak RSS MiB | RSS before MiB | RSS at stage start MiB | RSS at block starts MiB (first / last / highest) | parameters on device | stage wall s | row CPU/wall (load at start) |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if "error" in r:
-            out.append(f"| | {r['row']} | **error**: {r['error']} | | | | | | | | |")
+            out.append(f"| | {r['row']} | **error**: {r['error']} | | | | | | | | | |")
             continue
         bs = r.get("rss_block_starts_mib") or []
         starts = f"{bs[0]:.0f} / {bs[-1]:.0f} / {max(bs):.0f}" if bs else "–"
         out.append(f"| {r['layers']} | {_mem_mode(r)} | {r['source_bytes_on_disk'] / MIB:.0f} | "
-                   f"{r['stage_peak_rss_mib']:.0f} | {r['process_peak_rss_mib']:.0f} | {r['rss_before_load_mib']:.0f} | "
+                   f"{_f(r.get('stage_peak_cuda_mib'), '.0f')} | {r['stage_peak_rss_mib']:.0f} | {r['process_peak_rss_mib']:.0f} | {r['rss_before_load_mib']:.0f} | "
                    f"{_f(r.get('rss_stage_start_mib'), '.0f')} | {starts} | {r['stage_summary']['max_parameters_on_device']:,} | "
                    f"{r['stage_wall_s']:.1f} | {_cpu_share(r)} |")
     out.append("")
@@ -1145,7 +1157,9 @@ def _memory(results: list[dict], meta: dict) -> list[str]:
                 out.append(f"- {mode}: stage peak RSS {d['stage_small']:.0f} → {d['stage_large']:.0f} MiB "
                            f"({_signed(d['stage_delta'])} MiB, {_pct(d['stage_delta'] / extra)} of the extra bytes); process peak "
                            f"{d['proc_small']:.0f} → {d['proc_large']:.0f} MiB ({_signed(d['proc_delta'])} MiB, {_pct(d['proc_delta'] / extra)}); "
-                           f"highest RSS at a block start {_f(d['starts_small'], '.0f')} → {_f(d['starts_large'], '.0f')} MiB.")
+                           f"highest RSS at a block start {_f(d['starts_small'], '.0f')} → {_f(d['starts_large'], '.0f')} MiB"
+                           + (f"; stage peak GPU memory {d['gpu_small']:.0f} → {d['gpu_large']:.0f} MiB."
+                              if d.get("gpu_small") is not None and d.get("gpu_large") is not None else "."))
         out.append("")
     return out
 
@@ -1181,7 +1195,8 @@ def _mem_scaling(results: list[dict]) -> dict | None:
                          "starts_large": max(b.get("rss_block_starts_mib") or [float("nan")]),
                          "stage_delta": b["stage_peak_rss_mib"] - a["stage_peak_rss_mib"],
                          "proc_small": a["process_peak_rss_mib"], "proc_large": b["process_peak_rss_mib"],
-                         "proc_delta": b["process_peak_rss_mib"] - a["process_peak_rss_mib"]}
+                         "proc_delta": b["process_peak_rss_mib"] - a["process_peak_rss_mib"],
+                         "gpu_small": a.get("stage_peak_cuda_mib"), "gpu_large": b.get("stage_peak_cuda_mib")}
     return out
 
 
@@ -1483,7 +1498,7 @@ def run_entry(meta: dict) -> dict:
     return {"date": meta["date"], "command": meta["command"], "total_wall_s": round(meta["total_wall_s"], 1),
             "only": meta.get("only"), "quick": meta.get("quick"),
             "versions": {"compress": meta["compress"], "torch": m["torch"], "transformers": m["transformers"], "python": m["python"]},
-            "machine": {"nproc": m["nproc"], "cpu": m["cpu"], "mem_gib": m["mem_gib"], "platform": m["platform"],
+            "machine": {"nproc": m["nproc"], "cpu": m["cpu"], "gpu": m.get("gpu"), "mem_gib": m["mem_gib"], "platform": m["platform"],
                         "torch_threads": m["torch_threads"], "loadavg_before": meta.get("loadavg_before"), "loadavg_after": m.get("loadavg")}}
 
 
@@ -1606,6 +1621,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="run only rows whose name contains this (case-insensitive); several, comma-separated")
     p.add_argument("--quick", action="store_true", help="fewer calibration samples and evaluation windows (development)")
     p.add_argument("--list", action="store_true", help="list the rows and exit")
+    p.add_argument("--device", default="cpu", help="where rows compress and evaluate: cpu (the protocol's figures), "
+                   "cuda or cuda:N (the GPU path; same rows, same metrics)")
     p.add_argument("--no-fork", action="store_true",
                    help="start every row in a fresh interpreter instead of forking it from a preloaded server")
     p.add_argument("--against", default=None, help="instead of the benchmark: its rows that llm-compressor can run, by both "
@@ -1618,7 +1635,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.shared = args.shared.resolve()
     args.out_dir = args.out_dir.resolve()
-    setup = Setup(args.shared, args.out_dir, args.quick)
+    setup = Setup(args.shared, args.out_dir, args.quick, args.device)
 
     if args.job:  # a child: one row or one baseline
         if args.job.endswith(" baseline"):
@@ -1695,6 +1712,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_wall_s": total,
         "only": args.only,
         "quick": args.quick,
+        "device": args.device,
         "output": str(args.output),
         "setup": {k: getattr(setup, k) for k in ("ll_calib_samples", "ll_eval_windows", "enc_calib_samples",
                                                    "enc_eval_sentences", "mem_calib_samples")},
