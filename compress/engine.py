@@ -129,7 +129,11 @@ class BlockRunner:
 
 
 class _StopForward(Exception):
-    """Raised by the catcher once the first block's inputs are recorded."""
+    """Ends a forward early: once the first block's inputs are recorded, or a layer has run."""
+
+
+def _raise_stop(_module, _inputs, _output):
+    raise _StopForward
 
 
 @dataclass
@@ -299,6 +303,7 @@ class Engine:
         store = ActivationStore(self.device, keep_on_device, self.activation_budget)
         records = capture_first_block_inputs(model, path, blocks, batches, self.device, store)
         peak_device_params = 0
+        first_groups = None
         try:
             for i, block in enumerate(blocks):
                 prefix = f"{path}.{i}."
@@ -308,20 +313,22 @@ class Engine:
                 block.to(self.device)
                 on_device = sum(p.numel() for p in model.parameters() if p.device.type == self.device.type)
                 peak_device_params = max(peak_device_params, on_device)
-                observers = {n: obs for n, m in layers.items() if (obs := stage.observe(n, m)) is not None}
-                if observers:
-                    handles = [layers[n].register_forward_hook(self._hook(obs, records)) for n, obs in observers.items()]
-                    try:
-                        for j in range(len(records)):
-                            self.progress(f"block {i + 1}/{len(blocks)}: calibrating", j, len(records))
-                            self._current = j
-                            block(store.get(j), **_move(records[j].kwargs, self.device))
-                    finally:
-                        for h in handles:
-                            h.remove()
-                if layers:
-                    stage.compress_block(i, block, prefix, layers, observers, ctx, BlockRunner(block, store, records, self.device))
-                del observers
+                runner = BlockRunner(block, store, records, self.device)
+                # Usually one calibration pass serves every layer of the block. Sequentially, the
+                # layers go in groups that read the same input (q/k/v, then o, gate/up, down), each
+                # group calibrated on inputs that already carry the error of the groups before it.
+                groups = self.sequential_groups(block, layers, runner) if getattr(stage, "true_sequential", False) else [list(layers)]
+                if len(groups) > 1 and first_groups is None:
+                    first_groups = [[n.removeprefix(prefix) for n in g] for g in groups]
+                for group in groups:
+                    members = {n: layers[n] for n in group}
+                    observers = {n: obs for n, m in members.items() if (obs := stage.observe(n, m)) is not None}
+                    if observers:
+                        self._calibrate(block, members, observers, store, records, f"block {i + 1}/{len(blocks)}: calibrating",
+                                        stop_after=group[-1] if len(groups) > 1 else None)
+                    if members:
+                        stage.compress_block(i, block, prefix, members, observers, ctx, runner)
+                    del observers
                 # The next block sees this block's compressed outputs, as it will at inference.
                 if i + 1 < len(blocks):
                     for j in range(len(records)):
@@ -335,8 +342,59 @@ class Engine:
                     torch.cuda.empty_cache()
         finally:
             store.close()
-        return {"blocks": len(blocks), "batches": len(records), "activations_spilled": store.spilled,
-                "max_parameters_on_device": peak_device_params}
+        summary = {"blocks": len(blocks), "batches": len(records), "activations_spilled": store.spilled,
+                   "max_parameters_on_device": peak_device_params}
+        if first_groups is not None:  # true_sequential: the order layers were solved in (first block)
+            summary["sequential_groups"] = first_groups
+        return summary
+
+    def _calibrate(self, block, layers: dict, observers: dict, store: "ActivationStore", records: list, desc: str,
+                   stop_after: str | None = None) -> None:
+        """Every cached batch through the block with `observers` hooked on their layers; with
+        `stop_after` (a layer's name) each forward ends once that layer has run."""
+        handles = [layers[n].register_forward_hook(self._hook(obs, records)) for n, obs in observers.items()]
+        if stop_after is not None:
+            handles.append(layers[stop_after].register_forward_hook(_raise_stop))
+        try:
+            for j in range(len(records)):
+                self.progress(desc, j, len(records))
+                self._current = j
+                try:
+                    block(store.get(j), **_move(records[j].kwargs, self.device))
+                except _StopForward:
+                    pass
+        finally:
+            for h in handles:
+                h.remove()
+
+    @staticmethod
+    @torch.no_grad()
+    def sequential_groups(block, layers: dict, runner: "BlockRunner") -> list[list[str]]:
+        """The block's target layers in the order they run, grouped by the input they read: layers
+        fed the same tensor (q, k, v; gate, up) are solved together. Found by one forward of the
+        first cached batch, so it holds for any architecture."""
+        calls: list[tuple[str, torch.Tensor]] = []  # the inputs are kept alive, so `is` compares them
+        handles = [m.register_forward_hook(lambda mod, inputs, out, name=n: calls.append((name, inputs[0])))
+                   for n, m in layers.items()]
+        try:
+            runner.outputs(limit=1)
+        finally:
+            for h in handles:
+                h.remove()
+        groups: list[list[str]] = []
+        group_inputs: list[torch.Tensor] = []
+        for name, x in calls:
+            if any(name in g for g in groups):
+                continue  # a layer that runs twice keeps its first place
+            k = next((k for k, seen in enumerate(group_inputs) if seen is x), None)
+            if k is None:
+                groups.append([])
+                group_inputs.append(x)
+                k = len(groups) - 1
+            groups[k].append(name)
+        seen = {n for g in groups for n in g}
+        unseen = [n for n in layers if n not in seen]  # not reached by the forward (an unrouted expert)
+        return groups + ([unseen] if unseen else [])
 
     def _hook(self, observer, records):
         def hook(module, inputs, output):

@@ -243,3 +243,30 @@ stages:
     assert set(expected) <= set(reloaded)
     assert all(torch.equal(reloaded[k], expected[k]) for k in expected)
     assert [r["gptq_loss"] for r in disk["layers"].values()] == [r["gptq_loss"] for r in memory["layers"].values()]
+
+
+@pytest.mark.parametrize("family,expected", [
+    ("llama", [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+               ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]),
+    ("gpt2", [["attn.c_attn"], ["attn.c_proj"], ["mlp.c_fc"], ["mlp.c_proj"]]),
+    ("bert", [["attention.self.query", "attention.self.key", "attention.self.value"], ["attention.output.dense"],
+              ["intermediate.dense"], ["output.dense"]]),
+])
+def test_true_sequential_solves_groups_on_inputs_carrying_earlier_errors(tiny_models, family, expected, tmp_path):
+    """Layers reading the same input are solved together, in the order they run; a later group's
+    Hessian comes from inputs that already carry the quantized earlier groups, so the first group
+    is solved exactly as without true_sequential and the later ones are not."""
+    plain = run_recipe(gptq_recipe(tiny_models[family], packing=family != "bert"), output=str(tmp_path / "a"), device="cpu")
+    seq = run_recipe(gptq_recipe(tiny_models[family], "      true_sequential: true", packing=family != "bert"),
+                     output=str(tmp_path / "b"), device="cpu")
+    assert seq["stages"][0]["summary"]["sequential_groups"] == expected
+    assert "sequential_groups" not in plain["stages"][0]["summary"]
+    prefix = next(n for n in seq["layers"] if n.endswith(expected[0][0])).removesuffix(expected[0][0])
+    for k, group in enumerate(expected):
+        for short in group:
+            a, b = plain["layers"][prefix + short], seq["layers"][prefix + short]
+            assert b["gptq_loss"] < b["rtn_loss"]
+            if k == 0:
+                assert b["rtn_loss"] == a["rtn_loss"] and b["gptq_loss"] == a["gptq_loss"]
+            else:
+                assert b["rtn_loss"] != a["rtn_loss"]  # other inputs: this block's quantized layers before it

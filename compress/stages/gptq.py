@@ -207,6 +207,9 @@ class GPTQ(EngineOptions, QuantizationStage):
     dampening_frac: float = Field(0.01, gt=0, description="damping as a fraction of the Hessian's mean diagonal")
     actorder: bool = Field(False, description="quantize columns in decreasing Hessian diagonal")
     static_groups: bool = Field(False, description="with actorder: group scales fixed before reordering")
+    true_sequential: bool = Field(
+        False, description="calibrate each group of layers that share an input (q/k/v, o, gate/up, down) on inputs "
+        "carrying the error of the groups quantized before it: one more partial forward per group")
     shrink_grid: int = Field(0, ge=0, description="search this many shrunk ranges per row/group for the least Hessian-weighted rounding error (0: min/max)")
     preserve_sparsity: Optional[bool] = Field(
         None, description="keep exactly-zero weights at zero (a pruning mask); default: in layers where at least 10 % of weights are zero")
