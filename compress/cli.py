@@ -50,7 +50,8 @@ S = Settings()
 
 @app.callback()
 def main_options(
-    device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
+    device: str = typer.Option("auto", help="auto (CUDA when present), cpu, cuda, cuda:N, or several comma-separated "
+                               "(cuda:0,cuda:1: GPTQ and SparseGPT solve a block's layers on all of them at once)."),
     dtype: str = typer.Option("auto", help="dtype to load the model in: auto (as saved), float32, bfloat16, float16."),
     seed: int = typer.Option(0, help="random seed for calibration sampling and any stochastic step."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars or tables."),

@@ -26,7 +26,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -277,6 +277,32 @@ def blocks_swapped(model: torch.nn.Module, path: str, replacement: torch.nn.Modu
 
 def _block_output(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def solve_layers(names: list[str], solve: Callable[[str, torch.device], Any], devices: list[torch.device]) -> dict[str, Any]:
+    """`solve(name, device)` for every layer of a block, by name.
+
+    With several devices the layers are dealt out round-robin and each device's share is solved
+    in its own thread, concurrently with the others (the work is in torch operations, which
+    release the GIL). A layer's solve reads only that layer's weight and statistics, so where it
+    runs changes nothing but the device its arithmetic happens on."""
+    if len(devices) <= 1 or len(names) <= 1:
+        return {name: solve(name, devices[0]) for name in names}
+    shares = [names[k :: len(devices)] for k in range(len(devices))]
+
+    def work(share: list[str], device: torch.device) -> dict[str, Any]:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's kernels and allocations go there
+        return {name: solve(name, device) for name in share}
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(devices)) as pool:
+        futures = [pool.submit(work, share, device) for share, device in zip(shares, devices) if share]
+        done: dict[str, Any] = {}
+        for future in futures:
+            done.update(future.result())  # re-raises a layer's error here
+    return {name: done[name] for name in names}
 
 
 class Engine:

@@ -34,13 +34,30 @@ Progress = Callable[[str, int, int], None]
 
 
 def pick_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CompressError("--device cuda was asked but no CUDA device is available", "use --device auto or cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise CompressError(f"unknown device {device!r}", "use auto, cpu or cuda")
-    return torch.device(device)
+    """`--device`'s device; given several (cuda:0,cuda:1), the first: see pick_devices."""
+    return pick_devices(device)[0]
+
+
+def pick_devices(spec: str = "auto") -> list[torch.device]:
+    """`--device`: auto, cpu, cuda, cuda:N, or several comma-separated (cuda:0,cuda:1). Blocks are
+    calibrated on the first; GPTQ's and SparseGPT's per-layer solves are spread over all of them
+    (a device named twice gets two workers)."""
+    devices = []
+    for device in [d.strip() for d in spec.split(",") if d.strip()] or ["auto"]:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise CompressError(f"unknown device {device!r}", "use auto, cpu, cuda or cuda:N (several: cuda:0,cuda:1)")
+        if device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise CompressError(f"--device {device} was asked but no CUDA device is available", "use --device auto or cpu")
+            index = device.partition(":")[2]
+            if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+                raise CompressError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)",
+                                    f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+            device = f"cuda:{index or torch.cuda.current_device()}"
+        devices.append(torch.device(device))
+    return devices
 
 
 def seed_everything(seed: int) -> None:
@@ -92,7 +109,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         if Path(model_path).is_dir() and packing.is_packed(model_path):
             raise CompressError(f"offload: disk reads dense checkpoints; {model_ref} is packed (compressed-tensors)",
                                 "drop offload: disk, or start from a checkpoint written with --format dense")
-    dev = pick_device(device)
+    devices = pick_devices(device)
+    dev = devices[0]
     seed_everything(seed)
     progress = watch_progress(progress)
 
@@ -123,13 +141,14 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         "recipe_source": recipe.source,
         "seed": seed,
         "device": str(dev),
+        **({"devices": [str(d) for d in devices]} if len(devices) > 1 else {}),
         "offload": recipe.offload,
         "source_model": source,
         "calibration": None if calibration is None else {
             "source": calibration.source, "fingerprint": calibration.fingerprint,
             "num_samples": len(calibration.samples), "tokens": calibration.num_tokens},
     }
-    ctx = StageContext(device=dev, calibration=calibration, seed=seed, progress=progress, tokenizer=tokenizer,
+    ctx = StageContext(device=dev, devices=devices, calibration=calibration, seed=seed, progress=progress, tokenizer=tokenizer,
                        source_model=model_ref, source_hash=source["weights_sha256"], resume=resume or bool(cache_dir),
                        work_dir=dest.parent / f".{dest.name}.work")
     cache = None
@@ -378,4 +397,4 @@ def inspect_checkpoint(path: str | Path) -> dict:
     return {"summary": summary, "compress": meta, "report": report}
 
 
-__all__ = ["run_recipe", "evaluate_model", "inspect_checkpoint", "pick_device", "size_summary", "STAGES"]
+__all__ = ["run_recipe", "evaluate_model", "inspect_checkpoint", "pick_device", "pick_devices", "size_summary", "STAGES"]

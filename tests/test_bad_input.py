@@ -339,6 +339,10 @@ def _device_unknown(tmp):
     return quantize(tmp, GOOD_STAGE, "--device", "tpu")
 
 
+def _device_list_unknown(tmp):
+    return quantize(tmp, GOOD_STAGE, "--device", "cpu,tpu:1")
+
+
 def _dtype_unknown(tmp):
     return quantize(tmp, GOOD_STAGE, "--dtype", "float8")
 
@@ -616,6 +620,7 @@ CASES = [
     Case("device-cuda", _device_cuda, ["--device cuda", "CUDA"],
          marks=[pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")]),
     Case("device-unknown", _device_unknown, ["tpu"]),
+    Case("device-list-unknown", _device_list_unknown, ["tpu:1", "cuda:0,cuda:1"]),
     Case("dtype-unknown", _dtype_unknown, ["float8", "float32"]),
     # eval, inspect, plan
     Case("eval-threshold-no-baseline", _eval_threshold_no_baseline, ["--baseline"]),

@@ -92,3 +92,18 @@ stages:
     assert report["stages"][0]["peak_cuda_mib"] > 0
     print("held-out KD before / after:", s["held_out_kd_before"], s["held_out_kd_after"])
     assert s["held_out_kd_after"] < 0.8 * s["held_out_kd_before"], s
+
+
+def test_layer_solves_across_the_gpu_and_the_cpu_match_one_device(ref_llama, shared, tmp_path):
+    """Several devices (here the GPU and the CPU, the only pair one GPU allows): each block's layers
+    are solved half on each, concurrently, and the result matches the one-device run up to the
+    float differences between the devices."""
+    stage = STAGES["gptq"]
+    one = run_recipe(recipe(shared, stage), model=str(ref_llama), output=str(tmp_path / "one"), device="cuda")
+    two = run_recipe(recipe(shared, stage), model=str(ref_llama), output=str(tmp_path / "two"), device="cuda:0,cpu")
+    assert two["devices"] == ["cuda:0", "cpu"]
+    for name, rec in one["layers"].items():
+        assert two["layers"][name]["gptq_loss"] == pytest.approx(rec["gptq_loss"], rel=0.05), name
+    kl_one = kl_to(ref_llama, tmp_path / "one", shared, "cuda")
+    kl_two = kl_to(ref_llama, tmp_path / "two", shared, "cuda")
+    assert kl_two == pytest.approx(kl_one, rel=0.1), (kl_one, kl_two)

@@ -270,3 +270,43 @@ def test_true_sequential_solves_groups_on_inputs_carrying_earlier_errors(tiny_mo
                 assert b["rtn_loss"] == a["rtn_loss"] and b["gptq_loss"] == a["gptq_loss"]
             else:
                 assert b["rtn_loss"] != a["rtn_loss"]  # other inputs: this block's quantized layers before it
+
+
+@pytest.mark.parametrize("stage", ["gptq: {scheme: W4A16, weights: {group_size: 32}}",
+                                   "sparsegpt: {sparsity: 0.5, quantize: {scheme: W4A16, weights: {group_size: 32}}}"])
+def test_layer_solves_spread_over_several_devices_change_nothing(tiny_models, stage, tmp_path):
+    """With several devices a block's layers are solved concurrently, one worker per device; here two
+    CPU workers (the threads, the dealing out and the gathering are the same code as for two GPUs;
+    tests/test_cuda.py mixes a GPU and the CPU). The checkpoint is bit for bit the one-device one."""
+    from safetensors.torch import load_file
+
+    recipe = parse_recipe(f"""
+model: {tiny_models["llama"]}
+calibration: {{dataset: calibration/default.txt, num_samples: 16, seq_len: 64}}
+stages:
+  - {stage}
+""", "test")
+    one = run_recipe(recipe, output=str(tmp_path / "one"), device="cpu")
+    two = run_recipe(recipe, output=str(tmp_path / "two"), device="cpu,cpu")
+    assert two["devices"] == ["cpu", "cpu"] and "devices" not in one
+    a, b = load_file(tmp_path / "one/model.safetensors"), load_file(tmp_path / "two/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r.get("gptq_loss", r.get("sparsegpt_loss")) for r in one["layers"].values()] == \
+           [r.get("gptq_loss", r.get("sparsegpt_loss")) for r in two["layers"].values()]
+
+
+def test_solve_layers_returns_in_layer_order_and_reraises():
+    from compress.engine import solve_layers
+
+    names = [f"l{i}" for i in range(5)]
+    seen = []
+    out = solve_layers(names, lambda n, d: seen.append((n, d.type)) or n.upper(), [torch.device("cpu")] * 2)
+    assert list(out) == names and list(out.values()) == [n.upper() for n in names] and len(seen) == 5
+
+    def fail(name, device):
+        if name == "l3":
+            raise ValueError("layer l3 broke")
+        return name
+
+    with pytest.raises(ValueError, match="l3 broke"):
+        solve_layers(names, fail, [torch.device("cpu")] * 2)

@@ -35,6 +35,13 @@ class StageContext:
     resume: bool = False
     stage_index: int = 0
     stop_after_steps: Optional[int] = None  # a training stage stops as if killed (resume tests)
+    # Every compute device given (`--device cuda:0,cuda:1`); `device` is the first. Blocks run on
+    # `device`; the per-layer solves of GPTQ and SparseGPT are spread over all of them.
+    devices: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            self.devices = [self.device]
 
 
 class Stage(BaseModel):

@@ -36,7 +36,7 @@ import torch
 from pydantic import Field, model_validator
 
 from compress import activations
-from compress.engine import token_rows
+from compress.engine import solve_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import QParams, absmax_qparams, compute_qparams, zeropoint_qparams, dequantize, fake_quantize, quantize, relative_error
@@ -230,7 +230,8 @@ class GPTQ(EngineOptions, QuantizationStage):
                        ctx: StageContext, runner) -> None:
         scheme = self.resolved_scheme()
         args = scheme.weights
-        for k, (name, module) in enumerate(layers.items()):
+        inputs = {}  # name -> (W, H) of every layer GPTQ solves; the rest fall back to round-to-nearest
+        for name, module in layers.items():
             obs = observers[name]
             W = get_weight(module).to(module.weight.device)
             if not torch.isfinite(W).all():
@@ -239,10 +240,11 @@ class GPTQ(EngineOptions, QuantizationStage):
                 H = obs.hessian()
             except FloatingPointError as exc:
                 raise CompressError(f"layer {name}: {exc}", "check the model's weights, or load it in float32 (--dtype float32)") from None
-            if obs.tokens < self.min_tokens:
-                self._round_to_nearest(name, module, ctx, obs.tokens,
-                                       f"saw {obs.tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest")
-                continue
+            if obs.tokens >= self.min_tokens:
+                inputs[name] = (W, H)
+
+        def solve(name: str, device: torch.device) -> tuple:
+            W, H = (t.to(device) for t in inputs[name])
             try:
                 keep_zero = self._pruning_mask(W)
                 Q, info = gptq_quantize(W, H, args, self.block_size, self.dampening_frac, self.actorder, self.static_groups,
@@ -252,11 +254,20 @@ class GPTQ(EngineOptions, QuantizationStage):
             except FloatingPointError as exc:
                 raise CompressError(f"layer {name}: {exc}", "raise dampening_frac or give more calibration samples") from None
             rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
-            gptq_loss, rtn_loss = hessian_loss(W, Q, H), hessian_loss(W, rtn, H)
+            return Q, info, hessian_loss(W, Q, H), hessian_loss(W, rtn, H), relative_error(W, Q)
+
+        solved = solve_layers(list(inputs), solve, ctx.devices)
+        for k, (name, module) in enumerate(layers.items()):
+            obs = observers[name]
+            if name not in solved:
+                self._round_to_nearest(name, module, ctx, obs.tokens,
+                                       f"saw {obs.tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest")
+                continue
+            Q, info, gptq_loss, rtn_loss, rel_error = solved[name]
             ctx.progress(f"block {index + 1}: {name} loss {gptq_loss:.3g} (rtn {rtn_loss:.3g})", k + 1, len(layers))
-            set_weight(module, Q)
-            record = {"stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
-                      "relative_error": relative_error(W, Q), "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
+            set_weight(module, Q.to(module.weight.device))
+            record = {"stage": "gptq", "shape": list(inputs[name][0].shape), "weights": args.model_dump(mode="json"),
+                      "relative_error": rel_error, "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
                       "tokens": obs.tokens, **info}
             if info["damp_retries"]:
                 record["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"

@@ -41,6 +41,7 @@ from typing import Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from compress.engine import solve_layers
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
@@ -189,7 +190,8 @@ class SparseGPT(EngineOptions, PruningStage):
     def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict, observers: dict,
                        ctx: StageContext, runner) -> None:
         quant = self.quantize.args() if self.quantize is not None else None
-        for k, (name, module) in enumerate(layers.items()):
+        inputs = {}  # name -> (W, H) of every layer SparseGPT solves; the rest fall back to magnitude
+        for name, module in layers.items():
             obs = observers[name]
             W = get_weight(module).to(module.weight.device)
             check_weight(name, W)
@@ -197,24 +199,35 @@ class SparseGPT(EngineOptions, PruningStage):
                 H = obs.hessian()
             except FloatingPointError as exc:
                 raise CompressError(f"layer {name}: {exc}", "check the model's weights, or load it in float32 (--dtype float32)") from None
-            if obs.tokens < self.min_tokens:
-                self._magnitude(name, module, ctx, obs.tokens,
-                                f"saw {obs.tokens} calibration tokens (< min_tokens {self.min_tokens}): magnitude pruning")
-                continue
+            if obs.tokens >= self.min_tokens:
+                inputs[name] = (W, H)
+
+        def solve(name: str, device: torch.device) -> tuple:
+            W, H = (t.to(device) for t in inputs[name])
             target = self._targets[name]
             try:
                 Q, info = sparsegpt_prune(W, H, target, self.block_size, self.dampening_frac, quant, self.mask_selection)
             except FloatingPointError as exc:
                 raise CompressError(f"layer {name}: {exc}", "raise dampening_frac or give more calibration samples") from None
-            loss, base_loss = hessian_loss(W, Q, H), hessian_loss(W, magnitude_baseline(W, target, quant), H)
+            return Q, info, hessian_loss(W, Q, H), hessian_loss(W, magnitude_baseline(W, target, quant), H)
+
+        solved = solve_layers(list(inputs), solve, ctx.devices)
+        for k, (name, module) in enumerate(layers.items()):
+            obs = observers[name]
+            if name not in solved:
+                self._magnitude(name, module, ctx, obs.tokens,
+                                f"saw {obs.tokens} calibration tokens (< min_tokens {self.min_tokens}): magnitude pruning")
+                continue
+            Q, info, loss, base_loss = solved[name]
             ctx.progress(f"block {index + 1}: {name} loss {loss:.3g} (magnitude {base_loss:.3g})", k + 1, len(layers))
+            Q = Q.to(module.weight.device)
             set_weight(module, Q)
             extra = {"sparsegpt_loss": loss, "magnitude_loss": base_loss, "tokens": obs.tokens, **info}
             if quant is not None:
                 extra["weights"] = quant.model_dump(mode="json")
             if info["damp_retries"]:
                 extra["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"
-            record_layer(ctx, name, "sparsegpt", target, W, Q, **extra)
+            record_layer(ctx, name, "sparsegpt", self._targets[name], inputs[name][0], Q, **extra)
             self._done.add(name)
 
     def _magnitude(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str) -> None:
