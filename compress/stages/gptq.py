@@ -196,6 +196,24 @@ class HessianObserver:
         return 2 * self.sum / max(self.tokens, 1)
 
 
+def solvable_layers(layers: dict, observers: dict, min_tokens: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, Hessian) of every layer that saw at least `min_tokens` calibration tokens, by name;
+    a damaged weight or non-finite activations stop the run with the layer's name."""
+    out = {}
+    for name, module in layers.items():
+        obs = observers[name]
+        W = get_weight(module).to(module.weight.device)
+        if not torch.isfinite(W).all():
+            raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
+        try:
+            H = obs.hessian()
+        except FloatingPointError as exc:
+            raise CompressError(f"layer {name}: {exc}", "check the model's weights, or load it in float32 (--dtype float32)") from None
+        if obs.tokens >= min_tokens:
+            out[name] = (W, H)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The stage
 
@@ -230,18 +248,7 @@ class GPTQ(EngineOptions, QuantizationStage):
                        ctx: StageContext, runner) -> None:
         scheme = self.resolved_scheme()
         args = scheme.weights
-        inputs = {}  # name -> (W, H) of every layer GPTQ solves; the rest fall back to round-to-nearest
-        for name, module in layers.items():
-            obs = observers[name]
-            W = get_weight(module).to(module.weight.device)
-            if not torch.isfinite(W).all():
-                raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
-            try:
-                H = obs.hessian()
-            except FloatingPointError as exc:
-                raise CompressError(f"layer {name}: {exc}", "check the model's weights, or load it in float32 (--dtype float32)") from None
-            if obs.tokens >= self.min_tokens:
-                inputs[name] = (W, H)
+        inputs = solvable_layers(layers, observers, self.min_tokens)  # the rest fall back to round-to-nearest
 
         def solve(name: str, device: torch.device) -> tuple:
             W, H = (t.to(device) for t in inputs[name])

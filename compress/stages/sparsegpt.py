@@ -48,7 +48,7 @@ from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
 from compress.schemes import PRESETS, QuantArgs, resolve_scheme
 from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count
 from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext
-from compress.stages.gptq import HessianObserver, hessian_loss, inverse_hessian_cholesky
+from compress.stages.gptq import HessianObserver, hessian_loss, inverse_hessian_cholesky, solvable_layers
 from compress.stages.magnitude import magnitude_prune
 from compress.stages.pruning import LayerTarget, PruningStage, check_weight, count_nonzero, prune_summary, record_layer
 
@@ -190,17 +190,7 @@ class SparseGPT(EngineOptions, PruningStage):
     def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict, observers: dict,
                        ctx: StageContext, runner) -> None:
         quant = self.quantize.args() if self.quantize is not None else None
-        inputs = {}  # name -> (W, H) of every layer SparseGPT solves; the rest fall back to magnitude
-        for name, module in layers.items():
-            obs = observers[name]
-            W = get_weight(module).to(module.weight.device)
-            check_weight(name, W)
-            try:
-                H = obs.hessian()
-            except FloatingPointError as exc:
-                raise CompressError(f"layer {name}: {exc}", "check the model's weights, or load it in float32 (--dtype float32)") from None
-            if obs.tokens >= self.min_tokens:
-                inputs[name] = (W, H)
+        inputs = solvable_layers(layers, observers, self.min_tokens)  # the rest fall back to magnitude pruning
 
         def solve(name: str, device: torch.device) -> tuple:
             W, H = (t.to(device) for t in inputs[name])
