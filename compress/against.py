@@ -108,6 +108,8 @@ def llmcompressor_modifiers(recipe) -> tuple[list[dict], list[str]]:
                                   "actorder": actorder}})
             if cfg.shrink_grid:
                 notes.append("gptq shrink_grid: llm-compressor ran its default min/max observer")
+            if cfg.true_sequential:
+                notes.append("gptq true_sequential: llm-compressor calibrated each decoder layer's modules in one pass")
             notes += _grid_note(name, cfg)
         elif name == "awq":
             if cfg.mappings:

@@ -279,30 +279,36 @@ def _block_output(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def solve_layers(names: list[str], solve: Callable[[str, torch.device], Any], devices: list[torch.device]) -> dict[str, Any]:
-    """`solve(name, device)` for every layer of a block, by name.
+def solve_layers(names: list[str], solve: Callable[[str, torch.device], Any], apply: Callable[[str, Any], None],
+                 devices: list[torch.device]) -> None:
+    """`solve(name, device)` for every layer of a block, then `apply(name, result)` in layer order
+    on this thread.
 
-    With several devices the layers are dealt out round-robin and each device's share is solved
-    in its own thread, concurrently with the others (the work is in torch operations, which
-    release the GIL). A layer's solve reads only that layer's weight and statistics, so where it
-    runs changes nothing but the device its arithmetic happens on."""
+    On one device each layer is solved and applied before the next is touched, so only one
+    layer's working tensors exist at a time. With several, the layers are dealt out round-robin,
+    each device solving its share in order on its own thread, concurrently with the others (the
+    work is in torch operations, which release the GIL); a result is applied as soon as it and
+    those before it are done. A layer's solve reads only that layer's weight and statistics, so
+    where it runs changes nothing but the device its arithmetic happens on."""
     if len(devices) <= 1 or len(names) <= 1:
-        return {name: solve(name, devices[0]) for name in names}
-    shares = [names[k :: len(devices)] for k in range(len(devices))]
-
-    def work(share: list[str], device: torch.device) -> dict[str, Any]:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # this thread's kernels and allocations go there
-        return {name: solve(name, device) for name in share}
-
+        for name in names:
+            apply(name, solve(name, devices[0]))
+        return
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=len(devices)) as pool:
-        futures = [pool.submit(work, share, device) for share, device in zip(shares, devices) if share]
-        done: dict[str, Any] = {}
-        for future in futures:
-            done.update(future.result())  # re-raises a layer's error here
-    return {name: done[name] for name in names}
+    def on(device: torch.device, name: str) -> Any:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's kernels and allocations go there
+        return solve(name, device)
+
+    workers = [ThreadPoolExecutor(max_workers=1) for _ in devices]  # one queue per device
+    try:
+        futures = [workers[k % len(devices)].submit(on, devices[k % len(devices)], name) for k, name in enumerate(names)]
+        for name, future in zip(names, futures):
+            apply(name, future.result())  # re-raises a layer's error here
+    finally:
+        for worker in workers:
+            worker.shutdown(cancel_futures=True)
 
 
 class Engine:
@@ -398,9 +404,11 @@ class Engine:
     def sequential_groups(block, layers: dict, runner: "BlockRunner") -> list[list[str]]:
         """The block's target layers in the order they run, grouped by the input they read: layers
         fed the same tensor (q, k, v; gate, up) are solved together. Found by one forward of the
-        first cached batch, so it holds for any architecture."""
+        first cached batch, so it holds for any architecture; layers that batch does not reach (MoE
+        experts it routes no token to) are solved last, as one group."""
         calls: list[tuple[str, torch.Tensor]] = []  # the inputs are kept alive, so `is` compares them
-        handles = [m.register_forward_hook(lambda mod, inputs, out, name=n: calls.append((name, inputs[0])))
+        # A pre-hook put first sees the input before any other pre-hook (activation fake-quant) replaces it.
+        handles = [m.register_forward_pre_hook(lambda mod, args, name=n: calls.append((name, args[0])), prepend=True)
                    for n, m in layers.items()]
         try:
             runner.outputs(limit=1)

@@ -55,7 +55,7 @@ def pick_devices(spec: str = "auto") -> list[torch.device]:
             if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
                 raise CompressError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)",
                                     f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-            device = f"cuda:{index or torch.cuda.current_device()}"
+            device = f"cuda:{int(index) if index else torch.cuda.current_device()}"
         devices.append(torch.device(device))
     return devices
 
@@ -153,7 +153,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                        work_dir=dest.parent / f".{dest.name}.work")
     cache = None
     if cache_root is not None:
-        cache = stagecache.open_cache(cache_root, recipe, modeling.local_dir(model_ref), source, calibration, seed, dev)
+        cache = stagecache.open_cache(cache_root, recipe, modeling.local_dir(model_ref), source, calibration, seed, devices)
     with atomic as tmp:
         if recipe.offload == "disk":
             # Blocks stream from the input checkpoint through the engine into tmp's shards.

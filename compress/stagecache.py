@@ -212,7 +212,7 @@ def prepare(cache_dir: str | Path | None, recipe) -> Path:
 
 
 def open_cache(root: Path, recipe, model_dir: str, source: dict, calibration, seed: int,
-               device: torch.device) -> StageCache:
+               devices: list[torch.device]) -> StageCache:
     """The cache for this run, keys computed up front (no stage has to run to know them)."""
     from compress.report import versions
 
@@ -223,7 +223,7 @@ def open_cache(root: Path, recipe, model_dir: str, source: dict, calibration, se
     key = _sha("model", source["weights_sha256"], _file_sha(Path(model_dir) / "config.json"), source.get("dtype"))
     keys, names = [], []
     for name, stage in recipe.stages:
-        key = _sha("stage", key, name, stage.model_dump(mode="json"), cal, versions(), seed, str(device))
+        key = _sha("stage", key, name, stage.model_dump(mode="json"), cal, versions(), seed, [str(d) for d in devices])
         keys.append(key)
         names.append(name)
     return StageCache(root, keys, names)

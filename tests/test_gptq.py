@@ -295,18 +295,35 @@ stages:
            [r.get("gptq_loss", r.get("sparsegpt_loss")) for r in two["layers"].values()]
 
 
-def test_solve_layers_returns_in_layer_order_and_reraises():
+def test_solve_layers_applies_in_layer_order_and_reraises():
     from compress.engine import solve_layers
 
     names = [f"l{i}" for i in range(5)]
-    seen = []
-    out = solve_layers(names, lambda n, d: seen.append((n, d.type)) or n.upper(), [torch.device("cpu")] * 2)
-    assert list(out) == names and list(out.values()) == [n.upper() for n in names] and len(seen) == 5
+    for devices in ([torch.device("cpu")], [torch.device("cpu")] * 2):
+        solved, applied = [], []
+        solve_layers(names, lambda n, d: solved.append(n) or n.upper(), lambda n, r: applied.append((n, r)), devices)
+        assert sorted(solved) == names and applied == [(n, n.upper()) for n in names]
 
     def fail(name, device):
         if name == "l3":
             raise ValueError("layer l3 broke")
         return name
 
+    applied = []
     with pytest.raises(ValueError, match="l3 broke"):
-        solve_layers(names, fail, [torch.device("cpu")] * 2)
+        solve_layers(names, fail, lambda n, r: applied.append(n), [torch.device("cpu")] * 2)
+    assert applied == ["l0", "l1", "l2"]  # the layers before the broken one were applied
+
+
+def test_true_sequential_groups_see_through_activation_quantization(tiny_models, tmp_path):
+    """Fake-quantized activations (a pre-hook that replaces each layer's input) must not split
+    q/k/v, which still read the same tensor."""
+    report = run_recipe(parse_recipe(f"""
+model: {tiny_models["llama"]}
+calibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}
+stages:
+  - rtn: {{scheme: W8A8}}
+  - gptq: {{scheme: W8A8, true_sequential: true}}
+""", "test"), output=str(tmp_path / "o"), device="cpu")
+    assert report["stages"][1]["summary"]["sequential_groups"][:2] == [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"]]

@@ -196,22 +196,18 @@ class HessianObserver:
         return 2 * self.sum / max(self.tokens, 1)
 
 
-def solvable_layers(layers: dict, observers: dict, min_tokens: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """(weight, Hessian) of every layer that saw at least `min_tokens` calibration tokens, by name;
-    a damaged weight or non-finite activations stop the run with the layer's name."""
-    out = {}
-    for name, module in layers.items():
-        obs = observers[name]
-        W = get_weight(module).to(module.weight.device)
-        if not torch.isfinite(W).all():
-            raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
-        try:
-            H = obs.hessian()
-        except FloatingPointError as exc:
-            raise CompressError(f"layer {name}: {exc}", "check the model's weights, or load it in float32 (--dtype float32)") from None
-        if obs.tokens >= min_tokens:
-            out[name] = (W, H)
-    return out
+def weight_and_hessian(name: str, module: torch.nn.Module, observer: HessianObserver,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's weight [out, in] and Hessian on `device`; a damaged weight or non-finite
+    activations stop the run with the layer's name."""
+    W = get_weight(module).to(device)
+    if not torch.isfinite(W).all():
+        raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
+    try:
+        H = observer.hessian().to(device)
+    except FloatingPointError as exc:
+        raise CompressError(f"layer {name}: {exc}", "check the model's weights, or load it in float32 (--dtype float32)") from None
+    return W, H
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,10 +244,19 @@ class GPTQ(EngineOptions, QuantizationStage):
                        ctx: StageContext, runner) -> None:
         scheme = self.resolved_scheme()
         args = scheme.weights
-        inputs = solvable_layers(layers, observers, self.min_tokens)  # the rest fall back to round-to-nearest
+        order = list(layers)
+        solvable = []
+        for name, module in layers.items():
+            ctx.layers.setdefault(name, {})  # report rows in layer order, whichever device finishes first
+            tokens = observers[name].tokens
+            if tokens >= self.min_tokens:
+                solvable.append(name)
+            else:
+                self._round_to_nearest(name, module, ctx, tokens,
+                                       f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest")
 
         def solve(name: str, device: torch.device) -> tuple:
-            W, H = (t.to(device) for t in inputs[name])
+            W, H = weight_and_hessian(name, layers[name], observers[name], device)
             try:
                 keep_zero = self._pruning_mask(W)
                 Q, info = gptq_quantize(W, H, args, self.block_size, self.dampening_frac, self.actorder, self.static_groups,
@@ -263,17 +268,12 @@ class GPTQ(EngineOptions, QuantizationStage):
             rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
             return Q, info, hessian_loss(W, Q, H), hessian_loss(W, rtn, H), relative_error(W, Q)
 
-        solved = solve_layers(list(inputs), solve, ctx.devices)
-        for k, (name, module) in enumerate(layers.items()):
-            obs = observers[name]
-            if name not in solved:
-                self._round_to_nearest(name, module, ctx, obs.tokens,
-                                       f"saw {obs.tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest")
-                continue
-            Q, info, gptq_loss, rtn_loss, rel_error = solved[name]
-            ctx.progress(f"block {index + 1}: {name} loss {gptq_loss:.3g} (rtn {rtn_loss:.3g})", k + 1, len(layers))
+        def apply(name: str, result: tuple) -> None:
+            Q, info, gptq_loss, rtn_loss, rel_error = result
+            module, obs = layers[name], observers[name]
+            ctx.progress(f"block {index + 1}: {name} loss {gptq_loss:.3g} (rtn {rtn_loss:.3g})", order.index(name) + 1, len(order))
             set_weight(module, Q.to(module.weight.device))
-            record = {"stage": "gptq", "shape": list(inputs[name][0].shape), "weights": args.model_dump(mode="json"),
+            record = {"stage": "gptq", "shape": list(Q.shape), "weights": args.model_dump(mode="json"),
                       "relative_error": rel_error, "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
                       "tokens": obs.tokens, **info}
             if info["damp_retries"]:
@@ -285,7 +285,9 @@ class GPTQ(EngineOptions, QuantizationStage):
                 record["input_activations"] = a.model_dump(mode="json")
                 if rng:
                     record["activation_range"] = list(rng)
-            ctx.layers.setdefault(name, {}).update(record)  # keeps what earlier stages recorded (e.g. AWQ scales)
+            ctx.layers[name].update(record)  # keeps what earlier stages recorded (e.g. AWQ scales)
+
+        solve_layers(solvable, solve, apply, ctx.devices)
 
     def _pruning_mask(self, W: torch.Tensor) -> torch.Tensor | None:
         """Where W is exactly zero, if this layer's zeros are a pruning mask to keep."""
@@ -295,6 +297,8 @@ class GPTQ(EngineOptions, QuantizationStage):
         """The fallback for a layer GPTQ cannot solve, recorded as such."""
         args = self.resolved_scheme().weights
         W = get_weight(module)
+        if not torch.isfinite(W).all():
+            raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
         rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
         set_weight(module, rtn)
         ctx.layers.setdefault(name, {}).update({

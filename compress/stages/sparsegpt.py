@@ -48,7 +48,7 @@ from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
 from compress.schemes import PRESETS, QuantArgs, resolve_scheme
 from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count
 from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext
-from compress.stages.gptq import HessianObserver, hessian_loss, inverse_hessian_cholesky, solvable_layers
+from compress.stages.gptq import HessianObserver, hessian_loss, inverse_hessian_cholesky, weight_and_hessian
 from compress.stages.magnitude import magnitude_prune
 from compress.stages.pruning import LayerTarget, PruningStage, check_weight, count_nonzero, prune_summary, record_layer
 
@@ -190,35 +190,40 @@ class SparseGPT(EngineOptions, PruningStage):
     def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict, observers: dict,
                        ctx: StageContext, runner) -> None:
         quant = self.quantize.args() if self.quantize is not None else None
-        inputs = solvable_layers(layers, observers, self.min_tokens)  # the rest fall back to magnitude pruning
+        order = list(layers)
+        solvable = []
+        for name, module in layers.items():
+            ctx.layers.setdefault(name, {})  # report rows in layer order, whichever device finishes first
+            tokens = observers[name].tokens
+            if tokens >= self.min_tokens:
+                solvable.append(name)
+            else:
+                self._magnitude(name, module, ctx, tokens,
+                                f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): magnitude pruning")
 
         def solve(name: str, device: torch.device) -> tuple:
-            W, H = (t.to(device) for t in inputs[name])
+            W, H = weight_and_hessian(name, layers[name], observers[name], device)
             target = self._targets[name]
             try:
                 Q, info = sparsegpt_prune(W, H, target, self.block_size, self.dampening_frac, quant, self.mask_selection)
             except FloatingPointError as exc:
                 raise CompressError(f"layer {name}: {exc}", "raise dampening_frac or give more calibration samples") from None
-            return Q, info, hessian_loss(W, Q, H), hessian_loss(W, magnitude_baseline(W, target, quant), H)
+            return W, Q, info, hessian_loss(W, Q, H), hessian_loss(W, magnitude_baseline(W, target, quant), H)
 
-        solved = solve_layers(list(inputs), solve, ctx.devices)
-        for k, (name, module) in enumerate(layers.items()):
-            obs = observers[name]
-            if name not in solved:
-                self._magnitude(name, module, ctx, obs.tokens,
-                                f"saw {obs.tokens} calibration tokens (< min_tokens {self.min_tokens}): magnitude pruning")
-                continue
-            Q, info, loss, base_loss = solved[name]
-            ctx.progress(f"block {index + 1}: {name} loss {loss:.3g} (magnitude {base_loss:.3g})", k + 1, len(layers))
-            Q = Q.to(module.weight.device)
-            set_weight(module, Q)
-            extra = {"sparsegpt_loss": loss, "magnitude_loss": base_loss, "tokens": obs.tokens, **info}
+        def apply(name: str, result: tuple) -> None:
+            W, Q, info, loss, base_loss = result
+            module = layers[name]
+            ctx.progress(f"block {index + 1}: {name} loss {loss:.3g} (magnitude {base_loss:.3g})", order.index(name) + 1, len(order))
+            set_weight(module, Q.to(module.weight.device))
+            extra = {"sparsegpt_loss": loss, "magnitude_loss": base_loss, "tokens": observers[name].tokens, **info}
             if quant is not None:
                 extra["weights"] = quant.model_dump(mode="json")
             if info["damp_retries"]:
                 extra["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"
-            record_layer(ctx, name, "sparsegpt", self._targets[name], inputs[name][0], Q, **extra)
+            record_layer(ctx, name, "sparsegpt", self._targets[name], W, Q, **extra)
             self._done.add(name)
+
+        solve_layers(solvable, solve, apply, ctx.devices)
 
     def _magnitude(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str) -> None:
         """The fallback for a layer SparseGPT cannot solve, recorded as such."""
