@@ -196,6 +196,20 @@ class HessianObserver:
         return 2 * self.sum / max(self.tokens, 1)
 
 
+def enough_tokens(layers: dict, observers: dict, min_tokens: int, ctx: StageContext, fallback) -> list[str]:
+    """Names of the layers that saw at least `min_tokens` calibration tokens, to be solved; each of
+    the others (a rarely routed MoE expert) goes to `fallback(name, module, tokens)` now. Every layer
+    gets its report row here, in layer order, whichever device finishes it first."""
+    solvable = []
+    for name, module in layers.items():
+        ctx.layers.setdefault(name, {})
+        if observers[name].tokens >= min_tokens:
+            solvable.append(name)
+        else:
+            fallback(name, module, observers[name].tokens)
+    return solvable
+
+
 def weight_and_hessian(name: str, module: torch.nn.Module, observer: HessianObserver,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's weight [out, in] and Hessian on `device`; a damaged weight or non-finite
@@ -245,15 +259,8 @@ class GPTQ(EngineOptions, QuantizationStage):
         scheme = self.resolved_scheme()
         args = scheme.weights
         order = list(layers)
-        solvable = []
-        for name, module in layers.items():
-            ctx.layers.setdefault(name, {})  # report rows in layer order, whichever device finishes first
-            tokens = observers[name].tokens
-            if tokens >= self.min_tokens:
-                solvable.append(name)
-            else:
-                self._round_to_nearest(name, module, ctx, tokens,
-                                       f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest")
+        solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens: self._round_to_nearest(
+            name, module, ctx, tokens, f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest"))
 
         def solve(name: str, device: torch.device) -> tuple:
             W, H = weight_and_hessian(name, layers[name], observers[name], device)

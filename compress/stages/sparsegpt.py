@@ -48,7 +48,7 @@ from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
 from compress.schemes import PRESETS, QuantArgs, resolve_scheme
 from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count
 from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext
-from compress.stages.gptq import HessianObserver, hessian_loss, inverse_hessian_cholesky, weight_and_hessian
+from compress.stages.gptq import HessianObserver, enough_tokens, hessian_loss, inverse_hessian_cholesky, weight_and_hessian
 from compress.stages.magnitude import magnitude_prune
 from compress.stages.pruning import LayerTarget, PruningStage, check_weight, count_nonzero, prune_summary, record_layer
 
@@ -191,15 +191,8 @@ class SparseGPT(EngineOptions, PruningStage):
                        ctx: StageContext, runner) -> None:
         quant = self.quantize.args() if self.quantize is not None else None
         order = list(layers)
-        solvable = []
-        for name, module in layers.items():
-            ctx.layers.setdefault(name, {})  # report rows in layer order, whichever device finishes first
-            tokens = observers[name].tokens
-            if tokens >= self.min_tokens:
-                solvable.append(name)
-            else:
-                self._magnitude(name, module, ctx, tokens,
-                                f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): magnitude pruning")
+        solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens: self._magnitude(
+            name, module, ctx, tokens, f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): magnitude pruning"))
 
         def solve(name: str, device: torch.device) -> tuple:
             W, H = weight_and_hessian(name, layers[name], observers[name], device)
