@@ -140,7 +140,7 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys):
 def test_kill_then_resume_matches_an_uninterrupted_run(tmp_path, repo):
     teacher, _ = tiny_pair(tmp_path)
     data = str(repo / "calibration" / "default.txt")
-    env = {**os.environ, "PYTHONPATH": str(repo), "COMPRESS_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])), "COMPRESS_CACHE": str(tmp_path / "cache")}
 
     def argv(out, *extra):
         # CPU: resuming must give the uninterrupted run bit for bit, which GPU kernels do not promise
@@ -172,7 +172,7 @@ def test_two_processes_with_ddp_match_one(tmp_path, repo):
     processes on the gloo backend: each takes half of every batch, DDP averages the gradients, and
     the result equals the single-process run up to float summation order."""
     teacher, _ = tiny_pair(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1"}
     common = ["--json", "--device", "cpu", "distill", "--teacher", str(teacher), "--student-layers", "1,0",
               "--data", str(repo / "calibration" / "default.txt"), "--steps", "6", "--batch-size", "4", "--seq-len", "32",
               "--num-samples", "24", "--no-eval"]

@@ -75,7 +75,7 @@ def run_killed(argv: list[str], repo: Path, point: str, sig: str) -> subprocess.
     """The CLI in a subprocess that kills itself at `point`. SIGINT is reset to its default in the
     child: a shell that starts the suite in the background ignores it, and Python then installs
     no KeyboardInterrupt handler."""
-    env = {**os.environ, "PYTHONPATH": str(repo), "HF_HUB_OFFLINE": "1", KILL_AT_ENV: point, KILL_SIGNAL_ENV: sig}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])), "HF_HUB_OFFLINE": "1", KILL_AT_ENV: point, KILL_SIGNAL_ENV: sig}
     return subprocess.run([sys.executable, "-m", "compress", *argv], cwd=repo, env=env, capture_output=True, text=True,
                           timeout=300, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
