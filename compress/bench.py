@@ -447,6 +447,7 @@ def run_row(row: Row, setup: Setup, cache_file: Path) -> dict:
     return {
         "row": row.name,
         "family": row.family,
+        "device": setup.device,
         "method": row.method,
         "reference": row.reference,
         "stage_name": row.stage_name,
@@ -1091,6 +1092,8 @@ def _starved(r: dict) -> bool:
     """Other processes took CPU from this row: it got well under the ~1.6+ CPU-seconds per wall second
     that rows get on an otherwise idle 2-core machine. (The load average lags a minute behind, so it
     only corroborates.)"""
+    if r.get("device", "cpu") != "cpu":
+        return False  # a GPU row waits on the device, not the CPU: its CPU share says nothing
     cpu, wall = r.get("child_cpu_s"), r.get("child_wall_s")
     return bool(cpu is not None and wall and cpu / wall < 1.45)
 
