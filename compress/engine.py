@@ -349,7 +349,7 @@ class Engine:
                 # Usually one calibration pass serves every layer of the block. Sequentially, the
                 # layers go in groups that read the same input (q/k/v, then o, gate/up, down), each
                 # group calibrated on inputs that already carry the error of the groups before it.
-                groups = self.sequential_groups(block, layers, runner) if getattr(stage, "true_sequential", False) else [list(layers)]
+                groups = self.sequential_groups(layers, runner) if getattr(stage, "true_sequential", False) else [list(layers)]
                 if len(groups) > 1 and first_groups is None:
                     first_groups = [[n.removeprefix(prefix) for n in g] for g in groups]
                 for group in groups:
@@ -401,7 +401,7 @@ class Engine:
 
     @staticmethod
     @torch.no_grad()
-    def sequential_groups(block, layers: dict, runner: "BlockRunner") -> list[list[str]]:
+    def sequential_groups(layers: dict, runner: "BlockRunner") -> list[list[str]]:
         """The block's target layers in the order they run, grouped by the input they read: layers
         fed the same tensor (q, k, v; gate, up) are solved together. Found by one forward of the
         first cached batch, so it holds for any architecture; layers that batch does not reach (MoE

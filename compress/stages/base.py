@@ -10,6 +10,7 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from compress.errors import CompressError
 from compress.schemes import PRESETS, QuantScheme, resolve_scheme
 
 
@@ -85,6 +86,12 @@ class EngineOptions(BaseModel):
                       progress=ctx.progress, offload=ctx.offload)
 
 
+def check_weight(name: str, W: torch.Tensor) -> None:
+    """Every stage refuses a damaged input weight by the layer's name, before computing with it."""
+    if not torch.isfinite(W).all():
+        raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
+
+
 def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
     """`4GiB`, `512MB`, `1000000` -> bytes; `auto` -> half of MemAvailable (unbounded if unknown)."""
     if value is None or isinstance(value, int):
@@ -111,7 +118,6 @@ def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
 
 def select_targets(model: torch.nn.Module, targets: list[str], ignore: list[str], stage_name: str) -> dict[str, torch.nn.Module]:
     """A stage's target layers, in model order; none at all is a recipe mistake, not a no-op."""
-    from compress.errors import CompressError
     from compress.targets import select_modules
 
     modules = select_modules(model, targets, ignore)

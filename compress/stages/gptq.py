@@ -42,7 +42,7 @@ from compress.modeling import get_weight, set_weight
 from compress.quant import QParams, absmax_qparams, compute_qparams, zeropoint_qparams, dequantize, fake_quantize, quantize, relative_error
 from compress.schemes import QuantArgs
 from compress.sparsity import pruned_zeros
-from compress.stages.base import EngineOptions, QuantizationStage, StageContext
+from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -215,8 +215,7 @@ def weight_and_hessian(name: str, module: torch.nn.Module, observer: HessianObse
     """A layer's weight [out, in] and Hessian on `device`; a damaged weight or non-finite
     activations stop the run with the layer's name."""
     W = get_weight(module).to(device)
-    if not torch.isfinite(W).all():
-        raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
+    check_weight(name, W)
     try:
         H = observer.hessian().to(device)
     except FloatingPointError as exc:
@@ -304,8 +303,7 @@ class GPTQ(EngineOptions, QuantizationStage):
         """The fallback for a layer GPTQ cannot solve, recorded as such."""
         args = self.resolved_scheme().weights
         W = get_weight(module)
-        if not torch.isfinite(W).all():
-            raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
+        check_weight(name, W)
         rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
         set_weight(module, rtn)
         ctx.layers.setdefault(name, {}).update({

@@ -21,7 +21,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from compress.errors import CompressError
 from compress.sparsity import parse_pattern, sparsity as zero_share
-from compress.stages.base import Stage, StageContext, select_targets
+from compress.stages.base import Stage, StageContext, check_weight, select_targets  # noqa: F401 (check_weight: for the pruning stages)
 from compress.targets import matches
 
 
@@ -174,7 +174,4 @@ def prune_summary(model: torch.nn.Module, modules: dict[str, torch.nn.Module], n
     }
 
 
-def check_weight(name: str, W: torch.Tensor) -> None:
-    if not torch.isfinite(W).all():
-        raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
 

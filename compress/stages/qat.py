@@ -35,7 +35,7 @@ from compress.modeling import get_weight, set_weight
 from compress.quant import (QParams, compute_qparams, fake_quantize, fake_quantize_ste, int_range, lsq_gradient_factor,
                             recover_qparams, relative_error, scale_gradient, storable_scale)
 from compress.schemes import QuantArgs
-from compress.stages.base import QuantizationStage, StageContext
+from compress.stages.base import QuantizationStage, StageContext, check_weight
 from compress.stages.distill import DistillLoss, load_teacher, pruning_masks, run_training, trainable_parameters
 from compress.training import TrainingConfig
 from compress.training_data import TrainingData
@@ -117,8 +117,7 @@ class QAT(DistillLoss, QuantizationStage):
         before, scales, hooks = {}, [], []
         for name, module in modules.items():
             weight = get_weight(module)
-            if not torch.isfinite(weight).all():
-                raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
+            check_weight(name, weight)
             before[name] = weight
             qparams, origin = self._initial_qparams(name, module, weight, wargs, ctx)
             fq = FakeQuantWeight(module.weight, wargs, qparams, self.scales == "learned",

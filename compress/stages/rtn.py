@@ -17,8 +17,7 @@ from compress import activations
 from compress.modeling import get_weight, set_weight
 from compress.quant import fake_quantize, fake_quantize_fp8, relative_error
 from compress.schemes import QuantArgs
-from compress.stages.base import QuantizationStage, StageContext
-from compress.errors import CompressError
+from compress.stages.base import QuantizationStage, StageContext, check_weight
 
 
 def quantize_weight(weight: torch.Tensor, args: QuantArgs) -> torch.Tensor:
@@ -38,8 +37,7 @@ class RoundToNearest(QuantizationStage):
         for i, (name, module) in enumerate(modules.items()):
             ctx.progress(f"rtn {name}", i, len(modules))
             weight = get_weight(module)  # [out, in], float32 copy
-            if not torch.isfinite(weight).all():
-                raise CompressError(f"layer {name}: weight holds NaN or Inf", "the input model is damaged; check its source")
+            check_weight(name, weight)
             q = quantize_weight(weight.to(ctx.device), wargs).cpu()
             set_weight(module, q)
             ctx.layers.setdefault(name, {}).update({
