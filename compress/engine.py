@@ -279,33 +279,33 @@ def _block_output(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def solve_layers(names: list[str], solve: Callable[[str, torch.device], Any], apply: Callable[[str, Any], None],
+def solve_layers(items: list, solve: Callable[[Any, torch.device], Any], apply: Callable[[Any, Any], None],
                  devices: list[torch.device]) -> None:
-    """`solve(name, device)` for every layer of a block, then `apply(name, result)` in layer order
-    on this thread.
+    """`solve(item, device)` for every item of a block (a layer's name, or a group of layers solved
+    together), then `apply(item, result)` in order on this thread.
 
-    On one device each layer is solved and applied before the next is touched, so only one
-    layer's working tensors exist at a time. With several, the layers are dealt out round-robin,
+    On one device each item is solved and applied before the next is touched, so only one
+    item's working tensors exist at a time. With several, the items are dealt out round-robin,
     each device solving its share in order on its own thread, concurrently with the others (the
     work is in torch operations, which release the GIL); a result is applied as soon as it and
-    those before it are done. A layer's solve reads only that layer's weight and statistics, so
+    those before it are done. A solve reads only its own layers' weights and statistics, so
     where it runs changes nothing but the device its arithmetic happens on."""
-    if len(devices) <= 1 or len(names) <= 1:
-        for name in names:
-            apply(name, solve(name, devices[0]))
+    if len(devices) <= 1 or len(items) <= 1:
+        for item in items:
+            apply(item, solve(item, devices[0]))
         return
     from concurrent.futures import ThreadPoolExecutor
 
-    def on(device: torch.device, name: str) -> Any:
+    def on(device: torch.device, item: Any) -> Any:
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this thread's kernels and allocations go there
-        return solve(name, device)
+        return solve(item, device)
 
     workers = [ThreadPoolExecutor(max_workers=1) for _ in devices]  # one queue per device
     try:
-        futures = [workers[k % len(devices)].submit(on, devices[k % len(devices)], name) for k, name in enumerate(names)]
-        for name, future in zip(names, futures):
-            apply(name, future.result())  # re-raises a layer's error here
+        futures = [workers[k % len(devices)].submit(on, devices[k % len(devices)], item) for k, item in enumerate(items)]
+        for item, future in zip(items, futures):
+            apply(item, future.result())  # re-raises a layer's error here
     finally:
         for worker in workers:
             worker.shutdown(cancel_futures=True)

@@ -47,6 +47,19 @@ def test_gptq_beats_round_to_nearest(args, actorder, static):
     assert info["damp_retries"] == 0
 
 
+@pytest.mark.parametrize("actorder,static", [(False, False), (True, False), (True, True)])
+def test_layers_sharing_a_hessian_solve_as_one_stacked_weight(actorder, static):
+    """GPTQ's rows are independent given H: q, k and v stacked into one weight give each layer the
+    result it gets alone (the engine solves them so, in one pass over the columns)."""
+    W, X, H = correlated_layer(out_features=96)
+    parts = [W[:48], W[48:72], W[72:]]
+    args = QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False)
+    stacked, _ = gptq_quantize(W, H, args, block_size=32, actorder=actorder, static_groups=static)
+    alone = torch.cat([gptq_quantize(P, H, args, block_size=32, actorder=actorder, static_groups=static)[0] for P in parts])
+    scale = (W.amax() - W.amin()) / 15
+    assert (stacked - alone).abs().max() < 1e-4 * scale  # float reassociation at most, never a different code
+
+
 @pytest.mark.parametrize("actorder", [False, True])
 def test_pruning_mask_survives_gptq(actorder):
     """A weight half of which was pruned keeps exactly those zeros; the survivors compensate, so
@@ -293,6 +306,40 @@ stages:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [r.get("gptq_loss", r.get("sparsegpt_loss")) for r in one["layers"].values()] == \
            [r.get("gptq_loss", r.get("sparsegpt_loss")) for r in two["layers"].values()]
+
+
+def test_engine_solves_layers_reading_one_input_together(tiny_models, tmp_path, monkeypatch):
+    """q/k/v and gate/up accumulate bit-identical Hessians, so each set is one solve; the checkpoint
+    is the one solving every layer alone. A per-tensor scale spans the whole weight: no stacking."""
+    from safetensors.torch import load_file
+
+    import compress.stages.gptq as gptq
+
+    grouped = run_recipe(gptq_recipe(tiny_models["llama"]), output=str(tmp_path / "grouped"), device="cpu")
+    summary, layers = grouped["stages"][0]["summary"], grouped["layers"]
+    assert summary["layers"] == 7 * 2 and summary["solves"] == 4 * 2  # two blocks: q/k/v, o, gate/up, down
+    prefix = "model.layers.1."
+    assert layers[prefix + "self_attn.k_proj"]["solved_together"] == [prefix + f"self_attn.{p}_proj" for p in "qkv"]
+    assert layers[prefix + "mlp.up_proj"]["solved_together"] == [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]
+    assert "solved_together" not in layers[prefix + "mlp.down_proj"]
+
+    monkeypatch.setattr(gptq, "shared_hessian_groups", lambda names, observers: [(n,) for n in names])
+    alone = run_recipe(gptq_recipe(tiny_models["llama"]), output=str(tmp_path / "alone"), device="cpu")
+    assert alone["stages"][0]["summary"]["solves"] == 7 * 2
+    a, b = load_file(tmp_path / "grouped/model.safetensors"), load_file(tmp_path / "alone/model.safetensors")
+    codes = [k for k in a if k.endswith("weight_packed")]
+    assert codes and all(torch.equal(a[k], b[k]) for k in codes)
+    assert all(torch.allclose(a[k], b[k], rtol=1e-5) for k in a if k.endswith("weight_scale"))
+    monkeypatch.undo()
+
+    per_tensor = parse_recipe(f"""
+model: {tiny_models["llama"]}
+calibration: {{dataset: calibration/default.txt, num_samples: 16, seq_len: 64}}
+stages:
+  - gptq: {{scheme: W8A16, weights: {{strategy: tensor}}}}
+""", "test")
+    tensor = run_recipe(per_tensor, output=str(tmp_path / "tensor"), device="cpu")
+    assert tensor["stages"][0]["summary"]["solves"] == 7 * 2
 
 
 def test_solve_layers_applies_in_layer_order_and_reraises():
