@@ -475,23 +475,28 @@ def run_row(row: Row, setup: Setup, cache_file: Path) -> dict:
 
 def _time_forward(model, tokenizer, recipe, device: str = "cpu") -> dict:
     """One plain forward pass of the uncompressed float32 model over the row's calibration samples,
-    batch 1 as the calibration engine runs them: the yardstick for GPTQ's wall time."""
+    in the batches the calibration engine runs them in: the yardstick for GPTQ's wall time."""
     import torch
 
     from compress.calibration import build_calibration
+    from compress.engine import _batches, resolve_batch_size
 
     cal = build_calibration(recipe.calibration, tokenizer)
+    engine_stage = next(cfg for _, cfg in recipe.stages if hasattr(cfg, "batch_size"))
+    batch_size = resolve_batch_size(engine_stage.batch_size, torch.device(device), cal.samples)
+    batches = _batches(cal.samples, batch_size)
     model.eval().to(device)
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     with torch.no_grad():
-        model(**{k: v.to(device) for k, v in cal.samples[0].items()})  # warm-up, untimed (first-call allocations)
+        model(**{k: v.to(device) for k, v in batches[0].items()})  # warm-up, untimed (first-call allocations)
         sync()
         t0 = time.perf_counter()
-        for sample in cal.samples:
-            model(**{k: v.to(device) for k, v in sample.items()})  # the copy is part of the engine's work too
+        for batch in batches:
+            model(**{k: v.to(device) for k, v in batch.items()})  # the copy is part of the engine's work too
         sync()
         wall = time.perf_counter() - t0
-    return {"wall_s": wall, "samples": len(cal.samples), "tokens": cal.num_tokens, "fingerprint": cal.fingerprint}
+    return {"wall_s": wall, "samples": len(cal.samples), "batch_size": batch_size, "tokens": cal.num_tokens,
+            "fingerprint": cal.fingerprint}
 
 
 # --------------------------------------------------------------------------------------------
@@ -1058,8 +1063,9 @@ def _gptq_cost(results: list[dict]) -> list[str]:
            "Compression wall s = the `gptq` stage alone (report.json `stages[0].wall_s`: first-block capture, then per "
            "block the calibration forward with Hessian accumulation, the solve, and the propagation forward). "
            "Forward s = one plain forward pass of the uncompressed float32 model over the same calibration samples "
-           "(rebuilt with `compress.calibration.build_calibration` from the row's recipe; `model(**sample)` one sample "
-           "at a time as the engine runs them, under `torch.no_grad`, after one untimed warm-up sample), timed in the "
+           "(rebuilt with `compress.calibration.build_calibration` from the row's recipe; `model(**batch)` in the "
+           "batches the engine runs them in, `batch_size: auto` (up to 1024 tokens per forward on the CPU, 4096 on a "
+           "GPU), under `torch.no_grad`, after one untimed warm-up batch), timed in the "
            "same child process after the compression. Ratio = compression / forward (issue aim: under 5). "
            "Losses = the stage summary's `mean_gptq_loss` / `mean_rtn_loss`: mean over layers of ‖WX − ŴX‖²/N on "
            "the calibration inputs, for GPTQ's Ŵ and for round-to-nearest's. Last column: the row process's CPU "
@@ -1068,7 +1074,7 @@ def _gptq_cost(results: list[dict]) -> list[str]:
            "(this benchmark's own previous rows) sits near 1.6–1.9; a CPU/wall under about 1.45 means other processes "
            "took CPU from the row and its wall times are inflated (GPTQ's many small per-column operations suffer "
            "most). The load average lags a minute behind, so it only corroborates.", "",
-           "| model | row | calibration samples (tokens) | compression wall s | forward s | ratio | mean GPTQ loss | mean RTN loss | loss GPTQ / RTN | stage peak RSS MiB | layers (RTN fallback) | damping raised | row CPU/wall (load at start) |",
+           "| model | row | calibration samples (tokens) / per forward | compression wall s | forward s | ratio | mean GPTQ loss | mean RTN loss | loss GPTQ / RTN | stage peak RSS MiB | layers (RTN fallback) | damping raised | row CPU/wall (load at start) |",
            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         f, sm = r.get("forward") or {}, r["stage_summary"]
@@ -1076,7 +1082,7 @@ def _gptq_cost(results: list[dict]) -> list[str]:
         ratio = r["stage_wall_s"] / fw if fw else None
         lr = sm["mean_gptq_loss"] / sm["mean_rtn_loss"] if sm.get("mean_rtn_loss") else None
         out.append(f"| {'ref-llama' if r['family'] == 'ref-llama' else 'MiniLM'} | {r['label']} | "
-                   f"{f.get('samples', '–')} ({_f(f.get('tokens'), ',')}) | {r['stage_wall_s']:.1f} | {_f(fw, '.1f')} | "
+                   f"{f.get('samples', '–')} ({_f(f.get('tokens'), ',')}) / {f.get('batch_size', 1)} | {r['stage_wall_s']:.1f} | {_f(fw, '.1f')} | "
                    f"**{_f(ratio, '.2f')}** | {sm['mean_gptq_loss']:.4g} | {sm['mean_rtn_loss']:.4g} | {_f(lr, '.3f')} | "
                    f"{r['stage_peak_rss_mib']:.0f} | {sm['layers']} ({sm['rtn_fallback']}) | {sm['damping_raised']} | "
                    f"{_cpu_share(r)} |")

@@ -479,6 +479,13 @@ def _smoothquant_alpha_out_of_range(tmp):
     return quantize(tmp, calib_recipe("calibration/default.txt").replace(GOOD_STAGE, "stages:\n  - smoothquant:\n      alpha: 2\n"))
 
 
+def _batch_size(value):
+    def setup(tmp):
+        return quantize(tmp, calib_recipe("calibration/default.txt").replace(
+            GOOD_STAGE, f"stages:\n  - gptq:\n      scheme: W8A16\n      batch_size: {value}\n"))
+    return setup
+
+
 def _gptq_damping_zero(tmp):
     return quantize(tmp, calib_recipe("calibration/default.txt").replace(
         GOOD_STAGE, "stages:\n  - gptq:\n      scheme: W8A16\n      dampening_frac: 0\n"))
@@ -523,6 +530,8 @@ CASES_ISSUE9 = [
     Case("recipe-sparsity-out-of-range", _recipe_sparsity_out_of_range, ["r.yaml:3", "sparsity"]),
     Case("smoothquant-alpha-out-of-range", _smoothquant_alpha_out_of_range, ["r.yaml:7", "alpha"]),
     Case("gptq-damping-zero", _gptq_damping_zero, ["r.yaml:8", "dampening_frac"]),
+    Case("batch-size-zero", _batch_size(0), ["r.yaml:8", "batch_size", "or auto (got 0)"]),
+    Case("batch-size-word", _batch_size("many"), ["r.yaml:8", "batch_size", "or auto (got 'many')"]),
     Case("targets-not-a-list", _targets_not_a_list, ["r.yaml:4", "targets", "list"]),
     Case("calib-zero-samples", _calib_zero_samples, ["r.yaml:3", "num_samples"]),
     Case("cache-dir-is-a-file", _cache_dir_is_file, ["{tmp}/cache", "is a file", "--cache-dir"]),

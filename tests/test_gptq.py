@@ -197,11 +197,23 @@ def test_batch_size_does_not_change_results(tiny_models, tmp_path):
     assert (a - b).abs().max() < 1e-3 * a.abs().max()
 
 
+def test_auto_batch_size_fills_the_device_token_budget():
+    from compress.engine import resolve_batch_size
+
+    windows = [{"input_ids": torch.zeros(1, 256, dtype=torch.long)}] * 128
+    assert resolve_batch_size("auto", torch.device("cpu"), windows) == 4
+    assert resolve_batch_size("auto", torch.device("cuda", 0), windows) == 16
+    assert resolve_batch_size("auto", torch.device("cpu"), [{"input_ids": torch.zeros(1, 4096, dtype=torch.long)}]) == 1
+    assert resolve_batch_size(3, torch.device("cuda", 0), windows) == 3
+
+
 def test_activation_spill_to_disk_gives_same_result(tiny_models, tmp_path):
     from safetensors.torch import load_file
 
-    r1 = run_recipe(gptq_recipe(tiny_models["llama"]), output=str(tmp_path / "mem"), device="cpu")
-    r2 = run_recipe(gptq_recipe(tiny_models["llama"], "      activation_budget: 40KiB"), output=str(tmp_path / "disk"), device="cpu")
+    # one sample per batch, so there are many cached batches to spill
+    r1 = run_recipe(gptq_recipe(tiny_models["llama"], "      batch_size: 1"), output=str(tmp_path / "mem"), device="cpu")
+    r2 = run_recipe(gptq_recipe(tiny_models["llama"], "      batch_size: 1\n      activation_budget: 40KiB"),
+                    output=str(tmp_path / "disk"), device="cpu")
     assert r1["stages"][0]["summary"]["activations_spilled"] == 0
     assert r2["stages"][0]["summary"]["activations_spilled"] > 8
     a, b = load_file(tmp_path / "mem/model.safetensors"), load_file(tmp_path / "disk/model.safetensors")

@@ -132,6 +132,28 @@ stages:
             assert r["output_error"] <= r["rtn_output_error"] * (1 + 1e-6), name
 
 
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_awq_keeps_max_tokens_whatever_the_batch_size(family, tmp_path):
+    """Each calibration forward keeps its share of `max_tokens` for the searches: a share per batch,
+    not per sample, so batching does not shrink the search set; BERT's padded lines count only
+    their real tokens."""
+    torch.manual_seed(0)
+    save(SMOOTHING_FAMILIES[family]().eval(), tmp_path / "in")
+    kept = {}
+    for bs in (1, 4):
+        recipe = parse_recipe(f"""
+model: {tmp_path / 'in'}
+calibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64, packing: {str(family != "bert").lower()}, min_chars: 20}}
+stages:
+  - awq: {{scheme: W4A16, weights: {{group_size: 32}}, grid: 3, clip_grid: 4, max_tokens: 64, batch_size: {bs}}}
+""", "test")
+        report = run_recipe(recipe, output=str(tmp_path / f"b{bs}"), device="cpu")
+        assert report["stages"][0]["summary"]["batch_size"] == bs
+        kept[bs] = {n: (r["search_tokens"], r["tokens"]) for n, r in report["layers"].items() if "search_tokens" in r}
+    assert kept[1] and kept[1] == kept[4]
+    assert all(search == 64 < seen for search, seen in kept[1].values())
+
+
 @pytest.fixture
 def gpt_neo(tmp_path):
     """A tiny GPT-Neo, an architecture without a smoothing map, saved to tmp_path/in."""

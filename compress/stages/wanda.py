@@ -9,7 +9,7 @@ Sample recipe stage:
         sparsity: 0.5          # or pattern: "2:4" (quoted: YAML reads 2:4 as a number)
         sparsity_overrides: {re:.*self_attn.*: 0.4}
         ignore: [lm_head]
-        batch_size: 1          # engine keys, as for gptq
+        batch_size: auto       # engine keys, as for gptq
 """
 
 from __future__ import annotations
