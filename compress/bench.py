@@ -1082,7 +1082,7 @@ def _gptq_cost(results: list[dict]) -> list[str]:
         ratio = r["stage_wall_s"] / fw if fw else None
         lr = sm["mean_gptq_loss"] / sm["mean_rtn_loss"] if sm.get("mean_rtn_loss") else None
         out.append(f"| {'ref-llama' if r['family'] == 'ref-llama' else 'MiniLM'} | {r['label']} | "
-                   f"{f.get('samples', '–')} ({_f(f.get('tokens'), ',')}) / {f.get('batch_size', 1)} | {r['stage_wall_s']:.1f} | {_f(fw, '.1f')} | "
+                   f"{f.get('samples', '–')} ({_f(f.get('tokens'), ',')}) / {f.get('batch_size', 1)} | {r['stage_wall_s']:.1f} | {_f(fw, '.2f')} | "
                    f"**{_f(ratio, '.2f')}** | {sm['mean_gptq_loss']:.4g} | {sm['mean_rtn_loss']:.4g} | {_f(lr, '.3f')} | "
                    f"{r['stage_peak_rss_mib']:.0f} | {sm['layers']} ({sm['rtn_fallback']}) | {sm['damping_raised']} | "
                    f"{_cpu_share(r)} |")
