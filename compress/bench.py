@@ -479,12 +479,12 @@ def _time_forward(model, tokenizer, recipe, device: str = "cpu") -> dict:
     import torch
 
     from compress.calibration import build_calibration
-    from compress.engine import _batches, resolve_batch_size
+    from compress.engine import calibration_batches, resolve_batch_size
 
     cal = build_calibration(recipe.calibration, tokenizer)
-    engine_stage = next(cfg for _, cfg in recipe.stages if hasattr(cfg, "batch_size"))
-    batch_size = resolve_batch_size(engine_stage.batch_size, torch.device(device), cal.samples)
-    batches = _batches(cal.samples, batch_size)
+    setting = next((cfg.batch_size for _, cfg in recipe.stages if hasattr(cfg, "batch_size")), "auto")
+    batch_size = resolve_batch_size(setting, torch.device(device), cal.samples)
+    batches = calibration_batches(cal.samples, batch_size, torch.device(device))
     model.eval().to(device)
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     with torch.no_grad():
@@ -1064,8 +1064,8 @@ def _gptq_cost(results: list[dict]) -> list[str]:
            "block the calibration forward with Hessian accumulation, the solve, and the propagation forward). "
            "Forward s = one plain forward pass of the uncompressed float32 model over the same calibration samples "
            "(rebuilt with `compress.calibration.build_calibration` from the row's recipe; `model(**batch)` in the "
-           "batches the engine runs them in, `batch_size: auto` (up to 1024 tokens per forward on the CPU, 4096 on a "
-           "GPU), under `torch.no_grad`, after one untimed warm-up batch), timed in the "
+           "batches the engine runs them in (the row's `batch_size`; the rows here leave it at `auto`: up to 1024 tokens "
+           "per forward on the CPU, 4096 on a GPU, for samples of one length), under `torch.no_grad`, after one untimed warm-up batch), timed in the "
            "same child process after the compression. Ratio = compression / forward (issue aim: under 5). "
            "Losses = the stage summary's `mean_gptq_loss` / `mean_rtn_loss`: mean over layers of ‖WX − ŴX‖²/N on "
            "the calibration inputs, for GPTQ's Ŵ and for round-to-nearest's. Last column: the row process's CPU "

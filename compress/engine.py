@@ -22,6 +22,7 @@ block's module name plus a dot; `layers` are the selected modules inside it, by 
 
 from __future__ import annotations
 
+import contextvars
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -89,6 +90,8 @@ def token_rows(inputs: tuple, mask: torch.Tensor | None) -> torch.Tensor:
     x = inputs[0].detach()
     if mask is not None and x.dim() == 3 and x.shape[:2] == mask.shape:
         x = x[mask.to(x.device).bool()]
+    elif mask is not None and x.dim() == 2 and x.shape[0] == mask.numel():
+        x = x[mask.reshape(-1).to(x.device).bool()]  # tokens flattened before the layer (OPT's MLP)
     return x.reshape(-1, x.shape[-1]).float()
 
 
@@ -112,14 +115,16 @@ class BlockRunner:
             return [token_rows((_block_output(self.block(self.store.get(j), **_move(self.records[j].kwargs, self.device))),),
                                self.records[j].mask) for j in range(n)]
         captured: list[torch.Tensor] = []
+        current = [0]  # the batch being run, for its padding mask
 
         def hook(_module, _inputs, output):
-            captured.append(token_rows((_block_output(output),), self.records[len(captured)].mask))
+            captured.append(token_rows((_block_output(output),), self.records[current[0]].mask))
             raise _StopForward
 
         handle = self.block.get_submodule(module).register_forward_hook(hook)
         try:
             for j in range(n):
+                current[0] = j
                 try:
                     self.block(self.store.get(j), **_move(self.records[j].kwargs, self.device))
                 except _StopForward:
@@ -191,18 +196,25 @@ AUTO_BATCH_TOKENS = {"cpu": 1024, "cuda": 4096}
 
 
 def resolve_batch_size(batch_size: int | str, device: torch.device, samples: list[dict]) -> int:
-    """A stage's `batch_size`, with `auto` as many samples as fit the device's token budget (at least one)."""
+    """A stage's `batch_size`; `auto` fills the device's token budget (the CPU's for other device
+    types), at least one sample, but only where every sample has the same length: padding would
+    otherwise reach layers that see tokens flattened (OPT's MLP, routed MoE experts), where it
+    cannot be told apart from real tokens."""
     if batch_size != "auto":
         return int(batch_size)
-    longest = max((s["input_ids"].shape[1] for s in samples), default=1)
-    return max(1, AUTO_BATCH_TOKENS.get(device.type, AUTO_BATCH_TOKENS["cpu"]) // longest)
+    lengths = {s["input_ids"].shape[1] for s in samples}
+    if len(lengths) != 1:
+        return 1
+    return max(1, AUTO_BATCH_TOKENS.get(device.type, AUTO_BATCH_TOKENS["cpu"]) // lengths.pop())
 
 
-def _batches(samples: list[dict], batch_size: int) -> list[dict]:
-    """Concatenate calibration samples into batches (padding to the longest for uneven lengths)."""
+def calibration_batches(samples: list[dict], batch_size: int | str, device: torch.device) -> list[dict]:
+    """The batches the engine runs: samples concatenated `batch_size` at a time (resolved by
+    `resolve_batch_size`), padded to the longest where lengths differ."""
+    size = resolve_batch_size(batch_size, device, samples)
     out = []
-    for start in range(0, len(samples), batch_size):
-        group = samples[start : start + batch_size]
+    for start in range(0, len(samples), size):
+        group = samples[start : start + size]
         length = max(s["input_ids"].shape[1] for s in group)
         batch: dict[str, list] = {}
         for s in group:
@@ -319,7 +331,10 @@ def solve_layers(items: list, solve: Callable[[Any, torch.device], Any], apply: 
 
     workers = [ThreadPoolExecutor(max_workers=1) for _ in devices]  # one queue per device
     try:
-        futures = [workers[k % len(devices)].submit(on, devices[k % len(devices)], item) for k, item in enumerate(items)]
+        # Each solve runs in a copy of this thread's context: the stored-scale dtype
+        # (quant.scales_stored_as) is a context variable, which new threads would not see.
+        futures = [workers[k % len(devices)].submit(contextvars.copy_context().run, on, devices[k % len(devices)], item)
+                   for k, item in enumerate(items)]
         for item, future in zip(items, futures):
             apply(item, future.result())  # re-raises a layer's error here
     finally:
@@ -345,8 +360,7 @@ class Engine:
     def run(self, model: torch.nn.Module, samples: list[dict], stage: BlockwiseStage,
             selected: dict[str, torch.nn.Module], ctx: Any) -> dict:
         path, blocks = find_blocks(model, self.blocks_path)
-        batch_size = resolve_batch_size(self.batch_size, self.device, samples)
-        batches = _batches(samples, batch_size)
+        batches = calibration_batches(samples, self.batch_size, self.device)
         keep_on_device = self.activations_on == "device" or (self.activations_on == "auto" and self.device.type != "cpu"
                                                               and self._fits_on_device(batches, model))
         store = ActivationStore(self.device, keep_on_device, self.activation_budget)
@@ -391,7 +405,8 @@ class Engine:
                     torch.cuda.empty_cache()
         finally:
             store.close()
-        summary = {"blocks": len(blocks), "batch_size": batch_size, "batches": len(records), "activations_spilled": store.spilled,
+        summary = {"blocks": len(blocks), "batch_size": resolve_batch_size(self.batch_size, self.device, samples),
+                   "batches": len(records), "activations_spilled": store.spilled,
                    "max_parameters_on_device": peak_device_params}
         if first_groups is not None:  # true_sequential: the order layers were solved in (first block)
             summary["sequential_groups"] = first_groups

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 from compress import modeling, parse_recipe, run_recipe
 from compress.quant import fake_quantize
 from compress.schemes import QuantArgs
-from compress.stages.gptq import gptq_quantize, hessian_loss, inverse_hessian_cholesky
+from compress.stages.gptq import gptq_quantize, gptq_quantize_stacked, hessian_loss, inverse_hessian_cholesky
 
 from tests.test_model_families import FAMILIES
 
@@ -47,17 +47,36 @@ def test_gptq_beats_round_to_nearest(args, actorder, static):
     assert info["damp_retries"] == 0
 
 
-@pytest.mark.parametrize("actorder,static", [(False, False), (True, False), (True, True)])
-def test_layers_sharing_a_hessian_solve_as_one_stacked_weight(actorder, static):
+@pytest.mark.parametrize("args,options", [
+    (QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False), {}),
+    (QuantArgs(num_bits=4, strategy="group", group_size=32), {"actorder": True}),
+    (QuantArgs(num_bits=4, strategy="group", group_size=32), {"actorder": True, "static_groups": True}),
+    (QuantArgs(num_bits=3, strategy="channel"), {}),
+    (QuantArgs(num_bits=4, strategy="group", group_size=32), {"shrink_grid": 5}),
+    (QuantArgs(num_bits=4, strategy="channel", symmetric=False), {"shrink_grid": 5, "actorder": True}),
+])
+@pytest.mark.parametrize("pruned_part", [False, True])
+def test_layers_sharing_a_hessian_solve_as_one_stacked_weight(args, options, pruned_part):
     """GPTQ's rows are independent given H: q, k and v stacked into one weight give each layer the
-    result it gets alone (the engine solves them so, in one pass over the columns)."""
+    result it gets alone (the GPTQ stage solves them so, in one pass over the columns), with dead
+    input columns, and with a pruning mask on one layer only."""
     W, X, H = correlated_layer(out_features=96)
-    parts = [W[:48], W[48:72], W[72:]]
-    args = QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False)
-    stacked, _ = gptq_quantize(W, H, args, block_size=32, actorder=actorder, static_groups=static)
-    alone = torch.cat([gptq_quantize(P, H, args, block_size=32, actorder=actorder, static_groups=static)[0] for P in parts])
-    scale = (W.amax() - W.amin()) / 15
-    assert (stacked - alone).abs().max() < 1e-4 * scale  # float reassociation at most, never a different code
+    H[:, 5] = H[5, :] = 0  # a dead input
+    parts = [W[:48], W[48:72].clone(), W[72:]]
+    masks = [None, None, None]
+    if pruned_part:
+        parts[1][torch.rand(parts[1].shape, generator=torch.Generator().manual_seed(2)) < 0.5] = 0
+        masks[1] = parts[1] == 0
+    stacked, info = gptq_quantize_stacked(parts, H, args, masks, block_size=32, **options)
+    assert info["dead_columns"] == 1 and [q.shape for q in stacked] == [p.shape for p in parts]
+    for P, mask, Q in zip(parts, masks, stacked):
+        alone, _ = gptq_quantize(P, H, args, block_size=32, keep_zero=mask, **options)
+        step = (P.amax() - P.amin()) / (2**args.num_bits - 1)
+        assert (Q - alone).abs().max() < 1e-4 * step  # float reassociation at most, never a different code
+        if mask is not None:
+            assert torch.equal(Q[mask], torch.zeros(int(mask.sum())))
+    with pytest.raises(ValueError, match="per-tensor"):
+        gptq_quantize_stacked(parts, H, QuantArgs(num_bits=8, strategy="tensor"))
 
 
 @pytest.mark.parametrize("actorder", [False, True])
@@ -198,13 +217,53 @@ def test_batch_size_does_not_change_results(tiny_models, tmp_path):
 
 
 def test_auto_batch_size_fills_the_device_token_budget():
-    from compress.engine import resolve_batch_size
+    from compress.engine import calibration_batches, resolve_batch_size
 
     windows = [{"input_ids": torch.zeros(1, 256, dtype=torch.long)}] * 128
     assert resolve_batch_size("auto", torch.device("cpu"), windows) == 4
     assert resolve_batch_size("auto", torch.device("cuda", 0), windows) == 16
+    assert resolve_batch_size("auto", torch.device("mps"), windows) == 4  # other devices: the CPU's budget
     assert resolve_batch_size("auto", torch.device("cpu"), [{"input_ids": torch.zeros(1, 4096, dtype=torch.long)}]) == 1
     assert resolve_batch_size(3, torch.device("cuda", 0), windows) == 3
+    # lines of different lengths would need padding, which flattened-token layers cannot mask: one per forward
+    lines = [{"input_ids": torch.zeros(1, n, dtype=torch.long), "attention_mask": torch.ones(1, n, dtype=torch.long)}
+             for n in (12, 30, 7)]
+    assert resolve_batch_size("auto", torch.device("cuda", 0), lines) == 1
+    assert resolve_batch_size("auto", torch.device("cpu"), []) == 1
+    padded = calibration_batches(lines, 3, torch.device("cpu"))
+    assert len(padded) == 1 and padded[0]["input_ids"].shape == (3, 30)
+    assert padded[0]["attention_mask"].sum(1).tolist() == [12, 30, 7]
+    assert len(calibration_batches(windows, "auto", torch.device("cpu"))) == 32
+
+
+def test_padding_is_dropped_from_statistics_and_block_outputs():
+    """What observers accumulate and what AWQ minimises count real tokens only, whether a layer sees
+    [batch, seq, features] or tokens flattened to [batch*seq, features] (OPT's MLP), and the runner
+    pairs each batch's outputs with that batch's own mask."""
+    from compress.engine import ActivationStore, BlockInput, BlockRunner, token_rows
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    x = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
+    assert torch.equal(token_rows((x,), mask), x[mask.bool()])
+    assert torch.equal(token_rows((x.reshape(10, 3),), mask), x[mask.bool()])
+    assert token_rows((x,), None).shape == (10, 3)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(3, 4)
+
+        def forward(self, hidden):
+            return (self.proj(hidden) * 2,)
+
+    store = ActivationStore(torch.device("cpu"), keep_on_device=False, budget_bytes=None)
+    masks = [mask, torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]), None]
+    for m in masks:
+        store.append(torch.randn(2, 5, 3))
+    runner = BlockRunner(Block(), store, [BlockInput(None, {}, m) for m in masks], torch.device("cpu"))
+    for outputs in (runner.outputs(), runner.outputs(module="proj")):
+        assert [o.shape for o in outputs] == [(8, 4), (3, 4), (10, 4)]
+    assert [o.shape[0] for o in runner.outputs(limit=2, module="proj")] == [8, 3]
 
 
 def test_activation_spill_to_disk_gives_same_result(tiny_models, tmp_path):
@@ -297,9 +356,10 @@ def test_true_sequential_solves_groups_on_inputs_carrying_earlier_errors(tiny_mo
                 assert b["rtn_loss"] != a["rtn_loss"]  # other inputs: this block's quantized layers before it
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: scales stored as bf16, a context setting
 @pytest.mark.parametrize("stage", ["gptq: {scheme: W4A16, weights: {group_size: 32}}",
                                    "sparsegpt: {sparsity: 0.5, quantize: {scheme: W4A16, weights: {group_size: 32}}}"])
-def test_layer_solves_spread_over_several_devices_change_nothing(tiny_models, stage, tmp_path):
+def test_layer_solves_spread_over_several_devices_change_nothing(tiny_models, stage, dtype, tmp_path):
     """With several devices a block's layers are solved concurrently, one worker per device; here two
     CPU workers (the threads, the dealing out and the gathering are the same code as for two GPUs;
     tests/test_cuda.py mixes a GPU and the CPU). The checkpoint is bit for bit the one-device one."""
@@ -311,8 +371,8 @@ calibration: {{dataset: calibration/default.txt, num_samples: 16, seq_len: 64}}
 stages:
   - {stage}
 """, "test")
-    one = run_recipe(recipe, output=str(tmp_path / "one"), device="cpu")
-    two = run_recipe(recipe, output=str(tmp_path / "two"), device="cpu,cpu")
+    one = run_recipe(recipe, output=str(tmp_path / "one"), device="cpu", dtype=dtype)
+    two = run_recipe(recipe, output=str(tmp_path / "two"), device="cpu,cpu", dtype=dtype)
     assert two["devices"] == ["cpu", "cpu"] and "devices" not in one
     a, b = load_file(tmp_path / "one/model.safetensors"), load_file(tmp_path / "two/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -340,6 +400,7 @@ def test_engine_solves_layers_reading_one_input_together(tiny_models, tmp_path, 
     assert alone["stages"][0]["summary"]["solves"] == 7 * 2
     a, b = load_file(tmp_path / "grouped/model.safetensors"), load_file(tmp_path / "alone/model.safetensors")
     codes = [k for k in a if k.endswith("weight_packed")]
+    # identical on the CPU; on a GPU, matrix products of another height may reassociate the sums
     assert codes and all(torch.equal(a[k], b[k]) for k in codes)
     assert all(torch.allclose(a[k], b[k], rtol=1e-5) for k in a if k.endswith("weight_scale"))
     monkeypatch.undo()

@@ -133,7 +133,7 @@ stages:
 
 
 @pytest.mark.parametrize("family", ["llama", "bert"])
-def test_awq_keeps_max_tokens_whatever_the_batch_size(family, tmp_path):
+def test_awq_search_set_does_not_shrink_with_the_batch_size(family, tmp_path):
     """Each calibration forward keeps its share of `max_tokens` for the searches: a share per batch,
     not per sample, so batching does not shrink the search set; BERT's padded lines count only
     their real tokens."""

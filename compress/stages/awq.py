@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 from pydantic import Field, PrivateAttr, model_validator
 
-from compress.engine import resolve_batch_size, token_rows
+from compress.engine import calibration_batches, token_rows
 from compress.mappings import Mapping, apply_scales, mappings_for
 from compress.modeling import get_weight, set_weight
 from compress.quant import absmax_qparams, dequantize, fake_quantize, quantize, relative_error, zeropoint_qparams
@@ -160,7 +160,7 @@ class AWQ(EngineOptions, QuantizationStage):
     mappings: Optional[list[Mapping]] = Field(None, description="replace the architecture's smoothing map")
     quantize: bool = Field(True, description="false: only apply the scales, leaving quantization to a later stage (e.g. gptq)")
     _mappings: list = PrivateAttr(default_factory=list)
-    _batches: int = PrivateAttr(1)  # calibration forwards per block: each keeps its share of max_tokens
+    _forwards: int = PrivateAttr(1)  # calibration batches per block: each keeps its share of max_tokens
 
     @model_validator(mode="after")
     def _integer_weights(self) -> "AWQ":
@@ -169,7 +169,7 @@ class AWQ(EngineOptions, QuantizationStage):
         return self
 
     def observe(self, name: str, module: torch.nn.Module) -> InputSampler:
-        per_batch = max(1, self.max_tokens // self._batches)
+        per_batch = max(1, self.max_tokens // self._forwards)
         return InputSampler(per_batch, seed=zlib.crc32(name.encode()))
 
     def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict, observers: dict,
@@ -242,8 +242,7 @@ class AWQ(EngineOptions, QuantizationStage):
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = self.select(model, "awq")
         self._mappings = mappings_for(model, self.mappings)
-        samples = ctx.calibration.samples
-        self._batches = max(1, -(-len(samples) // resolve_batch_size(self.batch_size, ctx.device, samples)))
+        self._forwards = max(1, len(calibration_batches(ctx.calibration.samples, self.batch_size, ctx.device)))
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
         done = [ctx.layers[n] for n in selected if "output_error" in ctx.layers.get(n, {})]
         summary.update({"layers": len(done), "scheme": self.resolved_scheme().describe(),

@@ -63,7 +63,12 @@ class EngineOptions(BaseModel):
     """Keys of every stage that runs through the layer-by-layer calibration engine."""
 
     batch_size: Union[Literal["auto"], int] = Field(
-        "auto", description="calibration samples per forward pass; auto: up to 1024 tokens per forward on CPU, 4096 on a GPU")
+        "auto", description="calibration samples per forward pass; auto: up to 1024 tokens per forward on CPU, "
+        "4096 on a GPU, one sample where lengths differ")
+    activations_on: Literal["auto", "device", "cpu"] = Field("auto", description="where cached block inputs live")
+    activation_budget: Optional[Union[int, str]] = Field(
+        "auto", description="host bytes for cached activations before spilling to disk, e.g. 4GiB; auto: half the memory available at start")
+    blocks: Optional[str] = Field(None, description="dotted path of the transformer layers, for architectures the engine does not know")
 
     @field_validator("batch_size", mode="before")
     @classmethod
@@ -71,10 +76,6 @@ class EngineOptions(BaseModel):
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"batch_size must be a positive number of samples, or auto (got {value!r})")
         return value
-    activations_on: Literal["auto", "device", "cpu"] = Field("auto", description="where cached block inputs live")
-    activation_budget: Optional[Union[int, str]] = Field(
-        "auto", description="host bytes for cached activations before spilling to disk, e.g. 4GiB; auto: half the memory available at start")
-    blocks: Optional[str] = Field(None, description="dotted path of the transformer layers, for architectures the engine does not know")
 
     @field_validator("activation_budget")
     @classmethod

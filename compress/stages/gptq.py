@@ -14,6 +14,10 @@ weighted by the inverse Hessian of the layer's reconstruction loss ||WX - Å´X||Â
 Act-order processes columns in decreasing diag(H); `static_groups` fixes group scales from the
 unquantized weight before the permutation, so groups stay contiguous in the original order.
 
+Every step above works row by row given H, so layers that read the same input (q/k/v; gate/up)
+and so share H are solved stacked into one weight (`gptq_quantize_stacked`): one factorisation
+and one pass over the columns for the group.
+
 Sample recipe stage:
 
     - gptq:
@@ -168,6 +172,25 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
     return Q, {"damp": damp_used, "damp_retries": retries, "dead_columns": int(dead.sum())}
 
 
+def gptq_quantize_stacked(weights: list[torch.Tensor], H: torch.Tensor, args: QuantArgs,
+                          keep_zero: list[torch.Tensor | None] | None = None, **options) -> tuple[list[torch.Tensor], dict]:
+    """GPTQ for several weights [out_i, in] that share one Hessian (layers reading the same input:
+    q/k/v, gate/up). Each row's result depends only on that row and H, so the weights are solved
+    stacked, in one factorisation and one pass over the columns, and split again; the result is
+    each weight's own up to float reassociation. Not for per-tensor scales, which span a whole weight.
+    `options` are gptq_quantize's."""
+    if args.strategy == "tensor" and len(weights) > 1:
+        raise ValueError("a per-tensor scale spans its whole weight: solve such layers one by one")
+    masks = keep_zero or [None] * len(weights)
+    stacked_mask = None
+    if any(m is not None for m in masks):
+        stacked_mask = torch.cat([m if m is not None else torch.zeros(W.shape, dtype=torch.bool, device=W.device)
+                                  for m, W in zip(masks, weights)])
+    W = torch.cat(weights) if len(weights) > 1 else weights[0]
+    Q, info = gptq_quantize(W, H, args, keep_zero=stacked_mask, **options)
+    return list(Q.split([w.shape[0] for w in weights])), info
+
+
 # ---------------------------------------------------------------------------------------------
 # Statistics from the calibration engine
 
@@ -228,12 +251,18 @@ def shared_hessian_groups(names: list[str], observers: dict) -> list[tuple[str, 
     return [tuple(g) for g in groups]
 
 
+def layer_weight(name: str, module: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """A layer's weight [out, in] on `device`; a damaged one stops the run with the layer's name."""
+    W = get_weight(module).to(device)
+    check_weight(name, W)
+    return W
+
+
 def weight_and_hessian(name: str, module: torch.nn.Module, observer: HessianObserver,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's weight [out, in] and Hessian on `device`; a damaged weight or non-finite
     activations stop the run with the layer's name."""
-    W = get_weight(module).to(device)
-    check_weight(name, W)
+    W = layer_weight(name, module, device)
     try:
         H = observer.hessian().to(device)
     except FloatingPointError as exc:
@@ -280,43 +309,44 @@ class GPTQ(EngineOptions, QuantizationStage):
             name, module, ctx, tokens, f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest"))
 
         def solve(group: tuple[str, ...], device: torch.device) -> list[tuple]:
-            # The layers of a group share one Hessian: their weights are stacked row-wise and solved
-            # in one pass (a row's result depends only on that row and H), then split again.
-            weights = [weight_and_hessian(name, layers[name], observers[name], device) for name in group]
-            H = weights[0][1]
-            Ws = [W for W, _ in weights]
+            # The group's layers read one input, so one Hessian serves them all (see shared_hessian_groups).
+            first, H = weight_and_hessian(group[0], layers[group[0]], observers[group[0]], device)
+            Ws = [first] + [layer_weight(name, layers[name], device) for name in group[1:]]
             masks = [self._pruning_mask(W) for W in Ws]
-            keep_zero = None
-            if any(m is not None for m in masks):
-                keep_zero = torch.cat([m if m is not None else torch.zeros_like(W, dtype=torch.bool) for m, W in zip(masks, Ws)])
             try:
-                Q, info = gptq_quantize(torch.cat(Ws) if len(Ws) > 1 else Ws[0], H, args, self.block_size, self.dampening_frac,
-                                        self.actorder, self.static_groups, self.shrink_grid, keep_zero)
+                Qs, info = gptq_quantize_stacked(Ws, H, args, masks, block_size=self.block_size, damp=self.dampening_frac,
+                                                 actorder=self.actorder, static_groups=self.static_groups,
+                                                 shrink_grid=self.shrink_grid)
             except FloatingPointError as exc:
                 raise CompressError(f"layer {', '.join(group)}: {exc}", "raise dampening_frac or give more calibration samples") from None
             results = []
-            for W, Qi, mask in zip(Ws, Q.split([W.shape[0] for W in Ws]), masks):
-                extra = {"sparsity_preserved": float(mask.float().mean())} if mask is not None else {}
+            for W, Q, mask in zip(Ws, Qs, masks):
+                layer_info = {**info, "sparsity_preserved": float(mask.float().mean())} if mask is not None else dict(info)
                 rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
-                results.append((Qi, {**info, **extra}, hessian_loss(W, Qi, H), hessian_loss(W, rtn, H), relative_error(W, Qi)))
+                results.append((Q, layer_info, hessian_loss(W, Q, H), hessian_loss(W, rtn, H), relative_error(W, Q)))
             return results
 
+        applied = 0
+
         def apply(group: tuple[str, ...], results: list[tuple]) -> None:
+            nonlocal applied
             for name, result in zip(group, results):
-                self._record(index, name, layers[name], observers[name], result, order, ctx)
+                applied += 1
+                self._record(scheme, index, name, layers[name], observers[name], result, ctx, (applied, len(order)))
                 if len(group) > 1:
                     ctx.layers[name]["solved_together"] = list(group)
+                else:
+                    ctx.layers[name].pop("solved_together", None)  # from an earlier GPTQ stage
 
         # Row-stacking needs per-row (or per-group) scales; a per-tensor scale spans the whole matrix.
         groups = shared_hessian_groups(solvable, observers) if args.strategy != "tensor" else [(n,) for n in solvable]
         solve_layers(groups, solve, apply, ctx.devices)
 
-    def _record(self, index: int, name: str, module: torch.nn.Module, obs: HessianObserver, result: tuple,
-                order: list[str], ctx: StageContext) -> None:
+    def _record(self, scheme, index: int, name: str, module: torch.nn.Module, obs: HessianObserver, result: tuple,
+                ctx: StageContext, done: tuple[int, int]) -> None:
         """Write one solved layer back, attach its activation quantization, and record it."""
-        scheme = self.resolved_scheme()
         Q, info, gptq_loss, rtn_loss, rel_error = result
-        ctx.progress(f"block {index + 1}: {name} loss {gptq_loss:.3g} (rtn {rtn_loss:.3g})", order.index(name) + 1, len(order))
+        ctx.progress(f"block {index + 1}: {name} loss {gptq_loss:.3g} (rtn {rtn_loss:.3g})", *done)
         set_weight(module, Q.to(module.weight.device))
         record = {"stage": "gptq", "shape": list(Q.shape), "weights": scheme.weights.model_dump(mode="json"),
                   "relative_error": rel_error, "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
@@ -366,7 +396,8 @@ class GPTQ(EngineOptions, QuantizationStage):
             "mean_rtn_loss": sum(r["rtn_loss"] for r in solved) / max(len(solved), 1),
             "damping_raised": sum(1 for r in done if r["damp_retries"]),
             # layers sharing a Hessian (q/k/v, gate/up) are one solve
-            "solves": len({tuple(ctx.layers[n].get("solved_together", [n])) for n in selected if ctx.layers[n]["gptq_loss"] is not None}),
+            "solves": len({tuple(ctx.layers[n].get("solved_together", [n]))
+                           for n in selected if ctx.layers[n]["gptq_loss"] is not None}),
         })
         experts = {n: ctx.layers[n].get("tokens") for n in selected if ".experts." in n and n.endswith("gate_proj")}
         if experts:  # how many calibration tokens the router sent to each expert
