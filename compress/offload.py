@@ -54,7 +54,7 @@ class DiskOffload:
     """Reads module tensors from the source checkpoint on demand; writes finished ones to `dest`."""
 
     def __init__(self, model: nn.Module, source: Path, dest: Path, dtype: torch.dtype | None, n_shards: int):
-        fixed_mmap_threshold()
+        fixed_mmap_threshold()  # run_recipe sets it earlier; this covers direct use of the class
         self.model = model
         self.index = checkpoint_index(source)
         self.dest = dest
