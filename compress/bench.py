@@ -484,7 +484,7 @@ def _time_forward(model, tokenizer, recipe, device: str = "cpu") -> dict:
     cal = build_calibration(recipe.calibration, tokenizer)
     setting = next((cfg.batch_size for _, cfg in recipe.stages if hasattr(cfg, "batch_size")), "auto")
     batch_size = resolve_batch_size(setting, torch.device(device), cal.samples)
-    batches = calibration_batches(cal.samples, batch_size, torch.device(device))
+    batches = calibration_batches(cal.samples, batch_size)
     model.eval().to(device)
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     with torch.no_grad():

@@ -208,13 +208,12 @@ def resolve_batch_size(batch_size: int | str, device: torch.device, samples: lis
     return max(1, AUTO_BATCH_TOKENS.get(device.type, AUTO_BATCH_TOKENS["cpu"]) // lengths.pop())
 
 
-def calibration_batches(samples: list[dict], batch_size: int | str, device: torch.device) -> list[dict]:
-    """The batches the engine runs: samples concatenated `batch_size` at a time (resolved by
+def calibration_batches(samples: list[dict], batch_size: int) -> list[dict]:
+    """The batches the engine runs: samples concatenated `batch_size` at a time (as resolved by
     `resolve_batch_size`), padded to the longest where lengths differ."""
-    size = resolve_batch_size(batch_size, device, samples)
     out = []
-    for start in range(0, len(samples), size):
-        group = samples[start : start + size]
+    for start in range(0, len(samples), batch_size):
+        group = samples[start : start + batch_size]
         length = max(s["input_ids"].shape[1] for s in group)
         batch: dict[str, list] = {}
         for s in group:
@@ -360,7 +359,8 @@ class Engine:
     def run(self, model: torch.nn.Module, samples: list[dict], stage: BlockwiseStage,
             selected: dict[str, torch.nn.Module], ctx: Any) -> dict:
         path, blocks = find_blocks(model, self.blocks_path)
-        batches = calibration_batches(samples, self.batch_size, self.device)
+        batch_size = resolve_batch_size(self.batch_size, self.device, samples)
+        batches = calibration_batches(samples, batch_size)
         keep_on_device = self.activations_on == "device" or (self.activations_on == "auto" and self.device.type != "cpu"
                                                               and self._fits_on_device(batches, model))
         store = ActivationStore(self.device, keep_on_device, self.activation_budget)
@@ -405,8 +405,8 @@ class Engine:
                     torch.cuda.empty_cache()
         finally:
             store.close()
-        summary = {"blocks": len(blocks), "batch_size": resolve_batch_size(self.batch_size, self.device, samples),
-                   "batches": len(records), "activations_spilled": store.spilled,
+        summary = {"blocks": len(blocks), "batch_size": batch_size, "batches": len(records),
+                   "activations_spilled": store.spilled,
                    "max_parameters_on_device": peak_device_params}
         if first_groups is not None:  # true_sequential: the order layers were solved in (first block)
             summary["sequential_groups"] = first_groups

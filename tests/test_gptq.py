@@ -230,10 +230,10 @@ def test_auto_batch_size_fills_the_device_token_budget():
              for n in (12, 30, 7)]
     assert resolve_batch_size("auto", torch.device("cuda", 0), lines) == 1
     assert resolve_batch_size("auto", torch.device("cpu"), []) == 1
-    padded = calibration_batches(lines, 3, torch.device("cpu"))
+    padded = calibration_batches(lines, 3)
     assert len(padded) == 1 and padded[0]["input_ids"].shape == (3, 30)
     assert padded[0]["attention_mask"].sum(1).tolist() == [12, 30, 7]
-    assert len(calibration_batches(windows, "auto", torch.device("cpu"))) == 32
+    assert len(calibration_batches(windows, resolve_batch_size("auto", torch.device("cpu"), windows))) == 32
 
 
 def test_padding_is_dropped_from_statistics_and_block_outputs():

@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 from pydantic import Field, PrivateAttr, model_validator
 
-from compress.engine import calibration_batches, token_rows
+from compress.engine import calibration_batches, resolve_batch_size, token_rows
 from compress.mappings import Mapping, apply_scales, mappings_for
 from compress.modeling import get_weight, set_weight
 from compress.quant import absmax_qparams, dequantize, fake_quantize, quantize, relative_error, zeropoint_qparams
@@ -242,7 +242,8 @@ class AWQ(EngineOptions, QuantizationStage):
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = self.select(model, "awq")
         self._mappings = mappings_for(model, self.mappings)
-        self._forwards = max(1, len(calibration_batches(ctx.calibration.samples, self.batch_size, ctx.device)))
+        samples = ctx.calibration.samples
+        self._forwards = max(1, len(calibration_batches(samples, resolve_batch_size(self.batch_size, ctx.device, samples))))
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
         done = [ctx.layers[n] for n in selected if "output_error" in ctx.layers.get(n, {})]
         summary.update({"layers": len(done), "scheme": self.resolved_scheme().describe(),

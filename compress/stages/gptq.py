@@ -242,8 +242,8 @@ def shared_hessian_groups(names: list[str], observers: dict) -> list[tuple[str, 
     groups: list[list[str]] = []
     for name in names:
         obs = observers[name]
-        twin = next((g for g in groups if observers[g[0]].tokens == obs.tokens
-                     and observers[g[0]].sum.shape == obs.sum.shape and torch.equal(observers[g[0]].sum, obs.sum)), None)
+        # torch.equal is False for different shapes, so layers of other widths never match
+        twin = next((g for g in groups if observers[g[0]].tokens == obs.tokens and torch.equal(observers[g[0]].sum, obs.sum)), None)
         if twin is None:
             groups.append([name])
         else:
