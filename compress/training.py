@@ -246,7 +246,7 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
         if stop_after is not None and step - resumed_from >= stop_after and step < cfg.steps:
             raise TrainingStopped(step)
 
-    accelerator.wait_for_everyone()
+    _wait_for_everyone(accelerator)
     final = {k: v for k, v in state.history[-1].items() if k.startswith("eval_")}
     start = {k: v for k, v in state.history[0].items() if k.startswith("eval_")}
     return {"steps": cfg.steps, "resumed_from_step": resumed_from or None, "processes": world,
@@ -275,7 +275,18 @@ def _save(accelerator, directory: Path, step: int, fingerprint: str) -> None:
         for old in directory.glob("step-*"):
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    _wait_for_everyone(accelerator)
+
+
+def _wait_for_everyone(accelerator) -> None:
+    """A barrier across the training processes. accelerate's names this process's device index, and
+    torch reads that as a GPU index whenever CUDA is present: CPU processes under torchrun on a
+    machine with fewer GPUs than processes then die with "invalid device ordinal". Gloo needs no
+    device, so CPU runs call the barrier without one."""
+    if accelerator.device.type == "cpu" and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    else:
+        accelerator.wait_for_everyone()
 
 
 __all__ = ["TrainingConfig", "TrainingStopped", "train", "sample_order", "latest_checkpoint", "run_fingerprint"]
