@@ -1311,7 +1311,7 @@ def _gptq_bars(results: list[dict]) -> list[str]:
         if _starved(r):
             note = (f" (timing disturbed: the row process got {_cpu_share(r).split()[0]} CPU-seconds per wall second, "
                     f"1-minute load {_f(r.get('loadavg_at_start'), '.2f')} at its start; other processes were running)")
-        out.append(f"- {r['row']}: compression / forward wall {r['stage_wall_s']:.1f} s / {fw:.1f} s = {ratio:.2f} "
+        out.append(f"- {r['row']}: compression / forward wall {r['stage_wall_s']:.3g} s / {fw:.3g} s = {ratio:.2f} "
                    f"(< {GPTQ_WALL_RATIO_BAR:g}): {_verdict(ratio < GPTQ_WALL_RATIO_BAR)}{note}")
     sc = _mem_scaling(results)
     if sc and sc.get("offload: disk"):
