@@ -447,3 +447,80 @@ stages:
 """, "test"), output=str(tmp_path / "o"), device="cpu")
     assert report["stages"][1]["summary"]["sequential_groups"][:2] == [
         ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"]]
+
+
+def _block_inputs_hessians(model, block, samples) -> dict[str, torch.Tensor]:
+    """H = 2 X Xᵀ / N of every linear layer of `block` over the samples, hooked in a plain forward."""
+    sums, hooks = {}, []
+    for name, module in block.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            def add(mod, args, name=name):
+                x = args[0].reshape(-1, args[0].shape[-1]).double()
+                s, n = sums.get(name, (0, 0))
+                sums[name] = (s + x.t() @ x, n + x.shape[0])
+            hooks.append(module.register_forward_pre_hook(add))
+    with torch.no_grad():
+        for sample in samples:
+            model(**sample)
+    for h in hooks:
+        h.remove()
+    return {name: (2 * s / n).float() for name, (s, n) in sums.items()}
+
+
+def _saved_layer_baselines():
+    from compress.stages.pruning import LayerTarget
+    from compress.stages.sparsegpt import magnitude_baseline
+
+    w4 = QuantArgs(num_bits=4, strategy="group", group_size=32)
+    return [
+        ("gptq: {scheme: W4A16, weights: {group_size: 32}}", "gptq_loss", "rtn_loss",
+         lambda W: fake_quantize(W, 4, True, "group", 32)),
+        ("sparsegpt: {sparsity: 0.5, pattern: '2:4'}", "sparsegpt_loss", "magnitude_loss",
+         lambda W: magnitude_baseline(W, LayerTarget(0.5, (2, 4)))),
+        ("sparsegpt: {sparsity: 0.5, quantize: {scheme: W4A16, weights: {group_size: 32}}}", "sparsegpt_loss",
+         "magnitude_loss", lambda W: magnitude_baseline(W, LayerTarget(0.5), w4)),
+    ]
+
+
+@pytest.mark.parametrize("stage,loss_key,baseline_key,baseline", _saved_layer_baselines(), ids=["gptq", "sparsegpt-2:4", "sparsegpt-w4"])
+def test_saved_weights_are_solved_on_inputs_carrying_earlier_blocks_error(tiny_models, stage, loss_key, baseline_key,
+                                                                         baseline, tmp_path):
+    """Recomputed from the checkpoint alone: the second block's layer inputs come from a model whose
+    first block is the saved, compressed one and whose second is still float, as the engine feeds it
+    at calibration. On those inputs the saved weights have exactly the reported loss, the baseline
+    (round-to-nearest, magnitude pruning) the reported baseline loss, and the saved weights' is the
+    lower. A checkpoint holding other weights than the solved ones, or a block calibrated on
+    anything but the compressed previous block's outputs, fails here."""
+    import copy
+
+    from compress.calibration import build_calibration
+
+    recipe = parse_recipe(f"""
+model: {tiny_models["llama"]}
+calibration: {{dataset: calibration/default.txt, num_samples: 16, seq_len: 64}}
+stages:
+  - {stage}
+""", "test")
+    report = run_recipe(recipe, output=str(tmp_path / "q"), device="cpu")
+    dense, tokenizer, _ = modeling.load_model(str(tiny_models["llama"]))
+    saved, _, _ = modeling.load_model(str(tmp_path / "q"))
+    samples = build_calibration(recipe.calibration, tokenizer).samples
+
+    hybrid = copy.deepcopy(dense)
+    hybrid.model.layers[0] = saved.model.layers[0]
+    carried = _block_inputs_hessians(hybrid.eval(), hybrid.model.layers[1], samples)
+    clean = _block_inputs_hessians(dense.eval(), dense.model.layers[1], samples)
+    assert len(carried) == 7
+    saved_block = dict(saved.model.layers[1].named_modules())
+    for short, H in carried.items():
+        rec = report["layers"]["model.layers.1." + short]
+        W = dict(dense.model.layers[1].named_modules())[short].weight.detach()
+        Q = saved_block[short].weight.detach()
+        base = baseline(W)
+        assert not torch.equal(Q, base), short
+        assert hessian_loss(W, Q, H) == pytest.approx(rec[loss_key], rel=1e-5), short
+        assert hessian_loss(W, base, H) == pytest.approx(rec[baseline_key], rel=1e-5), short
+        assert rec[loss_key] < rec[baseline_key], short
+        # the first block's error really reaches these inputs: from the float first block the loss
+        # is off by 2e-4 to 5e-3 of itself on this model
+        assert hessian_loss(W, Q, clean[short]) != pytest.approx(rec[loss_key], rel=1e-4), short
