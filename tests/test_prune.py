@@ -360,3 +360,36 @@ def test_cli_prune_end_to_end(tmp_path, repo, capsys):
     assert rc == 0 and first["kl_divergence"] > 0
     for key in ("kl_divergence", "token_perplexity", "top1_agreement"):
         assert again[key] == pytest.approx(first[key], rel=1e-5), key
+
+
+@pytest.mark.parametrize("target", ["sparsity: 0.5", 'pattern: "2:4"'])
+def test_wanda_masks_follow_the_activations_the_engine_feeds(tiny, target, tmp_path):
+    """Recomputed from the checkpoint alone: every layer of the second block, hooked in a model whose
+    first block is the saved (pruned) one, gets the mask Wanda's score gives on those inputs
+    (|W| times the input norm, which is √diag(H) up to a constant). That is not the per-row
+    magnitude mask, and not the one from the float first block's outputs."""
+    import copy
+
+    from compress.calibration import build_calibration
+    from tests.test_gptq import _block_inputs_hessians
+
+    rec = recipe(tiny["llama"], f"  - wanda: {{{target}}}")
+    run_recipe(rec, output=str(tmp_path / "o"), device="cpu")
+    dense, tokenizer, _ = modeling.load_model(str(tiny["llama"]))
+    saved = load_file(tmp_path / "o" / "model.safetensors")
+    samples = build_calibration(rec.calibration, tokenizer).samples
+    hybrid = copy.deepcopy(dense)
+    hybrid.model.layers[0].load_state_dict({k.removeprefix("model.layers.0."): v for k, v in saved.items()
+                                            if k.startswith("model.layers.0.")})
+    carried = _block_inputs_hessians(hybrid.eval(), hybrid.model.layers[1], samples)
+    clean = _block_inputs_hessians(dense.eval(), dense.model.layers[1], samples)
+    layer_target = LayerTarget(0.5, (2, 4) if "2:4" in target else None)
+    differs_from_magnitude = differs_from_float_inputs = 0
+    for short, H in carried.items():
+        W = dict(dense.model.layers[1].named_modules())[short].weight.detach()
+        kept = saved["model.layers.1." + short + ".weight"] != 0
+        assert torch.equal(kept, wanda_prune(W, H.diagonal().sqrt(), layer_target) != 0), short
+        differs_from_magnitude += not torch.equal(kept, magnitude_prune(W, layer_target, per_row=True) != 0)
+        differs_from_float_inputs += not torch.equal(kept, wanda_prune(W, clean[short].diagonal().sqrt(), layer_target) != 0)
+    assert differs_from_magnitude == len(carried)
+    assert differs_from_float_inputs > 0
