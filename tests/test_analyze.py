@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+import torch
 import yaml
 
 from compress.bitalloc import Option, allocate
@@ -78,6 +79,16 @@ def test_analyze_ranks_layers_and_emits_a_recipe_that_runs(ref_llama, repo, tmp_
     assert rc == 0
     saved = json.loads((tmp_path / "out" / "compress.json").read_text())["layers"]
     assert {n: saved[n]["weights"]["num_bits"] for n in layers} == {n: int(b) for n, b in alloc["bits"].items()}
+    # ... and reloads to each layer at its own width
+    from compress import modeling
+    from compress.quant import fake_quantize
+
+    dense, _, _ = modeling.load_model(str(ref_llama))
+    packed, _, _ = modeling.load_model(str(tmp_path / "out"))
+    for name, bits in alloc["bits"].items():
+        W = modeling.get_weight(dense.get_submodule(name))
+        expected = fake_quantize(W, int(bits), True, "group", 64)
+        assert torch.allclose(modeling.get_weight(packed.get_submodule(name)), expected, rtol=0, atol=1e-6), name
     header = recipe.read_text().splitlines()[0]
     assert header.startswith("# compress analyze") and yaml.safe_load(recipe.read_text())["model"] == str(ref_llama)
 

@@ -324,6 +324,38 @@ def test_static_activations_and_fp8(tiny, tmp_path):
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "float-quantized"
 
 
+def test_mixed_widths_pack_and_reload_layer_by_layer(tiny, tmp_path):
+    """Layers at different widths and strategies (what `compress analyze --emit-recipe` writes)
+    become one compressed-tensors config group each, and every layer reloads to its own width:
+    through compress, and through plain transformers."""
+    path = tiny()
+    widths = {"self_attn": (4, True, "group", 32), "mlp.gate_proj": (2, True, "group", 32),
+              "mlp.up_proj": (8, True, "channel", None), "mlp.down_proj": (3, True, "group", 64)}
+    stages = "".join(
+        f"  - rtn: {{scheme: W4A16, weights: {{num_bits: {b}, symmetric: {str(sym).lower()}, strategy: {st}"
+        + (f", group_size: {g}" if g else "") + f"}}, targets: ['re:.*{k}.*']}}\n"
+        for k, (b, sym, st, g) in widths.items())
+    recipe = parse_recipe(f"model: {path}\nstages:\n{stages}", "test")
+    report = run_recipe(recipe, output=str(tmp_path / "mixed"), device="cpu")
+    assert report["format"]["format"] == "packed"
+    groups = json.loads((tmp_path / "mixed" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert sorted((g["weights"]["num_bits"], g["weights"]["strategy"]) for g in groups.values()) == \
+        [(2, "group"), (3, "group"), (4, "group"), (8, "channel")]
+    dense, _, _ = modeling.load_model(str(path))
+    loaded, _, _ = modeling.load_model(str(tmp_path / "mixed"))
+    layers = [n for n, m in dense.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    assert len(layers) == 14
+    with torch.no_grad():
+        for name in layers:
+            bits, sym, strategy, group = next(v for k, v in widths.items() if k in name)
+            expected = fake_quantize(dense.get_submodule(name).weight, bits, sym, strategy, group)
+            assert torch.equal(loaded.get_submodule(name).weight, expected), name
+            dense.get_submodule(name).weight.copy_(expected)
+        ours = dense(input_ids=IDS).logits
+        assert torch.equal(loaded(input_ids=IDS).logits, ours)
+    assert relative_difference(ours, plain_transformers_logits(tmp_path / "mixed", tmp_path)) <= 1e-4
+
+
 def test_dense_format_and_fallback(tiny, tmp_path):
     path = tiny()
     out, report = quantize(tmp_path, "dense", "{scheme: W4A16, weights: {group_size: 32}}", model=path, fmt="dense")
