@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -400,12 +401,12 @@ def plan(
         return
     t = Table(title=f"plan: {recipe} on {model_ref} ({p['architecture']}, {p['parameters']:,} params, {p['dtype']})")
     for col in ("layer", "shape", "stage", "scheme"):
-        t.add_column(col)
+        t.add_column(col, **_name_column(col, [*p["assignments"], *p["unassigned"]]))
     for n, a in p["assignments"].items():
         t.add_row(n, "x".join(map(str, a["shape"])), a["stage"], escape(a["scheme"]))
     for n in p["unassigned"]:
         t.add_row(n, "", "[dim]-[/dim]", "[dim]kept in full precision[/dim]")
-    Console().print(t)
+    _print_wide(t)
     for w in p["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {w}")
     e = p["estimates"]
@@ -458,10 +459,11 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
               f"({src.get('architecture')}, {src.get('parameters') or 0:,} params, {src.get('dtype')})")
     out.print(f"source weights sha256: {src.get('weights_sha256')}")
     out.print(f"format: {info['format']}" + (f" ({escape(info['format_reason'])})" if info.get("format_reason") else ""))
-    t = Table()
+    # No vertical rules: eight columns leave more room for the full layer names.
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     pruned = any(r["sparsity"] is not None for r in info["layers"].values())
     for col in ("layer", "shape", "weights", "activations", "rel. error") + (("sparsity",) if pruned else ()) + ("bytes on disk", "vs fp16"):
-        t.add_column(col)
+        t.add_column(col, **_name_column(col, info["layers"]))
     for n, rec in info["layers"].items():
         w, a = rec.get("weights"), rec.get("input_activations")
         sparse = ((f"{rec['sparsity']:.4f}" + (f" ({rec['pattern']})" if rec.get("pattern") else "")) if rec["sparsity"] is not None else "-",) if pruned else ()
@@ -471,7 +473,7 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
                   f"{w['type']}{w['num_bits']} {w['strategy']}{' g' + str(w['group_size']) if w.get('group_size') else ''} {symmetry_label(w['symmetric'], w.get('full_range', False))}" if w else "-",
                   f"{a['type']}{a['num_bits']} {a['strategy']} {'dynamic' if a['dynamic'] else 'static'}" if a else "-",
                   f"{err:.4g}" if err is not None else "-", *sparse, f"{rec['bytes_on_disk']:,}", ratio)
-    Console().print(t)
+    _print_wide(t)
     sz = info["sizes"]
     line = f"size: {sz['source_bytes'] or 0:,} bytes before, {sz['bytes_on_disk']:,} bytes on disk after"
     if sz.get("quantized_layers_ratio_to_float16") is not None:
@@ -548,7 +550,7 @@ def _print_bench(result: dict, model: str) -> None:
                 t.add_row("  llm-compressor", "", theirs, f"{a['wall_s']:.2f}", f"{a['peak_rss_mib']:.0f}", "")
             else:
                 t.add_row("  llm-compressor", "", escape(a.get("skipped") or a.get("error", "")), "", "", "")
-    Console().print(t)
+    _print_wide(t)
     console.print(f"report: {result['paths']['md']} (and .json, .html)")
 
 
@@ -642,12 +644,27 @@ def analyze(
         extra = (f"W{result['allocation']['bits'][row['layer']]}",) if emit_recipe else ()
         t.add_row(str(i), row["layer"], f"{rec['parameters']:,}", f"{c['kl_divergence']:.3e}", f"{c['top1_agreement']:.4f}",
                   f"{c['ppl_increase_pct']:+.3f}", *extra)
-    Console().print(t)
+    _print_wide(t)
     console.print(f"ranked by {key}; {result['wall_s']:.0f} s")
     if emit_recipe is not None:
         a = result["allocation"]
         console.print(f"[green]wrote[/green] {emit_recipe}: {a['storage_bits_per_weight']:.3f} bits/weight "
                       f"(budget {a['budget_bits_per_weight']:.3f}); predicted summed cost {a['predicted_cost']:.3e}")
+
+
+def _print_wide(table: Table) -> None:
+    """A table on a terminal fits its width; piped to a file or a script it is printed whole
+    (rich would otherwise fit it into 80 columns and cut cells to "…")."""
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=max(out.width, out.measure(table, options=out.options.update_width(1000)).maximum))
+    out.print(table)
+
+
+def _name_column(col: str, names) -> dict:
+    """Layer names are what a user copies into a recipe: never cut to "model.la…"; on a narrow
+    terminal the other columns wrap instead."""
+    return {"no_wrap": True, "min_width": min(max(map(len, names), default=5), 72)} if col == "layer" else {}
 
 
 def _print_stages(report: dict) -> None:
@@ -659,7 +676,7 @@ def _print_stages(report: dict) -> None:
                   f"{s.get('peak_rss_mib', 0):.0f}", escape(
                   ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in s["summary"].items()
                             if not isinstance(v, dict))))  # nested details: report.json
-    Console().print(t)
+    Console().print(t)  # its summary cells wrap: a one-line summary would run for hundreds of columns
 
 
 def _print_results(results: dict, checks: list | None = None) -> None:
@@ -671,7 +688,7 @@ def _print_results(results: dict, checks: list | None = None) -> None:
         t.add_column("value", justify="right")
         for k, v in r.items():
             t.add_row(METRIC_LABELS.get(k, k), f"{v:.6g}" if isinstance(v, float) else str(v))
-        Console().print(t)
+        _print_wide(t)
     if checks:
         t = Table(title="thresholds")
         for col in ("dataset", "metric", "value", "threshold", "result"):
@@ -679,7 +696,7 @@ def _print_results(results: dict, checks: list | None = None) -> None:
         for c in checks:
             t.add_row(c["dataset"], c["metric"], f"{c['value']:.6g}", f"{c['threshold']:.6g}",
                       "[green]pass[/green]" if c["passed"] else "[red]fail[/red]")
-        Console().print(t)
+        _print_wide(t)
 
 
 def _hoist_global_options(argv: list[str]) -> list[str]:
