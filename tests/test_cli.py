@@ -89,8 +89,8 @@ def test_inspect(w8_output, capsys):
     rc, out, _ = run(capsys, "--json", "inspect", w8_output)
     data = json.loads(out)
     assert rc == 0 and data["compress"]["stages"] == ["rtn"] and len(data["compress"]["layers"]) == 28
-    rc, _, err = run(capsys, "inspect", w8_output)
-    assert rc == 0
+    rc, text, _ = run(capsys, "inspect", w8_output)
+    assert rc == 0 and "rtn" in text and "model.layers.0.self_attn.q_proj" in text
 
 
 def test_plan_loads_no_weights(repo, capsys, tmp_path, ref_llama):

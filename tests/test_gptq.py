@@ -524,3 +524,62 @@ stages:
         # the first block's error really reaches these inputs: from the float first block the loss
         # is off by 2e-4 to 5e-3 of itself on this model
         assert hessian_loss(W, Q, clean[short]) != pytest.approx(rec[loss_key], rel=1e-4), short
+
+
+def _input_ranges(model, block, samples) -> dict[str, tuple[float, float]]:
+    """(min, max) of every linear layer's input in `block` over the samples."""
+    ranges, hooks = {}, []
+    for name, module in block.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            def add(mod, args, name=name):
+                lo, hi = ranges.get(name, (float("inf"), float("-inf")))
+                ranges[name] = (min(lo, float(args[0].min())), max(hi, float(args[0].max())))
+            hooks.append(module.register_forward_pre_hook(add))
+    with torch.no_grad():
+        for sample in samples:
+            model(**sample)
+    for h in hooks:
+        h.remove()
+    return ranges
+
+
+def test_gptq_with_static_activations_records_the_ranges_it_calibrated_on(tiny_models, tmp_path):
+    """W8A8 with static per-tensor activations through GPTQ: each layer's recorded range is the
+    min/max of its calibration inputs, the second block's taken behind the first block as saved
+    (weights and activation quantization both); the checkpoint carries input_scale = absmax / 127,
+    and the reloaded model quantizes its activations (its logits differ from the same weights
+    without it)."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    from compress import activations
+    from compress.calibration import build_calibration
+
+    recipe = parse_recipe(f"""
+model: {tiny_models["llama"]}
+calibration: {{dataset: calibration/default.txt, num_samples: 16, seq_len: 64}}
+stages:
+  - gptq: {{scheme: W8A8, input_activations: {{strategy: tensor, dynamic: false}}}}
+""", "test")
+    report = run_recipe(recipe, output=str(tmp_path / "q"), device="cpu")
+    dense, tokenizer, _ = modeling.load_model(str(tiny_models["llama"]))
+    saved, _, _ = modeling.load_model(str(tmp_path / "q"))
+    samples = build_calibration(recipe.calibration, tokenizer).samples
+    hybrid = copy.deepcopy(dense)
+    hybrid.model.layers[0] = saved.model.layers[0]
+    observed = {f"model.layers.0.{n}": r for n, r in _input_ranges(dense.eval(), dense.model.layers[0], samples).items()}
+    observed.update({f"model.layers.1.{n}": r for n, r in _input_ranges(hybrid.eval(), hybrid.model.layers[1], samples).items()})
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    assert len(observed) == 14
+    for name, (lo, hi) in observed.items():
+        rec = report["layers"][name]
+        assert rec["activation_range"] == pytest.approx([lo, hi], rel=1e-5), name
+        assert float(tensors[name + ".input_scale"]) == pytest.approx(max(-lo, hi) / 127, rel=1e-5), name
+    ids = torch.randint(0, 2048, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with_acts = saved(input_ids=ids).logits
+        for module in saved.modules():
+            activations.detach(module)
+        weights_only = saved(input_ids=ids).logits
+    assert not torch.allclose(with_acts, weights_only, rtol=0, atol=1e-6)

@@ -51,7 +51,7 @@ def test_gptq_on_moe(moe_model, tmp_path):
 model: {path}
 calibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}
 stages:
-  - gptq: {{scheme: W4A16, weights: {{group_size: 16}}, min_tokens: 200}}
+  - gptq: {{scheme: W4A16, weights: {{group_size: 16}}, min_tokens: 260}}
 """, "test")
     report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
     summary = report["stages"][0]["summary"]
@@ -61,10 +61,12 @@ stages:
         routed = [t for n, t in tokens.items() if f"layers.{block}." in n]
         assert sum(routed) == 8 * 64 * 2  # every token goes to its top-2 experts
     layers = report["layers"]
+    # 1,024 routed tokens over 4 experts: at least one expert per block sees fewer than 256, so
+    # min_tokens 260 sends some to round-to-nearest whatever the routing
     fallback = [n for n, r in layers.items() if r["gptq_loss"] is None]
-    assert all(layers[n]["tokens"] < 200 and "round-to-nearest" in layers[n]["note"] for n in fallback)
+    assert fallback and all(layers[n]["tokens"] < 260 and "round-to-nearest" in layers[n]["note"] for n in fallback)
     solved = [r for r in layers.values() if r["gptq_loss"] is not None]
-    assert solved and all(r["gptq_loss"] < r["rtn_loss"] for r in solved)
+    assert solved and all(r["gptq_loss"] < r["rtn_loss"] and r["tokens"] >= 260 for r in solved)
 
     # the fused checkpoint reloads with plain transformers; every expert weight was quantized
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
