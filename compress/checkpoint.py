@@ -69,10 +69,16 @@ class AtomicOutput:
             p = Path(p).expanduser().resolve()
             if self.dest == p or p in self.dest.parents:
                 raise CompressError(f"output {dest} lies inside the input model {p}", "choose an output directory outside the input model")
+            if self.dest in p.parents:  # --force would replace the directory, input included
+                raise CompressError(f"input {p} lies inside the output directory {dest}", "choose an output directory that holds no input")
         if self.dest.exists() and not self.dest.is_dir():
             raise CompressError(f"output {dest} is a file", "choose a directory path for the output")
         if self.dest.exists() and not force:
             raise CompressError(f"output directory {dest} already exists", "pass --force to replace it, or choose another --output")
+        if self.dest.exists() and not (self.dest / "compress.json").is_file() and any(self.dest.iterdir()):
+            # --force replaces the whole directory: only ever one that compress wrote
+            raise CompressError(f"output directory {dest} exists and was not written by compress (no compress.json); "
+                                "--force replaces only compress outputs", "choose another --output, or empty that directory yourself")
         self.tmp = self.dest.parent / f".{self.dest.name}.tmp-{os.getpid()}"
 
     def __enter__(self) -> Path:

@@ -93,7 +93,9 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     if not out_dir:
         raise CompressError(f"{recipe.source}: no output directory given", "set `output:` in the recipe or pass --output")
     model_path = modeling.resolve_model(model_ref)
-    protect = [model_path] if Path(model_path).exists() else []
+    # inputs that must survive the output's replacement: the model, a distillation teacher
+    inputs = [model_path] + [modeling.resolve_model(t) for _, st in recipe.stages if isinstance(t := getattr(st, "teacher", None), str)]
+    protect = [p for p in inputs if Path(p).exists()]
     main_process = int(os.environ.get("RANK", "0")) == 0
     # refuses a bad destination before any work
     atomic = AtomicOutput(out_dir, force=force, protect=protect) if main_process else nullcontext()

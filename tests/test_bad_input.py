@@ -321,6 +321,19 @@ def _output_inside_model(tmp):
     return ["quantize", "--recipe", str(r), "--model", str(d), "--output", str(d / "q")]
 
 
+def _model_inside_output_forced(tmp):
+    # --force would replace the whole output directory, and the model with it
+    d = copy_model(tmp)
+    r = write(tmp / "r.yaml", GOOD_STAGE)
+    return ["quantize", "--recipe", str(r), "--model", str(d), "--output", str(tmp), "--force"]
+
+
+def _output_not_ours_forced(tmp):
+    (tmp / "out").mkdir()
+    write(tmp / "out" / "keep.txt", "mine")
+    return quantize(tmp, GOOD_STAGE, "--force")
+
+
 def _output_exists(tmp):
     (tmp / "out").mkdir()
     write(tmp / "out" / "keep.txt", "mine")
@@ -625,6 +638,8 @@ CASES = [
     Case("output-is-file", _output_is_file, ["{tmp}/out", "is a file"]),
     Case("output-inside-model", _output_inside_model, ["{tmp}/model/q", "inside the input model"]),
     Case("output-exists", _output_exists, ["{tmp}/out", "already exists", "--force"]),
+    Case("output-holds-model-forced", _model_inside_output_forced, ["{tmp}/model", "inside the output directory"]),
+    Case("output-not-ours-forced", _output_not_ours_forced, ["{tmp}/out", "not written by compress", "compress.json"]),
     # global options
     Case("device-cuda", _device_cuda, ["--device cuda", "CUDA"],
          marks=[pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")]),
