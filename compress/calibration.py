@@ -127,6 +127,8 @@ def leading_windows(tokenizer, text: str, seq_len: int, count: int, margin: int 
     when the prefix would be the whole text anyway. Tokenizing a large corpus whole costs time and
     memory that grow with the corpus, not with the samples asked for."""
     need = seq_len * count
+    if need <= 0:  # nothing asked: doubling a zero guess would never end
+        return None
     chars = need * 4  # a first guess; small vocabularies give under 3 characters per token
     while chars < len(text):
         cut = text.rfind("\n", 0, chars)

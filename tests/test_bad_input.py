@@ -381,6 +381,16 @@ def _eval_data_too_short(tmp):
     return ["eval", "--model", "default", "--data", str(tmp / "tiny.txt")]
 
 
+def _eval_no_windows(tmp):
+    return ["eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt", "--max-windows", "0"]
+
+
+def _eval_threshold_as_percent(tmp):
+    # top-1 agreement is a fraction: 99 could never pass, a red gate forever
+    return ["eval", "--model", "default", "--baseline", "default", "--data", "calibration/heldout-tinyshakespeare.txt",
+            "--min-top1", "99"]
+
+
 def _eval_report_is_dir(tmp):
     (tmp / "report.md").mkdir()
     return ["eval", "--model", "default", "--data", "x.txt", "--report", str(tmp / "report.md")]
@@ -652,6 +662,8 @@ CASES = [
     Case("eval-no-data", _eval_no_data, ["--data"]),
     Case("eval-data-too-short", _eval_data_too_short, ["tiny.txt", "window"]),
     Case("eval-report-is-dir", _eval_report_is_dir, ["report.md", "directory"]),
+    Case("eval-no-windows", _eval_no_windows, ["--max-windows", "greater than or equal to 1"]),
+    Case("eval-threshold-as-percent", _eval_threshold_as_percent, ["--min-top1", "less than or equal to 1"]),
     Case("eval-model-missing", _eval_model_missing, ["gone", "does not exist"]),
     Case("inspect-foreign-dir", _inspect_foreign, ["plain", "compress.json"]),
     Case("inspect-missing", _inspect_missing, ["nothing", "not a directory"]),

@@ -122,6 +122,10 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys):
     assert report["evaluation"][data]["kl_divergence"] > 0  # measured against the teacher
     assert (out / "report.md").is_file()
 
+    # a quantized student would come out dense: distillation trains float weights
+    quantized = tmp_path / "quantized"
+    run_recipe(parse_recipe(f"model: {student}\nstages:\n  - rtn: {{scheme: W4A16, weights: {{group_size: 32}}}}\n", "q"),
+               output=str(quantized), device="cpu")
     for argv, words in [
         (["--student", str(student)], "no training data"),
         (["--student", str(student), "--data", data, "--generate", "4"], "both given"),
@@ -130,6 +134,9 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys):
         (["--student-layers", "x", "--data", data], "not a list of block numbers"),
         (["--student", str(student), "--data", data, "--hidden", "a:b"], "STUDENT:TEACHER"),
         (["--student", str(student), "--data", str(tmp_path / "missing.txt")], "missing.txt"),
+        (["--student", str(student), "--data", data, "--hidden", "1:9"], "hidden teacher index 9 is out of range"),
+        (["--student", str(quantized), "--data", data], "is quantized"),
+        (["--student", str(student), "--data", data, "--steps", "0"], "--steps"),
     ]:
         code = main(["distill", "--teacher", str(teacher), "--steps", "2", "--output", str(tmp_path / "bad"), *argv])
         err = capsys.readouterr().err

@@ -18,6 +18,8 @@ compress/training.py; this file wires model, teacher, data and loop together.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal, Optional
 
 import torch
@@ -128,11 +130,27 @@ class Distill(DistillLoss, Stage):
         return self.data.dataset is None and self.data.generate is None  # trains on the calibration windows
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
+        refuse_quantized_student(ctx)
         if self.keep_layers is not None:
             keep_blocks(model, self.keep_layers, ctx, "distill")
         teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "distill")
         return run_training(self, "distill", model, teacher, teacher_ref, ctx, self.data, self.train,
                             trainable=trainable_parameters(model, self.freeze, "distill"))
+
+
+def refuse_quantized_student(ctx: StageContext) -> None:
+    """Distillation trains float weights: a quantized student would come out dense, its grid lost
+    (and its rounded zeros mistaken for a pruning mask). QAT is the stage that trains through a grid."""
+    quantized = [n for n, r in ctx.layers.items() if r.get("weights")]
+    where = "an earlier stage quantized" if quantized else None
+    config = Path(modeling.resolve_model(ctx.source_model)) / "config.json" if ctx.source_model else None
+    if not quantized and config is not None and config.is_file() and json.loads(config.read_text()).get("quantization_config"):
+        where = f"the input model {ctx.source_model} is quantized"
+    if where:
+        raise CompressError(f"stage distill: {where}" + (f" ({len(quantized)} layers)" if quantized else "")
+                            + "; distillation trains float weights and would save a dense model",
+                            "use a qat stage (it distills from the float model through the quantization grid), "
+                            "or distill before quantizing")
 
 
 # -- shared with the qat stage --------------------------------------------------------------------
@@ -215,6 +233,13 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
         raise CompressError(f"stage {name}: ce_weight needs a causal language model", "set ce_weight: 0")
     if loss_cfg.hidden and teacher is None:
         raise CompressError(f"stage {name}: hidden-state matching needs a teacher", "set kd_weight > 0 or a teacher")
+    for pair in loss_cfg.hidden:
+        for side, net, index in (("student", model, pair.student), ("teacher", teacher, pair.teacher)):
+            states = int(net.config.num_hidden_layers) + 1  # the embeddings, then one per block
+            if not -states <= index < states:
+                raise CompressError(f"stage {name}: hidden {side} index {index} is out of range: the {side} has "
+                                    f"hidden states 0..{states - 1} (0: embeddings, i: after block i; -1: the last)",
+                                    f"give a {side} index from {-states} to {states - 1}")
     teacher_hash = modeling.weights_hash(teacher_ref) if teacher_ref else None
     train_ids, eval_ids, source = training_sequences(data, ctx.tokenizer, ctx.calibration, teacher, teacher_hash,
                                                      ctx.seed, name, ctx.progress)
