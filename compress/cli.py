@@ -189,6 +189,7 @@ def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, c
     """The recipe `compress prune` runs, as YAML text, after checking the options agree."""
     import yaml
 
+    from compress.modeling import load_config
     from compress.sparsity import parse_pattern
 
     if not model:
@@ -228,11 +229,13 @@ def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, c
                                     "give one of them")
             body["pattern"] = f"{n}:{m}"
     doc: dict = {"model": model}
+    # 256-token windows, or the model's whole context where that is shorter
+    window = min(256, getattr(load_config(model), "max_position_embeddings", None) or 256)
     if name != "magnitude":
-        doc["calibration"] = {"dataset": calibration, "num_samples": num_samples, "seq_len": 256}
+        doc["calibration"] = {"dataset": calibration, "num_samples": num_samples, "seq_len": window}
     doc["stages"] = [{name: body}]
     if not no_eval:
-        doc["evaluation"] = {"datasets": list(data) or ["calibration/heldout-tinyshakespeare.txt"]}
+        doc["evaluation"] = {"datasets": list(data) or ["calibration/heldout-tinyshakespeare.txt"], "seq_len": window}
     doc["output"] = output
     return yaml.safe_dump(doc, sort_keys=False)
 
@@ -322,7 +325,8 @@ def _distill_recipe(teacher, student, student_layers, output, data, generate, st
     body["train"] = {"steps": steps, "lr": lr, "batch_size": batch_size, "save_every": save_every}
     doc: dict = {"model": student or teacher, "stages": [{"distill": body}]}
     if not no_eval:
-        doc["evaluation"] = {"datasets": list(eval_data) or ["calibration/heldout-tinyshakespeare.txt"]}
+        # windows as long as the training sequences: what the student learned on, within its context
+        doc["evaluation"] = {"datasets": list(eval_data) or ["calibration/heldout-tinyshakespeare.txt"], "seq_len": seq_len}
     doc["output"] = output
     return yaml.safe_dump(doc, sort_keys=False)
 

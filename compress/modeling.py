@@ -68,6 +68,15 @@ def model_class(config):
     return AutoModelForCausalLM if is_causal_lm(config) else AutoModel
 
 
+def check_context(config, seq_len: int, key: str) -> None:
+    """Refuse windows longer than the model's positions: learned position embeddings would fail
+    with an index error, rotary ones compute on positions never trained."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise CompressError(f"{key} {seq_len} is longer than the model's context ({limit} positions, "
+                            "max_position_embeddings in its config.json)", f"set {key} to at most {limit}")
+
+
 def load_model(ref: str, dtype: str = "auto", device: str | torch.device = "cpu"):
     """Load (model, tokenizer, config) for a local dir, hub id or `default`."""
     path = resolve_model(ref)

@@ -101,6 +101,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     atomic = AtomicOutput(out_dir, force=force, protect=protect) if main_process else nullcontext()
     dest = Path(out_dir).expanduser().resolve()
     _check_data_files(recipe)
+    _check_context(recipe, modeling.load_config(model_ref))
     cache_root = None
     if resume or cache_dir:
         from compress import stagecache
@@ -320,12 +321,25 @@ def size_summary(net: torch.nn.Module, layers: dict, checkpoint_dir: Path | None
     }
 
 
+def _check_context(recipe: Recipe, config) -> None:
+    """Every sequence length in the recipe fits the model's positions, before any work."""
+    if recipe.calibration is not None:
+        modeling.check_context(config, recipe.calibration.seq_len, "calibration.seq_len")
+    if recipe.evaluation is not None:
+        modeling.check_context(config, recipe.evaluation.seq_len, "evaluation.seq_len")
+    for i, (name, stage) in enumerate(recipe.stages):
+        data = getattr(stage, "data", None)  # its seq_len counts only for its own text; else the calibration's
+        if getattr(data, "seq_len", None) is not None and (data.dataset is not None or data.generate is not None):
+            modeling.check_context(config, data.seq_len, f"stages.{i}.{name}.data.seq_len")
+
+
 def evaluate_model(model: str, datasets: list[str], baseline: str | None = None, device: str = "auto",
                    seq_len: int = 256, max_windows: int = 256, max_sentences: int = 200, batch_size: int = 8,
                    thresholds: dict | None = None, progress: Progress = lambda *_: None) -> dict:
     """`compress eval` as a function: metrics per dataset, size, and threshold checks."""
     dev = pick_device(device)
     progress("loading model", 0, 1)
+    modeling.check_context(modeling.load_config(model), seq_len, "--seq-len")
     net, tokenizer, config = modeling.load_model(model, dtype="float32", device=dev)
     base = None
     if baseline is not None:

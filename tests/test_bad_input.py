@@ -381,6 +381,14 @@ def _eval_data_too_short(tmp):
     return ["eval", "--model", "default", "--data", str(tmp / "tiny.txt")]
 
 
+def _calib_longer_than_context(tmp):
+    return quantize(tmp, calib_recipe("calibration/default.txt", seq_len=4096))
+
+
+def _eval_longer_than_context(tmp):
+    return ["eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt", "--seq-len", "1024"]
+
+
 def _eval_no_windows(tmp):
     return ["eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt", "--max-windows", "0"]
 
@@ -662,6 +670,8 @@ CASES = [
     Case("eval-no-data", _eval_no_data, ["--data"]),
     Case("eval-data-too-short", _eval_data_too_short, ["tiny.txt", "window"]),
     Case("eval-report-is-dir", _eval_report_is_dir, ["report.md", "directory"]),
+    Case("calib-longer-than-context", _calib_longer_than_context, ["calibration.seq_len 4096", "512"]),
+    Case("eval-longer-than-context", _eval_longer_than_context, ["--seq-len 1024", "512"]),
     Case("eval-no-windows", _eval_no_windows, ["--max-windows", "greater than or equal to 1"]),
     Case("eval-threshold-as-percent", _eval_threshold_as_percent, ["--min-top1", "less than or equal to 1"]),
     Case("eval-model-missing", _eval_model_missing, ["gone", "does not exist"]),
