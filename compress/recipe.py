@@ -300,6 +300,11 @@ def _why_calibration(cfg) -> str:
 
 def load_recipe(path: Union[str, Path], default_calibration: dict | None = None) -> Recipe:
     p = Path(path)
+    if not p.exists() and not p.is_absolute():
+        from compress.modeling import REPO_DIR
+
+        if (REPO_DIR / p).is_file():  # a bundled recipe by the name `compress recipes` lists, from any directory
+            p = REPO_DIR / p
     if p.is_dir():
         raise CompressError(f"recipe {p} is a directory", "give the path of a .yaml recipe file")
     if not p.is_file():

@@ -133,10 +133,14 @@ def test_plan_warns_on_patterns_matching_nothing(tmp_path, capsys, ref_llama):
     assert rc == 0 and any("re:.*qproj" in w for w in warnings) and any("selects no layer" in w for w in warnings)
 
 
-def test_recipes_lists_bundled(capsys):
+def test_recipes_lists_bundled(capsys, tmp_path, monkeypatch):
     rc, out, _ = run(capsys, "--json", "recipes")
     names = [r["recipe"] for r in json.loads(out)]
     assert rc == 0 and "recipes/w8a16-absmax.yaml" in names
+    # the names it lists work from any directory
+    monkeypatch.chdir(tmp_path)
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", "recipes/w8a16-absmax.yaml", "--model", "default")
+    assert rc == 0 and len(json.loads(out)["assignments"]) == 28
 
 
 def test_every_bundled_recipe_validates(repo):
