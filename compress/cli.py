@@ -771,7 +771,7 @@ def _main(argv: list[str] | None) -> int:
             raise
         console.print(f"[red]error:[/red] {escape(exc.message)}" + (f" [dim]({escape(exc.hint)})[/dim]" if exc.hint else ""),
                       soft_wrap=True, highlight=False)
-        return 2
+        return _json_error(argv, 2, exc.message, exc.hint)
     except typer.Exit as exc:
         return exc.exit_code
     except typer.Abort:
@@ -782,14 +782,25 @@ def _main(argv: list[str] | None) -> int:
         return 130
     except Exception as exc:  # click usage errors come here too
         if isinstance(exc, _usage_error_types()):
-            console.print(f"[red]error:[/red] {escape(exc.format_message())} [dim](run `compress --help`)[/dim]",
-                          soft_wrap=True, highlight=False)
-            return 2
+            message = exc.format_message()
+            if message:  # empty after `compress` alone, whose help has just been shown
+                console.print(f"[red]error:[/red] {escape(message)} [dim](run `compress --help`)[/dim]",
+                              soft_wrap=True, highlight=False)
+            return _json_error(argv, 2, message or "no command given", "run `compress --help`")
         if debug:
             raise
-        console.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc).splitlines()[0]) if str(exc) else ''} "
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        console.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(first)} "
                       "[dim](rerun with --debug for the traceback, and please report it)[/dim]", soft_wrap=True, highlight=False)
-        return 3
+        return _json_error(argv, 3, f"internal error: {type(exc).__name__}: {first}", "rerun with --debug for the traceback")
+
+
+def _json_error(argv: list[str], code: int, message: str, hint: str | None) -> int:
+    """With --json a failure is JSON on stdout too, so a script reading stdout can tell it from a
+    result; the one-line message stays on stderr."""
+    if "--json" in argv:
+        emit_json({"error": message, "hint": hint, "exit_code": code})
+    return code
 
 
 def _interrupted(argv: list[str]) -> None:

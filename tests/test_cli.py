@@ -182,3 +182,13 @@ def test_saved_recipe_reruns_to_the_same_weights(w8_output, tmp_path, capsys):
     assert rc == 0, err
     a, b = load_file(w8_output / "model.safetensors"), load_file(tmp_path / "again/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_json_failures_are_json_on_stdout(tmp_path, capsys):
+    """A script reading --json output can tell a failure from a result; stderr keeps the one line."""
+    rc, out, err = run(capsys, "--json", "eval", "--model", "default", "--data", tmp_path / "missing.txt")
+    data = json.loads(out)
+    assert rc == 2 and data["exit_code"] == 2 and "missing.txt" in data["error"] and data["hint"]
+    assert err.strip().startswith("error:") and "missing.txt" in err
+    rc, out, _ = run(capsys, "--json", "eval", "--model", "default", "--data", HELDOUT, "--max-windows", 0)
+    assert rc == 2 and "--max-windows" in json.loads(out)["error"]
