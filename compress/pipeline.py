@@ -86,6 +86,9 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     requested = format or recipe.format
     if requested not in ("auto", "packed", "dense"):
         raise CompressError(f"unknown format {requested!r}", "use packed, dense or auto")
+    if requested == "packed" and recipe.offload == "disk":
+        raise CompressError("cannot write the packed format with offload: disk, which writes the checkpoint block by block",
+                            "drop offload: disk, or pass --format dense")
     model_ref = model or recipe.model
     if not model_ref:
         raise CompressError(f"{recipe.source}: no model given", "set `model:` in the recipe or pass --model")
@@ -139,6 +142,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         "architecture": (getattr(config, "architectures", None) or [type(net).__name__])[0],
     }
 
+    if requested == "packed":
+        _check_packable(recipe, net)
     calibration = None
     if recipe.calibration is not None:  # built even for stages that do not need it: its fingerprint is provenance
         progress("tokenizing calibration data", 0, 1)
@@ -319,6 +324,24 @@ def size_summary(net: torch.nn.Module, layers: dict, checkpoint_dir: Path | None
         "bits_per_parameter_on_disk": on_disk * 8 / params,
         "bits_per_parameter_packed": (packed_bits + other_bits) / params,
     }
+
+
+def _check_packable(recipe: Recipe, net: torch.nn.Module) -> None:
+    """`--format packed` refused before calibration, not after hours of it, when a quantizing
+    stage's scheme cannot be written for its layers (a group size that does not divide them, a
+    tied weight). Skipped when a stage reshapes the model first (structured pruning, keep_layers):
+    the shapes checked would not be the quantized ones; saving checks again either way."""
+    if any(name == "structured" or getattr(stage, "keep_layers", None) for name, stage in recipe.stages):
+        return
+    planned: dict[str, dict] = {}
+    for name, stage in recipe.stages:
+        if hasattr(stage, "resolved_scheme") and hasattr(stage, "select"):
+            weights = stage.resolved_scheme().weights.model_dump(mode="json")
+            planned.update({n: {"weights": weights} for n in stage.select(net, name)})
+    problems = packing.expressible(net, planned)
+    if problems:
+        raise CompressError(f"cannot write the packed format: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+                            "pass --format dense, or change the recipe so that every quantized layer can be packed")
 
 
 def _check_context(recipe: Recipe, config) -> None:

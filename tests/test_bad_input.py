@@ -389,6 +389,16 @@ def _eval_longer_than_context(tmp):
     return ["eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt", "--seq-len", "1024"]
 
 
+def _packed_group_size_not_dividing(tmp):
+    # refused before calibration: 256 input features are no whole number of groups of 100
+    stage = "stages:\n  - gptq:\n      scheme: W4A16\n      weights: {group_size: 100}\n"
+    return quantize(tmp, calib_recipe("calibration/default.txt").replace(GOOD_STAGE, stage), "--format", "packed")
+
+
+def _packed_with_disk_offload(tmp):
+    return quantize(tmp, "offload: disk\n" + GOOD_STAGE, "--format", "packed")
+
+
 def _eval_no_windows(tmp):
     return ["eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt", "--max-windows", "0"]
 
@@ -672,6 +682,8 @@ CASES = [
     Case("eval-report-is-dir", _eval_report_is_dir, ["report.md", "directory"]),
     Case("calib-longer-than-context", _calib_longer_than_context, ["calibration.seq_len 4096", "512"]),
     Case("eval-longer-than-context", _eval_longer_than_context, ["--seq-len 1024", "512"]),
+    Case("packed-group-size-not-dividing", _packed_group_size_not_dividing, ["packed format", "groups of 100"]),
+    Case("packed-with-disk-offload", _packed_with_disk_offload, ["packed format", "offload: disk"]),
     Case("eval-no-windows", _eval_no_windows, ["--max-windows", "greater than or equal to 1"]),
     Case("eval-threshold-as-percent", _eval_threshold_as_percent, ["--min-top1", "less than or equal to 1"]),
     Case("eval-model-missing", _eval_model_missing, ["gone", "does not exist"]),
