@@ -415,9 +415,9 @@ def plan(
         console.print(f"[yellow]warning:[/yellow] {w}")
     e = p["estimates"]
     training = f" (of which {e['training_bytes'] / 2**20:.0f} MiB training state and teacher)" if e.get("training_bytes") else ""
-    Console().print(f"peak memory ≈ {e['peak_memory_bytes'] / 2**20:.0f} MiB{training}; output ≈ {e['output_bytes_dequantized'] / 2**20:.1f} MiB "
-                    f"as saved now (dequantized), ≈ {e['output_bytes_packed'] / 2**20:.1f} MiB packed; "
-                    f"{e['bits_per_parameter_packed']:.2f} bits/parameter packed")
+    Console().print(f"peak memory ≈ {e['peak_memory_bytes'] / 2**20:.0f} MiB{training}; output ≈ {e['output_bytes_packed'] / 2**20:.1f} MiB "
+                    f"packed (the default format where every quantized layer can be packed), ≈ {e['output_bytes_dequantized'] / 2**20:.1f} MiB "
+                    f"dense (--format dense); {e['bits_per_parameter_packed']:.2f} bits/parameter packed")
 
 
 @app.command()
