@@ -805,6 +805,9 @@ def _json_error(argv: list[str], code: int, message: str, hint: str | None) -> i
 
 def _interrupted(argv: list[str]) -> None:
     """Ctrl-C: the output is written atomically, so nothing partial exists; say how to go on."""
+    if not {"quantize", "prune", "distill"} & set(argv):  # eval, analyze, bench: nothing to resume
+        console.print("interrupted", soft_wrap=True, highlight=False)
+        return
     resuming = "--resume" in argv or any(a.split("=", 1)[0] == "--cache-dir" for a in argv)
     hint = ("the completed stages are in the stage cache: rerun the same command to continue" if resuming
             else "rerun with --resume to keep completed stages across interruptions")

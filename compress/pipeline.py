@@ -363,6 +363,11 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     dev = pick_device(device)
     progress("loading model", 0, 1)
     modeling.check_context(modeling.load_config(model), seq_len, "--seq-len")
+    if baseline is not None:
+        try:
+            modeling.resolve_model(baseline)
+        except CompressError as exc:  # say which of the two models it is
+            raise CompressError(f"--baseline: {exc.message}", exc.hint) from None
     net, tokenizer, config = modeling.load_model(model, dtype="float32", device=dev)
     base = None
     if baseline is not None:

@@ -399,6 +399,10 @@ def _packed_with_disk_offload(tmp):
     return quantize(tmp, "offload: disk\n" + GOOD_STAGE, "--format", "packed")
 
 
+def _eval_baseline_missing(tmp):
+    return ["eval", "--model", "default", "--baseline", str(tmp / "gone"), "--data", "calibration/heldout-tinyshakespeare.txt"]
+
+
 def _eval_no_windows(tmp):
     return ["eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt", "--max-windows", "0"]
 
@@ -687,6 +691,7 @@ CASES = [
     Case("eval-no-windows", _eval_no_windows, ["--max-windows", "greater than or equal to 1"]),
     Case("eval-threshold-as-percent", _eval_threshold_as_percent, ["--min-top1", "less than or equal to 1"]),
     Case("eval-model-missing", _eval_model_missing, ["gone", "does not exist"]),
+    Case("eval-baseline-missing", _eval_baseline_missing, ["--baseline", "gone", "does not exist"]),
     Case("inspect-foreign-dir", _inspect_foreign, ["plain", "compress.json"]),
     Case("inspect-missing", _inspect_missing, ["nothing", "not a directory"]),
     Case("plan-no-model", _plan_no_model, ["r.yaml", "no model"]),
