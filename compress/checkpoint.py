@@ -55,6 +55,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _usual_file_modes(directory: Path) -> None:
+    """Every file as a plain write would create it (0666 less the umask). safetensors writes its
+    files 0600, so another user could not read a model that the rest of the directory shares."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in directory.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            f.chmod(0o666 & ~umask)
+
+
 class AtomicOutput:
     """`with AtomicOutput(dest, force, protect=[model_dir]) as tmp:` write into tmp; on success it
     becomes dest, on any exception it is removed."""
@@ -100,6 +110,7 @@ class AtomicOutput:
         try:  # a Ctrl-C here must not leave the finished temporary directory behind, nor lose dest
             kill_point("before-move")
             (self.tmp / INCOMPLETE_MARKER).unlink(missing_ok=True)
+            _usual_file_modes(self.tmp)
             if self.dest.exists():
                 old = self.dest.parent / f".{self.dest.name}.old-{os.getpid()}"
                 os.replace(self.dest, old)

@@ -55,6 +55,12 @@ def test_quantize_writes_complete_checkpoint(w8_output, ref_llama):
     assert 14 < report["output"]["bits_per_parameter_packed"] < 16
 
 
+def test_output_files_have_the_usual_modes(w8_output):
+    # safetensors creates its file 0600; the rest of the checkpoint is readable as written
+    modes = {f.name: f.stat().st_mode & 0o777 for f in w8_output.iterdir() if f.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"] == modes["compress.json"], modes
+
+
 def test_existing_output_refused_without_force(w8_output, ref_llama, repo, capsys):
     before = (w8_output / "model.safetensors").stat().st_mtime_ns
     rc, _, err = run(capsys, "quantize", "--recipe", repo / "recipes/w8a16-absmax.yaml", "--model", ref_llama, "--output", w8_output)
