@@ -399,7 +399,10 @@ def plan(
     model_ref = model or r.model
     if not model_ref:
         raise CompressError(f"{recipe}: no model given", "set `model:` in the recipe or pass --model")
-    p = make_plan(r, model_ref)
+    from compress.pipeline import pick_devices
+
+    pick_devices(S.device)  # a device the run would refuse is refused here too
+    p = make_plan(r, model_ref, S.dtype)
     if S.json:
         emit_json(p)
         return

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from compress import modeling
+from compress.errors import CompressError
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
@@ -44,11 +45,15 @@ def _training_bytes(recipe: Recipe, params: int, model_bytes: int) -> int:
     return most
 
 
-def make_plan(recipe: Recipe, model_ref: str) -> dict:
+def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
+    """`dtype`: --dtype as the run would get it (auto: the checkpoint's own)."""
+    if dtype != "auto" and dtype not in modeling.DTYPES:
+        raise CompressError(f"unknown dtype {dtype!r}", f"use auto or one of {', '.join(modeling.DTYPES)}")
     net, config = build_meta_model(model_ref)
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, torch.float32)
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, torch.float32)
+    dtype = modeling.DTYPES[dtype] if dtype != "auto" else saved
     dtype_bits = dtype.itemsize * 8
     linear = {n: m for n, m in net.named_modules() if type(m).__name__ in LINEAR_TYPES}
     params = sum(p.numel() for p in net.parameters())
@@ -63,6 +68,9 @@ def make_plan(recipe: Recipe, model_ref: str) -> dict:
             warnings.append(f"stage {i + 1} ({name}): target '{p}' matches no linear layer")
         for p in unused_patterns(net, ignore):
             warnings.append(f"stage {i + 1} ({name}): ignore entry '{p}' matches no linear layer")
+        for key in ("sparsity_overrides", "alpha_overrides"):  # the run refuses these; say so before it
+            for p in unused_patterns(net, list(getattr(stage, key, None) or {})):
+                warnings.append(f"stage {i + 1} ({name}): {key} key '{p}' matches no linear layer")
         chosen = select_modules(net, targets, ignore)
         if not chosen:
             warnings.append(f"stage {i + 1} ({name}): selects no layer at all")

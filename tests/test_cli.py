@@ -109,6 +109,14 @@ def test_plan_loads_no_weights(repo, capsys, tmp_path, ref_llama):
     assert p["assignments"]["model.layers.0.mlp.down_proj"]["shape"] == [256, 640]
     # 4-bit codes + 16-bit scale and 4-bit zero-point per 64 weights, on 2.75 M of 3.8 M float32 params
     assert 11 < p["estimates"]["bits_per_parameter_packed"] < 12.5
+    # --dtype as the run would load it: the other parameters at 16 bits then
+    rc, out, _ = run(capsys, "--json", "--dtype", "float16", "plan", "--recipe", repo / "recipes/w4a16-zeropoint-g64.yaml",
+                     "--model", tmp_path / "cfg")
+    half = json.loads(out)
+    assert rc == 0 and half["dtype"] == "float16" and half["estimates"]["bits_per_parameter_packed"] < p["estimates"]["bits_per_parameter_packed"]
+    for option, value in (("--dtype", "float64"), ("--device", "gpu")):
+        rc, _, err = run(capsys, option, value, "plan", "--recipe", repo / "recipes/w4a16-zeropoint-g64.yaml", "--model", tmp_path / "cfg")
+        assert rc == 2 and value in err
 
 
 def test_plan_shows_every_stage_of_a_layer(repo, capsys, ref_llama):
@@ -137,6 +145,9 @@ def test_plan_warns_on_patterns_matching_nothing(tmp_path, capsys, ref_llama):
     rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
     warnings = json.loads(out)["warnings"]
     assert rc == 0 and any("re:.*qproj" in w for w in warnings) and any("selects no layer" in w for w in warnings)
+    recipe.write_text("stages:\n  - magnitude: {sparsity: 0.5, sparsity_overrides: {mlp.down_porj: 0.3}}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    assert rc == 0 and any("sparsity_overrides key 'mlp.down_porj'" in w for w in json.loads(out)["warnings"])
 
 
 def test_recipes_lists_bundled(capsys, tmp_path, monkeypatch):
