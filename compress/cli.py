@@ -171,8 +171,8 @@ def prune(
                                 "drop them, or edit the recipe")
         r = load_recipe(recipe)
     else:
-        r = parse_recipe(_prune_recipe(model, output, method, sparsity, pattern, structured, ratio, calibration,
-                                       num_samples, data, no_eval), "compress prune")
+        r = _parse_built_recipe(_prune_recipe(model, output, method, sparsity, pattern, structured, ratio, calibration,
+                                              num_samples, data, no_eval), "compress prune", {"structure": "--structured"})
     with progress_bar() as progress:
         report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
                             seed=S.seed, progress=progress, resume=resume, cache_dir=str(cache_dir) if cache_dir else None)
@@ -274,7 +274,7 @@ def distill(
 
     doc = _distill_recipe(teacher, student, student_layers, output, data, generate, steps, lr, batch_size, seq_len,
                           num_samples, eval_samples, temperature, divergence, ce_weight, hidden, save_every, eval_data, no_eval)
-    r = parse_recipe(doc, "compress distill")
+    r = _parse_built_recipe(doc, "compress distill")
     with progress_bar() as progress:
         report = run_recipe(r, force=force, device=S.device, dtype=S.dtype, seed=S.seed, progress=progress,
                             resume=resume, baseline=teacher)
@@ -283,6 +283,24 @@ def distill(
     s = report["stages"][-1]["summary"]
     details = [f"held-out KD loss {s['held_out_kd_before']:.4g} -> {s['held_out_kd_after']:.4g}"] if "held_out_kd_after" in s else []
     _show_run(report, output, details=details)
+
+
+def _parse_built_recipe(doc: str, command: str, renamed: dict[str, str] = {}) -> "Recipe":  # noqa: B006
+    """A recipe a command built from its options: an invalid value is reported against the option
+    the user typed (--divergence), not a line of a recipe they never saw."""
+    import re
+
+    from compress.recipe import parse_recipe
+
+    try:
+        return parse_recipe(doc, command)
+    except CompressError as exc:
+        found = re.match(rf"{re.escape(command)}:\d+: stages\.0\.\w+\.(?:\w+\.)*(\w+): (.*)", exc.message)
+        if not found:
+            raise
+        key, what = found.groups()
+        option = renamed.get(key, "--" + key.replace("_", "-"))
+        raise CompressError(f"{command} {option}: {what}", f"see `{command} --help`") from None
 
 
 def _distill_recipe(teacher, student, student_layers, output, data, generate, steps, lr, batch_size, seq_len,

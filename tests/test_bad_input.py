@@ -709,6 +709,7 @@ CASES = [
     Case("prune-structured-no-ratio", _prune("--structured", "mlp-channels"), ["--structured", "--ratio"]),
     Case("prune-ratio-out-of-range", _prune("--structured", "mlp-channels", "--ratio", "1.5"), ["--ratio 1.5", "(0, 1)"]),
     Case("prune-ratio-without-structured", _prune("--ratio", "0.25"), ["--ratio", "--structured"]),
+    Case("prune-unknown-structure", _prune("--structured", "mlp", "--ratio", "0.25"), ["compress prune --structured", "mlp-channels"]),
     Case("prune-recipe-and-method", _prune_recipe_with_method, ["--recipe", "--method"]),
     Case("prune-no-model", lambda tmp: ["prune", "--output", str(tmp / "out")], ["no model", "--model"]),
     Case("pattern-unquoted-in-recipe", _pattern_unquoted, ["r.yaml:3", "pattern", "124", "quote"]),
