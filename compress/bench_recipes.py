@@ -72,10 +72,11 @@ def _row_job(recipe_text: str, source: str, model: str | None, out: str, eval_kw
             Path(result_path).write_text(json.dumps({"evaluation": results}, default=str))
             code = 0
             return
-        stage = report["stages"][-1]
         errors = [r["relative_error"] for r in report["layers"].values() if "relative_error" in r]
+        # every stage's scheme, in order: a mixed-precision recipe is several rtn stages, not its last
+        schemes = list(dict.fromkeys(s["summary"].get("scheme", s["name"]) for s in report["stages"]))
         Path(result_path).write_text(json.dumps({
-            "scheme": stage["summary"].get("scheme", stage["name"]), "stages": [s["name"] for s in report["stages"]],
+            "scheme": " + ".join(schemes), "stages": [s["name"] for s in report["stages"]],
             "stage_wall_s": sum(s["wall_s"] for s in report["stages"]),
             "stage_peak_rss_mib": max(s["peak_rss_mib"] for s in report["stages"]),
             "rss_before_load_mib": rss_before_load,

@@ -546,13 +546,18 @@ def bench(
     with progress_bar() as progress:
         result = bench_recipes(model, files, output, datasets=list(data) or None, calibration=calibration,
                                max_windows=max_windows, progress=progress, against=against, against_python=against_python)
-    failed = [r["row"] for r in result["rows"] if "error" in r]
+    failed = [r for r in result["rows"] if "error" in r]
+    if failed:  # the other rows are measured and reported; the run as a whole is not a success
+        message = f"{len(failed)} of {len(result['rows'])} recipes failed ({failed[0]['row']}: {failed[0]['error']})"
+        hint = f"the others are in {result['paths']['md']}; each row's log is beside its checkpoint"
+        result = {**result, "error": message, "hint": hint, "exit_code": 2}
     if S.json:
         emit_json(result)
     elif not S.quiet:
         _print_bench(result, model)
     if failed:
-        raise typer.Exit(1)
+        console.print(f"[red]error:[/red] {escape(message)} [dim]({escape(hint)})[/dim]", soft_wrap=True, highlight=False)
+        raise typer.Exit(2)
 
 
 def _print_bench(result: dict, model: str) -> None:
