@@ -64,8 +64,9 @@ def main_options(
 
 @contextmanager
 def progress_bar():
-    """Yields progress(description, completed, total); silent with --quiet or --json."""
-    if S.quiet:
+    """Yields progress(description, completed, total); silent with --quiet or --json, and when
+    stderr is not a terminal (a log file gets no animation from rich, only a stray blank line)."""
+    if S.quiet or not console.is_terminal:
         yield lambda *_: None
         return
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -209,3 +209,25 @@ def test_json_failures_are_json_on_stdout(tmp_path, capsys):
     assert err.strip().startswith("error:") and "missing.txt" in err
     rc, out, _ = run(capsys, "--json", "eval", "--model", "default", "--data", HELDOUT, "--max-windows", 0)
     assert rc == 2 and "--max-windows" in json.loads(out)["error"]
+
+
+def test_progress_bars_on_a_terminal_only_and_not_when_quiet(monkeypatch, tmp_path, capsys):
+    import io
+
+    from rich.console import Console
+
+    import compress.cli as cli
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\n"
+                      "stages:\n  - gptq: {scheme: W8A16}\n")
+    seen = {}
+    for name, terminal, quiet in (("terminal", True, False), ("quiet", True, True), ("pipe", False, False)):
+        screen = io.StringIO()
+        monkeypatch.setattr(cli, "console", Console(file=screen, force_terminal=terminal, width=100))
+        argv = ["--quiet"] * quiet + ["quantize", "--recipe", str(recipe), "--model", "default", "--output", str(tmp_path / name)]
+        assert main(argv) == 0
+        seen[name] = screen.getvalue()
+    # rich redraws a few times a second, so which descriptions show depends on timing: a bar is drawn
+    assert "━" in seen["terminal"]
+    assert "━" not in seen["quiet"] and "━" not in seen["pipe"] and not seen["pipe"].startswith("\n")
