@@ -210,6 +210,27 @@ def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: d
     return f"{path}{line}: {key}: {msg}", hint
 
 
+def _duplicate_key(node: yaml.Node | None) -> tuple[str, int] | None:
+    """The first key given twice in one mapping, and its second line: a copied line edited in one
+    place only (`scheme: W4A16` then `scheme: W8A16`), which YAML resolves to the last without a word."""
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                if key.value in seen:
+                    return key.value, key.start_mark.line + 1
+                seen.add(key.value)
+            found = _duplicate_key(value)
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            found = _duplicate_key(item)
+            if found:
+                return found
+    return None
+
+
 def parse_recipe(text: str, path: str = "<recipe>", default_calibration: dict | None = None) -> Recipe:
     """Validate a recipe's text completely; raise CompressError on the first problem.
     `default_calibration`: the calibration section a recipe gets when its stages need one and it
@@ -224,6 +245,11 @@ def parse_recipe(text: str, path: str = "<recipe>", default_calibration: dict | 
         line = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise CompressError(f"{path}{line}: invalid YAML: {problem}", "fix the syntax at that line") from None
+    duplicate = _duplicate_key(root)
+    if duplicate is not None:
+        key, line = duplicate
+        raise CompressError(f"{path}:{line}: key '{key}' appears twice in one mapping",
+                            "keep one: YAML would silently use the last")
     if not isinstance(data, dict):
         found = "an empty file" if data is None else f"a YAML {type(data).__name__}"
         raise CompressError(f"{path}: a recipe is a YAML mapping with keys model, calibration, stages, evaluation, output; "

@@ -712,6 +712,8 @@ CASES = [
     Case("prune-unknown-structure", _prune("--structured", "mlp", "--ratio", "0.25"), ["compress prune --structured", "mlp-channels"]),
     Case("prune-recipe-and-method", _prune_recipe_with_method, ["--recipe", "--method"]),
     Case("prune-no-model", lambda tmp: ["prune", "--output", str(tmp / "out")], ["no model", "--model"]),
+    Case("recipe-duplicate-key", lambda tmp: quantize(tmp, "stages:\n  - rtn:\n      scheme: W4A16\n      scheme: W8A16\n"),
+         ["r.yaml:4", "'scheme' appears twice"]),
     Case("pattern-unquoted-in-recipe", _pattern_unquoted, ["r.yaml:3", "pattern", "124", "quote"]),
     Case("pattern-does-not-tile-layer", _pattern_does_not_tile, ["model.layers.0.self_attn.q_proj", "multiple of M = 7"]),
     Case("sparsity-overrides-match-nothing", _overrides_match_nothing, ["sparsity_overrides", "mlp.nothing", "match"]),
