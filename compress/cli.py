@@ -131,6 +131,8 @@ def _show_run(report: dict, out, header: list[str] = (), details: list[str] = ()
             console.print(line)
         if report.get("evaluation"):
             _print_results(report["evaluation"])
+        if report.get("evaluation_note"):  # asked for but not run (offload: disk)
+            console.print(f"[yellow]evaluation {escape(report['evaluation_note'])}[/yellow]")
         console.print(f"report: {Path(out) / 'report.md'} (and report.html, report.json)")
 
 
@@ -608,6 +610,7 @@ def analyze(
     budget_bits: Optional[float] = typer.Option(None, help="with --emit-recipe: average weight bits to hold (default: the --scheme width), scales counted as the scheme stores them."),
     targets: list[str] = typer.Option([], "--targets", help="layers to analyze: names, class names or re: patterns (default: every Linear but lm_head)."),
     top: int = typer.Option(0, min=0, help="show only the most sensitive N layers (0: all)."),
+    force: bool = typer.Option(False, "--force", help="replace an existing --emit-recipe file."),
 ):
     """Rank layers by what rounding each one alone costs (KL or perplexity), and optionally emit a
     mixed-precision recipe that keeps the most sensitive layers at more bits at the same average width.
@@ -629,6 +632,8 @@ def analyze(
         raise CompressError("--budget-bits goes with --emit-recipe", "add --emit-recipe FILE")
     if emit_recipe is not None and emit_recipe.is_dir():
         raise CompressError(f"--emit-recipe {emit_recipe} is a directory", "give a .yaml file path")
+    if emit_recipe is not None and emit_recipe.exists() and not force:
+        raise CompressError(f"--emit-recipe {emit_recipe} already exists", "pass --force to replace it, or choose another path")
     budget = float(bits if budget_bits is None else budget_bits)
     widths = [bits] if emit_recipe is None else sorted({max(2, bits - 1), bits, min(8, bits + 1)})
     if emit_recipe is not None and not min(widths) <= budget <= max(widths):

@@ -97,6 +97,7 @@ def test_analyze_ranks_layers_and_emits_a_recipe_that_runs(ref_llama, repo, tmp_
     (["--scheme", "W9"], "is not an integer weight width"),
     (["--metric", "mse"], "is not a sensitivity metric"),
     (["--budget-bits", "3"], "--budget-bits goes with --emit-recipe"),
+    (["--emit-recipe", __file__], "already exists"),  # an existing file is replaced only with --force
 ])
 def test_analyze_bad_input_is_one_line(ref_llama, capsys, args, message):
     rc = main(["analyze", "--model", str(ref_llama), *args])
