@@ -449,21 +449,48 @@ stages:
         ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"]]
 
 
-def _block_inputs_hessians(model, block, samples) -> dict[str, torch.Tensor]:
-    """H = 2 X Xᵀ / N of every linear layer of `block` over the samples, hooked in a plain forward."""
-    sums, hooks = {}, []
-    for name, module in block.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            def add(mod, args, name=name):
-                x = args[0].reshape(-1, args[0].shape[-1]).double()
-                s, n = sums.get(name, (0, 0))
-                sums[name] = (s + x.t() @ x, n + x.shape[0])
-            hooks.append(module.register_forward_pre_hook(add))
+def _run_and_rebuild(model_dir, stage: str, tmp_path):
+    """Run one stage on the tiny 2-block Llama; return its report, the float model, the saved one,
+    a hybrid (the saved first block before the float second: what the engine feeds the second
+    block at calibration) and the calibration samples."""
+    import copy
+
+    from compress.calibration import build_calibration
+
+    recipe = parse_recipe(f"""
+model: {model_dir}
+calibration: {{dataset: calibration/default.txt, num_samples: 16, seq_len: 64}}
+stages:
+  - {stage}
+""", "test")
+    report = run_recipe(recipe, output=str(tmp_path / "q"), device="cpu")
+    dense, tokenizer, _ = modeling.load_model(str(model_dir))
+    saved, _, _ = modeling.load_model(str(tmp_path / "q"))
+    hybrid = copy.deepcopy(dense)
+    hybrid.model.layers[0] = saved.model.layers[0]
+    return report, dense, saved, hybrid, build_calibration(recipe.calibration, tokenizer).samples
+
+
+def _feed_block_inputs(model, block, samples, add) -> None:
+    """Run the samples through `model`, calling add(name, x) with the input of each linear layer of `block`."""
+    hooks = [module.register_forward_pre_hook(lambda mod, args, name=name: add(name, args[0]))
+             for name, module in block.named_modules() if isinstance(module, torch.nn.Linear)]
     with torch.no_grad():
         for sample in samples:
             model(**sample)
     for h in hooks:
         h.remove()
+
+
+def _block_inputs_hessians(model, block, samples) -> dict[str, torch.Tensor]:
+    """H = 2 X Xᵀ / N of every linear layer of `block` over the samples, hooked in a plain forward."""
+    sums = {}
+
+    def add(name, x):
+        x = x.reshape(-1, x.shape[-1]).double()
+        s, n = sums.get(name, (0, 0))
+        sums[name] = (s + x.t() @ x, n + x.shape[0])
+    _feed_block_inputs(model, block, samples, add)
     return {name: (2 * s / n).float() for name, (s, n) in sums.items()}
 
 
@@ -491,23 +518,7 @@ def test_saved_weights_are_solved_on_inputs_carrying_earlier_blocks_error(tiny_m
     (round-to-nearest, magnitude pruning) the reported baseline loss, and the saved weights' is the
     lower. A checkpoint holding other weights than the solved ones, or a block calibrated on
     anything but the compressed previous block's outputs, fails here."""
-    import copy
-
-    from compress.calibration import build_calibration
-
-    recipe = parse_recipe(f"""
-model: {tiny_models["llama"]}
-calibration: {{dataset: calibration/default.txt, num_samples: 16, seq_len: 64}}
-stages:
-  - {stage}
-""", "test")
-    report = run_recipe(recipe, output=str(tmp_path / "q"), device="cpu")
-    dense, tokenizer, _ = modeling.load_model(str(tiny_models["llama"]))
-    saved, _, _ = modeling.load_model(str(tmp_path / "q"))
-    samples = build_calibration(recipe.calibration, tokenizer).samples
-
-    hybrid = copy.deepcopy(dense)
-    hybrid.model.layers[0] = saved.model.layers[0]
+    report, dense, saved, hybrid, samples = _run_and_rebuild(tiny_models["llama"], stage, tmp_path)
     carried = _block_inputs_hessians(hybrid.eval(), hybrid.model.layers[1], samples)
     clean = _block_inputs_hessians(dense.eval(), dense.model.layers[1], samples)
     assert len(carried) == 7
@@ -528,18 +539,12 @@ stages:
 
 def _input_ranges(model, block, samples) -> dict[str, tuple[float, float]]:
     """(min, max) of every linear layer's input in `block` over the samples."""
-    ranges, hooks = {}, []
-    for name, module in block.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            def add(mod, args, name=name):
-                lo, hi = ranges.get(name, (float("inf"), float("-inf")))
-                ranges[name] = (min(lo, float(args[0].min())), max(hi, float(args[0].max())))
-            hooks.append(module.register_forward_pre_hook(add))
-    with torch.no_grad():
-        for sample in samples:
-            model(**sample)
-    for h in hooks:
-        h.remove()
+    ranges = {}
+
+    def add(name, x):
+        lo, hi = ranges.get(name, (float("inf"), float("-inf")))
+        ranges[name] = (min(lo, float(x.min())), max(hi, float(x.max())))
+    _feed_block_inputs(model, block, samples, add)
     return ranges
 
 
@@ -549,25 +554,12 @@ def test_gptq_with_static_activations_records_the_ranges_it_calibrated_on(tiny_m
     (weights and activation quantization both); the checkpoint carries input_scale = absmax / 127,
     and the reloaded model quantizes its activations (its logits differ from the same weights
     without it)."""
-    import copy
-
     from safetensors.torch import load_file
 
     from compress import activations
-    from compress.calibration import build_calibration
 
-    recipe = parse_recipe(f"""
-model: {tiny_models["llama"]}
-calibration: {{dataset: calibration/default.txt, num_samples: 16, seq_len: 64}}
-stages:
-  - gptq: {{scheme: W8A8, input_activations: {{strategy: tensor, dynamic: false}}}}
-""", "test")
-    report = run_recipe(recipe, output=str(tmp_path / "q"), device="cpu")
-    dense, tokenizer, _ = modeling.load_model(str(tiny_models["llama"]))
-    saved, _, _ = modeling.load_model(str(tmp_path / "q"))
-    samples = build_calibration(recipe.calibration, tokenizer).samples
-    hybrid = copy.deepcopy(dense)
-    hybrid.model.layers[0] = saved.model.layers[0]
+    report, dense, saved, hybrid, samples = _run_and_rebuild(
+        tiny_models["llama"], "gptq: {scheme: W8A8, input_activations: {strategy: tensor, dynamic: false}}", tmp_path)
     observed = {f"model.layers.0.{n}": r for n, r in _input_ranges(dense.eval(), dense.model.layers[0], samples).items()}
     observed.update({f"model.layers.1.{n}": r for n, r in _input_ranges(hybrid.eval(), hybrid.model.layers[1], samples).items()})
     tensors = load_file(tmp_path / "q" / "model.safetensors")
