@@ -64,7 +64,7 @@ def _read_file(path: Path, text_field: str, lines: bool) -> list[str]:
 
             table = pq.read_table(path)
             if text_field not in table.column_names:
-                raise CompressError(f"{path}: no column '{text_field}' (columns: {', '.join(table.column_names)})", "set calibration.text_field")
+                raise CompressError(f"{path}: no column '{text_field}' (columns: {', '.join(table.column_names)})", "the field holding the text: calibration.text_field in a recipe (compress eval reads 'text')")
             texts = [t for t in table.column(text_field).to_pylist() if isinstance(t, str)]
         elif suffix in (".jsonl", ".json"):
             texts = []
@@ -77,7 +77,7 @@ def _read_file(path: Path, text_field: str, lines: bool) -> list[str]:
                     except json.JSONDecodeError as exc:
                         raise CompressError(f"{path}:{n}: not valid JSON ({exc.msg})", "each line must be one JSON object") from None
                     if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                        raise CompressError(f"{path}:{n}: no string field '{text_field}'", "set calibration.text_field to the field holding the text")
+                        raise CompressError(f"{path}:{n}: no string field '{text_field}'", "the field holding the text: calibration.text_field in a recipe (compress eval reads 'text')")
                     texts.append(record[text_field])
         else:
             raw = path.read_bytes()
@@ -107,7 +107,7 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None) -
             "check the name and your network; offline, use a local .txt/.jsonl/.parquet file",
         ) from None
     if text_field not in ds.column_names:
-        raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(ds.column_names)})", "set calibration.text_field")
+        raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(ds.column_names)})", "the field holding the text: calibration.text_field in a recipe (compress eval reads 'text')")
     return [t for t in ds[text_field] if isinstance(t, str)]
 
 

@@ -645,7 +645,13 @@ def analyze(
         net, tokenizer, config = modeling.load_model(model, dtype="float32", device="cpu")
         if not modeling.is_causal_lm(config):
             raise CompressError(f"{model} is not a causal LM", "analyze ranks layers by next-token KL or perplexity")
-        cal = build_calibration(CalibrationConfig(**calibration), tokenizer)
+        modeling.check_context(config, seq_len, "--seq-len")
+        try:
+            cal = build_calibration(CalibrationConfig(**calibration), tokenizer)
+        except CompressError as exc:  # its hint names recipe keys; here they are options
+            hint = (exc.hint or "").replace("num_samples", "--windows").replace("seq_len", "--seq-len").replace(
+                "min_chars", "--windows").replace("calibration.text_field in a recipe", "a 'text' field")
+            raise CompressError(exc.message, hint) from None
         import torch
 
         ids = torch.cat([s["input_ids"] for s in cal.samples])
