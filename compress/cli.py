@@ -164,7 +164,7 @@ def prune(
     Example: compress prune --model default --method sparsegpt --pattern 2:4 --output out/sparse24
     """
     from compress.pipeline import run_recipe
-    from compress.recipe import load_recipe, parse_recipe
+    from compress.recipe import load_recipe
 
     if recipe is not None:
         given = [f"--{k}" for k, v in {"method": method, "sparsity": sparsity, "pattern": pattern,
@@ -272,12 +272,13 @@ def distill(
     Example: compress distill --teacher default --student out/pruned --data calibration/default.txt --steps 300 --output out/distilled
     Several GPUs or machines: accelerate launch -m compress distill ...
     """
+    from compress import modeling
     from compress.pipeline import run_recipe
-    from compress.recipe import parse_recipe
 
     doc = _distill_recipe(teacher, student, student_layers, output, data, generate, steps, lr, batch_size, seq_len,
                           num_samples, eval_samples, temperature, divergence, ce_weight, hidden, save_every, eval_data, no_eval)
     r = _parse_built_recipe(doc, "compress distill")
+    modeling.check_context(modeling.load_config(r.model), seq_len, "--seq-len")  # named as the user typed it
     with progress_bar() as progress:
         report = run_recipe(r, force=force, device=S.device, dtype=S.dtype, seed=S.seed, progress=progress,
                             resume=resume, baseline=teacher)

@@ -138,7 +138,7 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys):
         (["--student", str(quantized), "--data", data], "is quantized"),
         (["--student", str(student), "--data", data, "--steps", "0"], "--steps"),
         (["--student", str(student), "--data", data, "--divergence", "kl"], "compress distill --divergence: Input should be"),
-        (["--student", str(student), "--data", data, "--seq-len", "512"], "longer than the model's context (128 positions"),
+        (["--student", str(student), "--data", data, "--seq-len", "512"], "--seq-len 512 is longer than the model's context (128 positions"),
     ]:
         code = main(["distill", "--teacher", str(teacher), "--steps", "2", "--seq-len", "32", "--output", str(tmp_path / "bad"), *argv])
         err = capsys.readouterr().err
