@@ -102,7 +102,7 @@ def _forked(fork, args: tuple, result: Path, log: Path) -> dict:
     proc.join()
     if proc.exitcode != 0 or not result.is_file():
         lines = log.read_text().strip().splitlines() if log.is_file() else []
-        return {"error": lines[-1] if lines else f"exit code {proc.exitcode}"}
+        return {"error": lines[-1].removeprefix("error: ") if lines else f"exit code {proc.exitcode}"}
     return json.loads(result.read_text())
 
 
@@ -122,7 +122,9 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
 
     if not recipes:
         raise CompressError("no recipe given", "pass one or more recipe files: --recipes a.yaml b.yaml")
-    causal = modeling.is_causal_lm(modeling.load_config(model))
+    config = modeling.load_config(model)
+    causal = modeling.is_causal_lm(config)
+    seq_len = min(seq_len, getattr(config, "max_position_embeddings", None) or seq_len)  # windows within its context
     protocol = protocol_data(causal)
     cal_section = ({"dataset": calibration, "num_samples": 128, "seq_len": seq_len} if calibration
                    else (protocol[1] if protocol else None))

@@ -347,8 +347,8 @@ def _distill_recipe(teacher, student, student_layers, output, data, generate, st
     body["train"] = {"steps": steps, "lr": lr, "batch_size": batch_size, "save_every": save_every}
     doc: dict = {"model": student or teacher, "stages": [{"distill": body}]}
     if not no_eval:
-        # windows as long as the training sequences: what the student learned on, within its context
-        doc["evaluation"] = {"datasets": list(eval_data) or ["calibration/heldout-tinyshakespeare.txt"], "seq_len": seq_len}
+        # the protocol's 256-token windows, or the training length where that is shorter (within the context)
+        doc["evaluation"] = {"datasets": list(eval_data) or ["calibration/heldout-tinyshakespeare.txt"], "seq_len": min(seq_len, 256)}
     doc["output"] = output
     return yaml.safe_dump(doc, sort_keys=False)
 

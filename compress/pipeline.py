@@ -86,7 +86,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     requested = format or recipe.format
     if requested not in ("auto", "packed", "dense"):
         raise CompressError(f"unknown format {requested!r}", "use packed, dense or auto")
-    if requested == "packed" and recipe.offload == "disk":
+    quantizes = any(hasattr(st, "resolved_scheme") or getattr(st, "quantize", None) is not None for _, st in recipe.stages)
+    if requested == "packed" and recipe.offload == "disk" and quantizes:
         raise CompressError("cannot write the packed format with offload: disk, which writes the checkpoint block by block",
                             "drop offload: disk, or pass --format dense")
     model_ref = model or recipe.model
@@ -348,7 +349,7 @@ def _check_context(recipe: Recipe, config) -> None:
     """Every sequence length in the recipe fits the model's positions, before any work."""
     if recipe.calibration is not None:
         modeling.check_context(config, recipe.calibration.seq_len, "calibration.seq_len")
-    if recipe.evaluation is not None:
+    if recipe.evaluation is not None and modeling.is_causal_lm(config):  # encoders score sentences, not windows
         modeling.check_context(config, recipe.evaluation.seq_len, "evaluation.seq_len")
     for i, (name, stage) in enumerate(recipe.stages):
         data = getattr(stage, "data", None)  # its seq_len counts only for its own text; else the calibration's
@@ -362,7 +363,9 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     """`compress eval` as a function: metrics per dataset, size, and threshold checks."""
     dev = pick_device(device)
     progress("loading model", 0, 1)
-    modeling.check_context(modeling.load_config(model), seq_len, "--seq-len")
+    model_config = modeling.load_config(model)
+    if modeling.is_causal_lm(model_config):  # encoders score sentences: --seq-len is not used
+        modeling.check_context(model_config, seq_len, "--seq-len")
     if baseline is not None:
         try:
             modeling.resolve_model(baseline)

@@ -210,9 +210,14 @@ def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: d
     return f"{path}{line}: {key}: {msg}", hint
 
 
-def _duplicate_key(node: yaml.Node | None) -> tuple[str, int] | None:
+def _duplicate_key(node: yaml.Node | None, visited: set | None = None) -> tuple[str, int] | None:
     """The first key given twice in one mapping, and its second line: a copied line edited in one
-    place only (`scheme: W4A16` then `scheme: W8A16`), which YAML resolves to the last without a word."""
+    place only (`scheme: W4A16` then `scheme: W8A16`), which YAML resolves to the last without a word.
+    Each node is visited once: an alias may repeat a node, or contain itself."""
+    visited = set() if visited is None else visited
+    if id(node) in visited:
+        return None
+    visited.add(id(node))
     if isinstance(node, yaml.MappingNode):
         seen = set()
         for key, value in node.value:
@@ -220,12 +225,12 @@ def _duplicate_key(node: yaml.Node | None) -> tuple[str, int] | None:
                 if key.value in seen:
                     return key.value, key.start_mark.line + 1
                 seen.add(key.value)
-            found = _duplicate_key(value)
+            found = _duplicate_key(value, visited)
             if found:
                 return found
     elif isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            found = _duplicate_key(item)
+            found = _duplicate_key(item, visited)
             if found:
                 return found
     return None

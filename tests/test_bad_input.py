@@ -714,6 +714,8 @@ CASES = [
     Case("prune-no-model", lambda tmp: ["prune", "--output", str(tmp / "out")], ["no model", "--model"]),
     Case("recipe-duplicate-key", lambda tmp: quantize(tmp, "stages:\n  - rtn:\n      scheme: W4A16\n      scheme: W8A16\n"),
          ["r.yaml:4", "'scheme' appears twice"]),
+    Case("recipe-self-referencing-alias", lambda tmp: quantize(tmp, "stages: &s [ {rtn: {scheme: W8A16}}, *s ]\n"),
+         ["r.yaml:1", "stages"]),
     Case("pattern-unquoted-in-recipe", _pattern_unquoted, ["r.yaml:3", "pattern", "124", "quote"]),
     Case("pattern-does-not-tile-layer", _pattern_does_not_tile, ["model.layers.0.self_attn.q_proj", "multiple of M = 7"]),
     Case("sparsity-overrides-match-nothing", _overrides_match_nothing, ["sparsity_overrides", "mlp.nothing", "match"]),

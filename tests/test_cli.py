@@ -231,3 +231,19 @@ def test_progress_bars_on_a_terminal_only_and_not_when_quiet(monkeypatch, tmp_pa
     # rich redraws a few times a second, so which descriptions show depends on timing: a bar is drawn
     assert "━" in seen["terminal"]
     assert "━" not in seen["quiet"] and "━" not in seen["pipe"] and not seen["pipe"].startswith("\n")
+
+
+def test_encoder_with_a_short_context_evaluates(tmp_path, capsys):
+    """Encoders are scored on sentences: --seq-len (default 256) is not theirs to exceed, so a BERT
+    with 128 positions is evaluated, not refused as a causal LM would be."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from compress import modeling
+
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                         vocab_size=2048, max_position_embeddings=128)).save_pretrained(tmp_path / "bert")
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(tmp_path / "bert")
+    rc, out, err = run(capsys, "--json", "eval", "--model", tmp_path / "bert", "--baseline", tmp_path / "bert", "--data", HELDOUT)
+    assert rc == 0, err
+    assert next(iter(json.loads(out)["results"].values()))["mean_cosine"] == pytest.approx(1.0, abs=1e-6)

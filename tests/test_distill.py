@@ -126,6 +126,9 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys):
     quantized = tmp_path / "quantized"
     run_recipe(parse_recipe(f"model: {student}\nstages:\n  - rtn: {{scheme: W4A16, weights: {{group_size: 32}}}}\n", "q"),
                output=str(quantized), device="cpu")
+    quantized_dense = tmp_path / "quantized-dense"  # no quantization_config: only compress.json says so
+    run_recipe(parse_recipe(f"model: {student}\nstages:\n  - rtn: {{scheme: W4A16, weights: {{group_size: 32}}}}\n", "q"),
+               output=str(quantized_dense), device="cpu", format="dense")
     for argv, words in [
         (["--student", str(student)], "no training data"),
         (["--student", str(student), "--data", data, "--generate", "4"], "both given"),
@@ -136,6 +139,7 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys):
         (["--student", str(student), "--data", str(tmp_path / "missing.txt")], "missing.txt"),
         (["--student", str(student), "--data", data, "--hidden", "1:9"], "hidden teacher index 9 is out of range"),
         (["--student", str(quantized), "--data", data], "is quantized"),
+        (["--student", str(quantized_dense), "--data", data], "is quantized"),
         (["--student", str(student), "--data", data, "--steps", "0"], "--steps"),
         (["--student", str(student), "--data", data, "--divergence", "kl"], "compress distill --divergence: Input should be"),
         (["--student", str(student), "--data", data, "--seq-len", "512"], "--seq-len 512 is longer than the model's context (128 positions"),

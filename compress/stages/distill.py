@@ -143,8 +143,12 @@ def refuse_quantized_student(ctx: StageContext) -> None:
     (and its rounded zeros mistaken for a pruning mask). QAT is the stage that trains through a grid."""
     quantized = [n for n, r in ctx.layers.items() if r.get("weights")]
     where = "an earlier stage quantized" if quantized else None
-    config = Path(modeling.resolve_model(ctx.source_model)) / "config.json" if ctx.source_model else None
-    if not quantized and config is not None and config.is_file() and json.loads(config.read_text()).get("quantization_config"):
+    source = Path(modeling.resolve_model(ctx.source_model)) if ctx.source_model else None
+    config, meta = (source / "config.json", source / "compress.json") if source is not None else (None, None)
+    packed = config is not None and config.is_file() and json.loads(config.read_text()).get("quantization_config")
+    # a compress output saved dense (dequantized) says so only in its compress.json
+    dense = meta is not None and meta.is_file() and any(r.get("weights") for r in json.loads(meta.read_text()).get("layers", {}).values())
+    if not quantized and (packed or dense):
         where = f"the input model {ctx.source_model} is quantized"
     if where:
         raise CompressError(f"stage distill: {where}" + (f" ({len(quantized)} layers)" if quantized else "")
