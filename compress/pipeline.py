@@ -105,7 +105,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     atomic = AtomicOutput(out_dir, force=force, protect=protect) if main_process else nullcontext()
     dest = Path(out_dir).expanduser().resolve()
     _check_data_files(recipe)
-    _check_context(recipe, modeling.load_config(model_ref))
+    check_sequence_lengths(recipe, modeling.load_config(model_ref))
     cache_root = None
     if resume or cache_dir:
         from compress import stagecache
@@ -345,7 +345,7 @@ def _check_packable(recipe: Recipe, net: torch.nn.Module) -> None:
                             "pass --format dense, or change the recipe so that every quantized layer can be packed")
 
 
-def _check_context(recipe: Recipe, config) -> None:
+def check_sequence_lengths(recipe: Recipe, config) -> None:
     """Every sequence length in the recipe fits the model's positions, before any work."""
     if recipe.calibration is not None:
         modeling.check_context(config, recipe.calibration.seq_len, "calibration.seq_len")

@@ -59,6 +59,12 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     params = sum(p.numel() for p in net.parameters())
     assignments: dict[str, dict] = {}
     warnings: list[str] = []
+    from compress.pipeline import check_sequence_lengths
+
+    try:  # the run refuses this before any work; the plan says it
+        check_sequence_lengths(recipe, config)
+    except CompressError as exc:
+        warnings.append(f"{exc.message}: the run will refuse it")
     for i, (name, stage) in enumerate(recipe.stages):
         targets = getattr(stage, "targets", None)
         if targets is None:

@@ -145,9 +145,12 @@ def test_plan_warns_on_patterns_matching_nothing(tmp_path, capsys, ref_llama):
     rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
     warnings = json.loads(out)["warnings"]
     assert rc == 0 and any("re:.*qproj" in w for w in warnings) and any("selects no layer" in w for w in warnings)
-    recipe.write_text("stages:\n  - magnitude: {sparsity: 0.5, sparsity_overrides: {mlp.down_porj: 0.3}}\n")
+    recipe.write_text("calibration: {dataset: calibration/default.txt, seq_len: 4096}\n"
+                      "stages:\n  - wanda: {sparsity: 0.5, sparsity_overrides: {mlp.down_porj: 0.3}}\n")
     rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
-    assert rc == 0 and any("sparsity_overrides key 'mlp.down_porj'" in w for w in json.loads(out)["warnings"])
+    warnings = json.loads(out)["warnings"]
+    assert rc == 0 and any("sparsity_overrides key 'mlp.down_porj'" in w for w in warnings)
+    assert any("calibration.seq_len 4096 is longer than the model's context (512" in w for w in warnings)
 
 
 def test_recipes_lists_bundled(capsys, tmp_path, monkeypatch):
