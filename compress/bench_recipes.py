@@ -124,7 +124,7 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
         raise CompressError("no recipe given", "pass one or more recipe files: --recipes a.yaml b.yaml")
     config = modeling.load_config(model)
     causal = modeling.is_causal_lm(config)
-    seq_len = min(seq_len, getattr(config, "max_position_embeddings", None) or seq_len)  # windows within its context
+    seq_len = modeling.fit_context(config, seq_len)
     protocol = protocol_data(causal)
     cal_section = ({"dataset": calibration, "num_samples": 128, "seq_len": seq_len} if calibration
                    else (protocol[1] if protocol else None))

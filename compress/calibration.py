@@ -29,6 +29,10 @@ class CalibrationSet:
     num_tokens: int
 
 
+# Where a file's text is when it is not in the `text` field: only recipes can say.
+TEXT_FIELD_HINT = "the field holding the text: calibration.text_field in a recipe (compress eval reads 'text')"
+
+
 def resolve_data_path(spec: str) -> Path | None:
     """A local file: as given, else relative to the project checkout (for the bundled corpus)."""
     p = Path(spec).expanduser()
@@ -64,7 +68,7 @@ def _read_file(path: Path, text_field: str, lines: bool) -> list[str]:
 
             table = pq.read_table(path)
             if text_field not in table.column_names:
-                raise CompressError(f"{path}: no column '{text_field}' (columns: {', '.join(table.column_names)})", "the field holding the text: calibration.text_field in a recipe (compress eval reads 'text')")
+                raise CompressError(f"{path}: no column '{text_field}' (columns: {', '.join(table.column_names)})", TEXT_FIELD_HINT)
             texts = [t for t in table.column(text_field).to_pylist() if isinstance(t, str)]
         elif suffix in (".jsonl", ".json"):
             texts = []
@@ -77,7 +81,7 @@ def _read_file(path: Path, text_field: str, lines: bool) -> list[str]:
                     except json.JSONDecodeError as exc:
                         raise CompressError(f"{path}:{n}: not valid JSON ({exc.msg})", "each line must be one JSON object") from None
                     if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                        raise CompressError(f"{path}:{n}: no string field '{text_field}'", "the field holding the text: calibration.text_field in a recipe (compress eval reads 'text')")
+                        raise CompressError(f"{path}:{n}: no string field '{text_field}'", TEXT_FIELD_HINT)
                     texts.append(record[text_field])
         else:
             raw = path.read_bytes()
@@ -107,7 +111,7 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None) -
             "check the name and your network; offline, use a local .txt/.jsonl/.parquet file",
         ) from None
     if text_field not in ds.column_names:
-        raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(ds.column_names)})", "the field holding the text: calibration.text_field in a recipe (compress eval reads 'text')")
+        raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(ds.column_names)})", TEXT_FIELD_HINT)
     return [t for t in ds[text_field] if isinstance(t, str)]
 
 

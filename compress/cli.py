@@ -192,7 +192,7 @@ def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, c
     """The recipe `compress prune` runs, as YAML text, after checking the options agree."""
     import yaml
 
-    from compress.modeling import load_config
+    from compress.modeling import fit_context, load_config
     from compress.sparsity import parse_pattern
 
     if not model:
@@ -232,8 +232,7 @@ def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, c
                                     "give one of them")
             body["pattern"] = f"{n}:{m}"
     doc: dict = {"model": model}
-    # 256-token windows, or the model's whole context where that is shorter
-    window = min(256, getattr(load_config(model), "max_position_embeddings", None) or 256)
+    window = fit_context(load_config(model), 256)
     if name != "magnitude":
         doc["calibration"] = {"dataset": calibration, "num_samples": num_samples, "seq_len": window}
     doc["stages"] = [{name: body}]
@@ -621,7 +620,7 @@ def analyze(
     import yaml
 
     from compress import modeling
-    from compress.calibration import build_calibration
+    from compress.calibration import TEXT_FIELD_HINT, build_calibration
     from compress.recipe import CalibrationConfig
     from compress.sensitivity import allocate_bits, analyze as run_analysis, metric_key, mixed_precision_recipe, ranking
 
@@ -651,7 +650,7 @@ def analyze(
             cal = build_calibration(CalibrationConfig(**calibration), tokenizer)
         except CompressError as exc:  # its hint names recipe keys; here they are options
             hint = (exc.hint or "").replace("num_samples", "--windows").replace("seq_len", "--seq-len").replace(
-                "min_chars", "--windows").replace("calibration.text_field in a recipe", "a 'text' field")
+                "min_chars", "--windows").replace(TEXT_FIELD_HINT, "a 'text' field in each record")
             raise CompressError(exc.message, hint) from None
         import torch
 

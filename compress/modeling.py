@@ -77,6 +77,12 @@ def check_context(config, seq_len: int, key: str) -> None:
                             "max_position_embeddings in its config.json)", f"set {key} to at most {limit}")
 
 
+def fit_context(config, seq_len: int) -> int:
+    """`seq_len`, or the model's whole context where that is shorter: windows a command chooses
+    for the user (prune's, bench's) rather than ones the user asked for."""
+    return min(seq_len, getattr(config, "max_position_embeddings", None) or seq_len)
+
+
 def load_model(ref: str, dtype: str = "auto", device: str | torch.device = "cpu"):
     """Load (model, tokenizer, config) for a local dir, hub id or `default`."""
     path = resolve_model(ref)

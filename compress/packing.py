@@ -98,6 +98,20 @@ def _shared_weights(net: torch.nn.Module) -> set[int]:
     return {k for k, n in seen.items() if n > 1}
 
 
+OFFLOADED_NOT_PACKABLE = CompressError("cannot write the packed format with offload: disk, which writes the checkpoint "
+                                       "block by block", "drop offload: disk, or pass --format dense")
+
+
+def _first_of(problems: list[str]) -> str:
+    return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+
+def not_packable(problems: list[str]) -> CompressError:
+    """What --format packed gets when some quantized layer cannot be written."""
+    return CompressError(f"cannot write the packed format: {_first_of(problems)}",
+                         "pass --format dense, or change the recipe so that every quantized layer can be packed")
+
+
 def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloaded: bool = False) -> Decision:
     """`auto`: packed when every quantized layer can be expressed, else dense; `packed` insists."""
     quantized = [n for n, r in layers.items() if "weights" in r]
@@ -107,8 +121,7 @@ def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloade
         return Decision("dense", "no layer is quantized: nothing to pack (sparsity is stored densely)")
     if offloaded:
         if requested == "packed":
-            raise CompressError("cannot write the packed format with offload: disk, which writes the checkpoint block by block",
-                                "drop offload: disk, or pass --format dense")
+            raise OFFLOADED_NOT_PACKABLE
         return Decision("dense", "offload: disk writes the dense checkpoint block by block")
     problems = expressible(net, layers)
     if not problems:
@@ -118,9 +131,8 @@ def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloade
             problems = [exc.message]
     if problems:
         if requested == "packed":
-            raise CompressError(f"cannot write the packed format: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
-                                "pass --format dense, or change the recipe so that every quantized layer can be packed")
-        return Decision("dense", f"the packed format cannot express {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), problems)
+            raise not_packable(problems)
+        return Decision("dense", f"the packed format cannot express {_first_of(problems)}", problems)
     return Decision("packed", f"compressed-tensors: each of the {len(quantized)} quantized layers has a scheme the format expresses")
 
 

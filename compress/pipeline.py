@@ -86,10 +86,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     requested = format or recipe.format
     if requested not in ("auto", "packed", "dense"):
         raise CompressError(f"unknown format {requested!r}", "use packed, dense or auto")
-    quantizes = any(hasattr(st, "resolved_scheme") or getattr(st, "quantize", None) is not None for _, st in recipe.stages)
-    if requested == "packed" and recipe.offload == "disk" and quantizes:
-        raise CompressError("cannot write the packed format with offload: disk, which writes the checkpoint block by block",
-                            "drop offload: disk, or pass --format dense")
+    if requested == "packed" and recipe.offload == "disk" and any(_stage_weights(st) for _, st in recipe.stages):
+        raise packing.OFFLOADED_NOT_PACKABLE
     model_ref = model or recipe.model
     if not model_ref:
         raise CompressError(f"{recipe.source}: no model given", "set `model:` in the recipe or pass --model")
@@ -336,13 +334,20 @@ def _check_packable(recipe: Recipe, net: torch.nn.Module) -> None:
         return
     planned: dict[str, dict] = {}
     for name, stage in recipe.stages:
-        if hasattr(stage, "resolved_scheme") and hasattr(stage, "select"):
-            weights = stage.resolved_scheme().weights.model_dump(mode="json")
-            planned.update({n: {"weights": weights} for n in stage.select(net, name)})
+        weights = _stage_weights(stage)
+        if weights is not None and hasattr(stage, "select"):
+            planned.update({n: {"weights": weights.model_dump(mode="json")} for n in stage.select(net, name)})
     problems = packing.expressible(net, planned)
     if problems:
-        raise CompressError(f"cannot write the packed format: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
-                            "pass --format dense, or change the recipe so that every quantized layer can be packed")
+        raise packing.not_packable(problems)
+
+
+def _stage_weights(stage) -> QuantArgs | None:
+    """The weight scheme a stage quantizes to: a quantization stage's, SparseGPT's joint one, or None."""
+    if hasattr(stage, "resolved_scheme"):
+        return stage.resolved_scheme().weights
+    joint = getattr(stage, "quantize", None)
+    return joint.args() if joint is not None and hasattr(joint, "args") else None
 
 
 def check_sequence_lengths(recipe: Recipe, config) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from compress import modeling
 from compress.errors import CompressError
+from compress.pipeline import check_sequence_lengths
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
@@ -59,8 +60,6 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     params = sum(p.numel() for p in net.parameters())
     assignments: dict[str, dict] = {}
     warnings: list[str] = []
-    from compress.pipeline import check_sequence_lengths
-
     try:  # the run refuses this before any work; the plan says it
         check_sequence_lengths(recipe, config)
     except CompressError as exc:
