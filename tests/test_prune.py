@@ -368,19 +368,11 @@ def test_wanda_masks_follow_the_activations_the_engine_feeds(tiny, target, tmp_p
     first block is the saved (pruned) one, gets the mask Wanda's score gives on those inputs
     (|W| times the input norm, which is √diag(H) up to a constant). That is not the per-row
     magnitude mask, and not the one from the float first block's outputs."""
-    import copy
+    from tests.test_gptq import _block_inputs_hessians, _run_and_rebuild
 
-    from compress.calibration import build_calibration
-    from tests.test_gptq import _block_inputs_hessians
-
-    rec = recipe(tiny["llama"], f"  - wanda: {{{target}}}")
-    run_recipe(rec, output=str(tmp_path / "o"), device="cpu")
-    dense, tokenizer, _ = modeling.load_model(str(tiny["llama"]))
-    saved = load_file(tmp_path / "o" / "model.safetensors")
-    samples = build_calibration(rec.calibration, tokenizer).samples
-    hybrid = copy.deepcopy(dense)
-    hybrid.model.layers[0].load_state_dict({k.removeprefix("model.layers.0."): v for k, v in saved.items()
-                                            if k.startswith("model.layers.0.")})
+    _, dense, saved_model, hybrid, samples = _run_and_rebuild(tiny["llama"], f"wanda: {{{target}}}", tmp_path)
+    saved = {"model.layers.1." + n + ".weight": m.weight.detach() for n, m in saved_model.model.layers[1].named_modules()
+             if isinstance(m, torch.nn.Linear)}
     carried = _block_inputs_hessians(hybrid.eval(), hybrid.model.layers[1], samples)
     clean = _block_inputs_hessians(dense.eval(), dense.model.layers[1], samples)
     layer_target = LayerTarget(0.5, (2, 4) if "2:4" in target else None)
