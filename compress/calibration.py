@@ -2,8 +2,13 @@
 
 Packed (causal LMs): the texts are joined, tokenized without special tokens and cut into
 consecutive non-overlapping windows of `seq_len` tokens; the first `num_samples` windows are taken
-(or a seeded random choice with `shuffle`). Unpacked (encoders): one sample per line or record,
-truncated at `seq_len`. The fingerprint (sha256 of the token ids) goes into the report.
+(or a seeded random choice with `shuffle`). Unpacked (encoders, or one conversation per sample):
+one sample per line or record, truncated at `seq_len`. The fingerprint (sha256 of the token ids)
+goes into the report.
+
+A record's field may hold a conversation instead of text, a list of {role, content} messages as
+in chat datasets such as ultrachat: it is rendered with the tokenizer's chat template, so an
+instruct model is calibrated on the prompts it will serve.
 """
 
 from __future__ import annotations
@@ -48,19 +53,44 @@ def is_local_spec(spec: str) -> bool:
 
 
 def read_texts(spec: str, text_field: str = "text", split: str = "train", config_name: str | None = None,
-               lines: bool = False) -> list[str]:
-    """Texts of a local .txt/.jsonl/.parquet file or a hub dataset. `lines` splits .txt by line."""
+               lines: bool = False, tokenizer=None) -> list[str]:
+    """Texts of a local .txt/.jsonl/.parquet file or a hub dataset. `lines` splits .txt by line.
+    Conversations are rendered with `tokenizer`'s chat template."""
     path = resolve_data_path(spec)
     if path is None and is_local_spec(spec):
         raise CompressError(f"calibration/evaluation file not found: {spec}", "check the path; relative paths are tried from the current directory, then the project root")
     if path is not None:
         if path.is_dir():
             raise CompressError(f"{spec} is a directory", "give a .txt, .jsonl or .parquet file")
-        return _read_file(path, text_field, lines)
-    return _read_hub(spec, text_field, split, config_name)
+        return _read_file(path, text_field, lines, tokenizer)
+    return _read_hub(spec, text_field, split, config_name, tokenizer)
 
 
-def _read_file(path: Path, text_field: str, lines: bool) -> list[str]:
+def is_conversation(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
+def render_conversation(messages: list[dict], tokenizer, where: str) -> str:
+    """One conversation as the model sees it in use: the tokenizer's chat template, whole."""
+    for n, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise CompressError(f"{where}: message {n} is not {{role: str, content: str}} (keys: {', '.join(map(str, m)) or 'none'})",
+                                "give each message a string role and a string content")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise CompressError(f"{where}: holds chat messages, but the model's tokenizer has no chat template",
+                            "use the instruct model's tokenizer (its tokenizer_config.json has chat_template), "
+                            "or point text_field at a plain-text field")
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def _record_text(value, tokenizer, where: str) -> str | None:
+    """A record's text: the string, or its conversation rendered; None for anything else."""
+    if isinstance(value, str):
+        return value
+    return render_conversation(value, tokenizer, where) if is_conversation(value) else None
+
+
+def _read_file(path: Path, text_field: str, lines: bool, tokenizer=None) -> list[str]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".parquet":
@@ -69,7 +99,8 @@ def _read_file(path: Path, text_field: str, lines: bool) -> list[str]:
             table = pq.read_table(path)
             if text_field not in table.column_names:
                 raise CompressError(f"{path}: no column '{text_field}' (columns: {', '.join(table.column_names)})", TEXT_FIELD_HINT)
-            texts = [t for t in table.column(text_field).to_pylist() if isinstance(t, str)]
+            texts = [_record_text(v, tokenizer, f"{path}: row {n}") for n, v in enumerate(table.column(text_field).to_pylist())]
+            texts = [t for t in texts if t is not None]
         elif suffix in (".jsonl", ".json"):
             texts = []
             with open(path, encoding="utf-8") as fh:
@@ -80,9 +111,10 @@ def _read_file(path: Path, text_field: str, lines: bool) -> list[str]:
                         record = json.loads(line)
                     except json.JSONDecodeError as exc:
                         raise CompressError(f"{path}:{n}: not valid JSON ({exc.msg})", "each line must be one JSON object") from None
-                    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                        raise CompressError(f"{path}:{n}: no string field '{text_field}'", TEXT_FIELD_HINT)
-                    texts.append(record[text_field])
+                    text = _record_text(record.get(text_field), tokenizer, f"{path}:{n}") if isinstance(record, dict) else None
+                    if text is None:
+                        raise CompressError(f"{path}:{n}: no string or conversation field '{text_field}'", TEXT_FIELD_HINT)
+                    texts.append(text)
         else:
             raw = path.read_bytes()
             if b"\x00" in raw[:8192]:
@@ -99,7 +131,7 @@ def _read_file(path: Path, text_field: str, lines: bool) -> list[str]:
     return texts
 
 
-def _read_hub(name: str, text_field: str, split: str, config_name: str | None) -> list[str]:
+def _read_hub(name: str, text_field: str, split: str, config_name: str | None, tokenizer=None) -> list[str]:
     try:
         import datasets
 
@@ -112,7 +144,8 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None) -
         ) from None
     if text_field not in ds.column_names:
         raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(ds.column_names)})", TEXT_FIELD_HINT)
-    return [t for t in ds[text_field] if isinstance(t, str)]
+    texts = [_record_text(v, tokenizer, f"dataset '{name}' record {n}") for n, v in enumerate(ds[text_field])]
+    return [t for t in texts if t is not None]
 
 
 def token_windows(tokenizer, text: str, seq_len: int) -> torch.Tensor:
@@ -149,7 +182,7 @@ def build_calibration(cfg, tokenizer) -> CalibrationSet:
     specs = [cfg.dataset] if isinstance(cfg.dataset, str) else list(cfg.dataset)
     source = ", ".join(specs)
     if cfg.packing:
-        texts = [t for spec in specs for t in read_texts(spec, cfg.text_field, cfg.split, cfg.config_name)]
+        texts = [t for spec in specs for t in read_texts(spec, cfg.text_field, cfg.split, cfg.config_name, tokenizer=tokenizer)]
         text = "\n\n".join(t for t in texts if t.strip())
         if not text.strip():
             raise CompressError(f"calibration data {source} is empty", "give a file with text in it")
@@ -172,7 +205,8 @@ def build_calibration(cfg, tokenizer) -> CalibrationSet:
         digest = hashlib.sha256(chosen.numpy().tobytes()).hexdigest()
         return CalibrationSet(samples, digest, source, int(chosen.numel()))
 
-    texts = [t.strip() for spec in specs for t in read_texts(spec, cfg.text_field, cfg.split, cfg.config_name, lines=True)]
+    texts = [t.strip() for spec in specs
+             for t in read_texts(spec, cfg.text_field, cfg.split, cfg.config_name, lines=True, tokenizer=tokenizer)]
     texts = [t for t in texts if t and len(t) > cfg.min_chars]
     if len(texts) < cfg.num_samples:
         raise CompressError(
@@ -188,8 +222,11 @@ def build_calibration(cfg, tokenizer) -> CalibrationSet:
     h = hashlib.sha256()
     samples = []
     total = 0
+    bos = getattr(tokenizer, "bos_token", None)
     for t in texts:
-        enc = tokenizer(t, truncation=True, max_length=cfg.seq_len, return_tensors="pt")
+        # A rendered conversation already begins with the BOS token where the template writes one.
+        add_special = not (bos and t.startswith(bos))
+        enc = tokenizer(t, truncation=True, max_length=cfg.seq_len, return_tensors="pt", add_special_tokens=add_special)
         sample = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         samples.append(sample)
         h.update(sample["input_ids"].numpy().tobytes())

@@ -37,7 +37,8 @@ class CalibrationConfig(BaseModel):
         description="file path (.txt/.jsonl/.parquet) or hub dataset name; a list is concatenated in order")
     config_name: Optional[str] = Field(None, description="hub dataset configuration, e.g. wikitext-2-raw-v1")
     split: str = "train"
-    text_field: str = Field("text", description="field holding the text in .jsonl/.parquet/hub records")
+    text_field: str = Field("text", description="field holding the text in .jsonl/.parquet/hub records, or a conversation "
+                            "(a list of {role, content} messages, rendered with the tokenizer's chat template)")
     num_samples: int = Field(128, gt=0, description="how many calibration samples, a positive integer")
     seq_len: int = Field(256, gt=0, description="tokens per sample, a positive integer")
     packing: bool = Field(True, description="true: concatenate and cut into windows; false: one sample per line/record")

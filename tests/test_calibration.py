@@ -101,3 +101,98 @@ def test_leading_windows_equal_the_whole_texts(tokenizer, seq_len, count):
     prefix = leading_windows(tokenizer, text, seq_len, count)
     assert prefix is not None and prefix.shape == (count, seq_len)
     assert torch.equal(prefix, token_windows(tokenizer, text, seq_len)[:count])
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+                 "{% endfor %}")
+CHATS = [[{"role": "user", "content": f"Question {i}: what follows {i}?"},
+          {"role": "assistant", "content": f"The number {i + 1} follows {i}, as it always has."}] for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    tok = AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def test_conversations_are_rendered_with_the_chat_template(tmp_path, chat_tokenizer):
+    f = tmp_path / "chat.jsonl"
+    f.write_text("\n".join(json.dumps({"messages": m, "id": i}) for i, m in enumerate(CHATS)))
+    cal = build_calibration(CalibrationConfig(dataset=str(f), text_field="messages", num_samples=8, seq_len=64,
+                                              packing=False), chat_tokenizer)
+    expect = chat_tokenizer.apply_chat_template(CHATS[3], tokenize=False)
+    assert expect.startswith("<s><|user|>\nQuestion 3") and "</s>\n<|assistant|>" in expect
+    ids = cal.samples[3]["input_ids"][0].tolist()
+    assert ids == chat_tokenizer(expect.strip(), add_special_tokens=False)["input_ids"][:64]
+    assert ids.count(chat_tokenizer.bos_token_id) == 1  # the template's BOS, not a second one
+    # packed: the rendered conversations joined and cut into windows, like plain text
+    packed = build_calibration(CalibrationConfig(dataset=str(f), text_field="messages", num_samples=4, seq_len=32),
+                               chat_tokenizer)
+    joined = "\n\n".join(chat_tokenizer.apply_chat_template(m, tokenize=False) for m in CHATS)
+    assert packed.samples[1]["input_ids"][0].tolist() == chat_tokenizer(joined, add_special_tokens=False)["input_ids"][32:64]
+
+
+def test_conversations_from_a_hub_dataset(monkeypatch, chat_tokenizer):
+    import datasets
+
+    seen = {}
+
+    def fake_load(name, config_name=None, split=None):
+        seen.update(name=name, split=split)
+        return datasets.Dataset.from_dict({"messages": CHATS, "prompt": [c[0]["content"] for c in CHATS]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    cfg = CalibrationConfig(dataset="org/chat-data", split="train_sft", text_field="messages", num_samples=5,
+                            seq_len=48, packing=False)
+    cal = build_calibration(cfg, chat_tokenizer)
+    assert seen == {"name": "org/chat-data", "split": "train_sft"} and len(cal.samples) == 5
+    first = chat_tokenizer.decode(cal.samples[0]["input_ids"][0])
+    assert first.startswith("<s><|user|>") and "Question 0" in first
+
+
+def test_conversations_need_a_chat_template(tmp_path, tokenizer):
+    f = tmp_path / "chat.jsonl"
+    f.write_text("\n".join(json.dumps({"messages": m}) for m in CHATS))
+    assert not tokenizer.chat_template
+    with pytest.raises(CompressError, match=r"chat.jsonl:1: holds chat messages, but the model's tokenizer has no chat template"):
+        build_calibration(CalibrationConfig(dataset=str(f), text_field="messages", num_samples=4, packing=False), tokenizer)
+
+
+def test_malformed_message_names_the_record(tmp_path, chat_tokenizer):
+    f = tmp_path / "chat.jsonl"
+    bad = [{"role": "user", "content": "hi"}, {"role": "assistant", "text": "hello"}]
+    f.write_text("\n".join(json.dumps({"messages": m}) for m in [CHATS[0], bad]))
+    with pytest.raises(CompressError, match=r"chat.jsonl:2: message 1 is not \{role: str, content: str\} \(keys: role, text\)"):
+        build_calibration(CalibrationConfig(dataset=str(f), text_field="messages", num_samples=2, packing=False), chat_tokenizer)
+
+
+def test_instruct_model_quantized_on_conversations(tmp_path, ref_llama):
+    """GPTQ through the CLI calibrated on a chat .jsonl, with the template from the model's own
+    tokenizer_config.json; the output keeps the template for the next tool."""
+    import shutil
+
+    import yaml
+    from transformers import AutoTokenizer
+
+    from compress.cli import main
+
+    model = tmp_path / "instruct"
+    shutil.copytree(ref_llama, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in CHATS))
+    recipe = {"calibration": {"dataset": str(tmp_path / "chat.jsonl"), "text_field": "messages", "packing": False,
+                              "num_samples": 8, "seq_len": 64},
+              "stages": [{"gptq": {"scheme": "W4A16", "weights": {"group_size": 64}}}]}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "out"
+    assert main(["--quiet", "quantize", "--recipe", str(tmp_path / "r.yaml"), "--model", str(model), "--output", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["calibration"]["num_samples"] == 8 and report["calibration"]["source"].endswith("chat.jsonl")
+    # one sample per conversation (each under 64 tokens), not 8 windows of 64
+    tok = AutoTokenizer.from_pretrained(model)
+    lengths = [len(tok(tok.apply_chat_template(m, tokenize=False).strip(), add_special_tokens=False)["input_ids"]) for m in CHATS[:8]]
+    assert max(lengths) < 64 and report["calibration"]["tokens"] == sum(lengths)
+    assert all(r["gptq_loss"] < r["rtn_loss"] for r in report["layers"].values())
+    assert AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE
