@@ -364,29 +364,47 @@ def eval_cmd(
     seq_len: int = typer.Option(256, min=2, help="tokens per evaluation window."),
     max_windows: int = typer.Option(256, min=1, help="windows per file (the protocol's cap)."),
     batch_size: int = typer.Option(8, min=1, help="windows per forward pass."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", "-t", help="lm-eval tasks, comma-separated (arc_easy,hellaswag); needs compress[tasks]."),
+    include_path: Optional[Path] = typer.Option(None, help="a directory of your own lm-eval task YAML files, for --tasks."),
+    num_fewshot: Optional[int] = typer.Option(None, min=0, help="few-shot examples per task prompt (default: each task's own)."),
+    limit: Optional[int] = typer.Option(None, min=1, help="score only the first N documents of each task (a quick look)."),
+    task_metric: Optional[str] = typer.Option(None, help="the task metric to report and gate (default: acc_norm, else acc, else exact_match)."),
+    min_task_score: Optional[float] = typer.Option(None, min=0, help="fail if a task's metric falls below this."),
+    max_task_drop: Optional[float] = typer.Option(None, help="fail if a task's metric falls more than this below the baseline's (0.01: one point)."),
     report: Optional[Path] = typer.Option(None, help="write a Markdown report here (for a pull-request comment)."),
     junit: Optional[Path] = typer.Option(None, help="write JUnit XML here (one test case per threshold)."),
 ):
     """Measure a model: perplexity, KL and top-1 agreement against a baseline (or embedding
-    fidelity for encoders), size; with thresholds it is a CI gate: exit 0 pass, 1 fail, 2 bad input.
+    fidelity for encoders), lm-eval task scores, size; with thresholds it is a CI gate: exit 0
+    pass, 1 fail, 2 bad input.
 
     Example: compress eval --model out/w8 --baseline default --data calibration/heldout-tinyshakespeare.txt --max-ppl-increase 2
     """
     from compress.pipeline import evaluate_model
     from compress.report import evaluation_markdown, junit_xml
+    from compress.tasks import TaskRequest
 
-    thresholds = {"max_ppl_increase": max_ppl_increase, "max_kl": max_kl, "min_top1": min_top1, "min_cosine": min_cosine}
-    given = [k for k, v in thresholds.items() if v is not None]
+    against_baseline = {"max_ppl_increase": max_ppl_increase, "max_kl": max_kl, "min_top1": min_top1,
+                        "min_cosine": min_cosine, "max_task_drop": max_task_drop}
+    given = [k for k, v in against_baseline.items() if v is not None]
     if given and baseline is None:
         raise CompressError(f"--{given[0].replace('_', '-')} compares against the uncompressed model", "pass --baseline")
+    names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
+    task_options = {"--include-path": include_path, "--num-fewshot": num_fewshot, "--limit": limit,
+                    "--task-metric": task_metric, "--min-task-score": min_task_score, "--max-task-drop": max_task_drop}
+    stray = next((k for k, v in task_options.items() if v is not None), None)
+    if stray and not names:
+        raise CompressError(f"{stray} applies to lm-eval tasks, and none were given", "pass --tasks NAMES")
     for f in (report, junit):
         if f is not None and f.is_dir():
             raise CompressError(f"report path {f} is a directory", "give a file path")
+    request = TaskRequest(names, include_path, num_fewshot, limit, task_metric) if names else None
     with progress_bar() as progress:
         result = evaluate_model(model, data, baseline=baseline, device=S.device, seq_len=seq_len, max_windows=max_windows,
-                                batch_size=batch_size, thresholds=thresholds, progress=progress)
+                                batch_size=batch_size, thresholds={**against_baseline, "min_task_score": min_task_score},
+                                tasks=request, progress=progress)
     md = f"## compress eval: `{model}`" + (f" against `{baseline}`" if baseline else "") + "\n\n"
-    md += evaluation_markdown(result["results"], result["size"], result["checks"])
+    md += evaluation_markdown(result["results"], result["size"], result["checks"], result["tasks"])
     if report:
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(md)
@@ -396,7 +414,7 @@ def eval_cmd(
     if S.json:
         emit_json(result)
     elif not S.quiet:
-        _print_results(result["results"], result["checks"])
+        _print_results(result["results"], result["checks"], result["tasks"])
         size = result["size"]
         console.print(f"parameters {size['parameters']:,}; weights on disk {size['bytes_on_disk']:,} bytes "
                       f"({size['bits_per_parameter_on_disk']:.2f} bits/param; {size['bits_per_parameter_packed']:.2f} once packed)")
@@ -721,8 +739,8 @@ def _print_stages(report: dict) -> None:
     Console().print(t)  # its summary cells wrap: a one-line summary would run for hundreds of columns
 
 
-def _print_results(results: dict, checks: list | None = None) -> None:
-    from compress.report import METRIC_LABELS
+def _print_results(results: dict, checks: list | None = None, tasks: dict | None = None) -> None:
+    from compress.report import METRIC_LABELS, TASK_COLUMNS, task_rows
 
     for spec, r in results.items():
         t = Table(title=str(spec))
@@ -730,6 +748,13 @@ def _print_results(results: dict, checks: list | None = None) -> None:
         t.add_column("value", justify="right")
         for k, v in r.items():
             t.add_row(METRIC_LABELS.get(k, k), f"{v:.6g}" if isinstance(v, float) else str(v))
+        _print_wide(t)
+    if tasks:
+        t = Table(title="tasks")
+        for i, col in enumerate(TASK_COLUMNS):
+            t.add_column(col, justify="right" if i >= 2 else "left")
+        for row in task_rows(tasks):
+            t.add_row(*map(escape, row))
         _print_wide(t)
     if checks:
         t = Table(title="thresholds")

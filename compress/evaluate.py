@@ -247,3 +247,18 @@ def gate(results: dict, max_ppl_increase: float | None = None, max_kl: float | N
             checks.append({"dataset": spec, "metric": metric, "value": value, "threshold": limit,
                            "passed": bool(ok(value, limit)) and math.isfinite(value)})
     return checks
+
+
+def task_gate(tasks: dict, min_task_score: float | None = None, max_task_drop: float | None = None) -> list[dict]:
+    """Threshold checks on lm-eval tasks: each task's primary metric, and its drop from the baseline."""
+    checks = []
+    for name, r in tasks.items():
+        if min_task_score is not None:
+            checks.append({"dataset": f"task {name}", "metric": r["metric"], "value": r["score"], "threshold": min_task_score,
+                           "passed": r["score"] >= min_task_score})
+        if max_task_drop is not None:
+            if "score_drop" not in r:
+                raise CompressError("--max-task-drop compares against the uncompressed model", "pass --baseline")
+            checks.append({"dataset": f"task {name}", "metric": f"{r['metric']} drop", "value": r["score_drop"],
+                           "threshold": max_task_drop, "passed": r["score_drop"] <= max_task_drop})
+    return checks

@@ -21,7 +21,7 @@ from compress import modeling, packing
 from compress.calibration import build_calibration, is_local_spec, resolve_data_path
 from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
-from compress.evaluate import evaluate, gate
+from compress.evaluate import evaluate, gate, task_gate
 from compress.moe import fuse_experts, unfuse_experts
 from compress.quant import scales_stored_as
 from compress.recipe import EvaluationConfig, Recipe
@@ -29,6 +29,7 @@ from compress.report import versions, write_json, write_reports
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.stages import STAGES
 from compress.stages.base import StageContext
+from compress.tasks import TaskRequest
 
 Progress = Callable[[str, int, int], None]
 
@@ -364,11 +365,27 @@ def check_sequence_lengths(recipe: Recipe, config) -> None:
 
 def evaluate_model(model: str, datasets: list[str], baseline: str | None = None, device: str = "auto",
                    seq_len: int = 256, max_windows: int = 256, max_sentences: int = 200, batch_size: int = 8,
-                   thresholds: dict | None = None, progress: Progress = lambda *_: None) -> dict:
-    """`compress eval` as a function: metrics per dataset, size, and threshold checks."""
+                   thresholds: dict | None = None, tasks: TaskRequest | None = None,
+                   progress: Progress = lambda *_: None) -> dict:
+    """`compress eval` as a function: metrics per dataset and per lm-eval task, size, and
+    threshold checks."""
     dev = pick_device(device)
+    thresholds = dict(thresholds or {})
+    task_thresholds = {k: thresholds.pop(k, None) for k in ("min_task_score", "max_task_drop")}
+    if not datasets and not (tasks and tasks.names):
+        raise CompressError("no evaluation data given", "pass --data FILE, a text file (e.g. calibration/heldout-tinyshakespeare.txt), "
+                            "or --tasks NAMES")
+    manager = None
+    if tasks and tasks.names:  # unknown names, or no lm-eval, refused before any model is loaded
+        from compress import tasks as lm_tasks
+
+        manager = lm_tasks.task_manager(tasks.include_path)
+        lm_tasks.check_tasks(tasks.names, manager)
     progress("loading model", 0, 1)
     model_config = modeling.load_config(model)
+    if manager is not None and not modeling.is_causal_lm(model_config):
+        raise CompressError(f"--tasks: {model} is an encoder, and lm-eval's tasks score causal language models",
+                            "measure encoders with --data and --baseline (embedding fidelity)")
     if modeling.is_causal_lm(model_config):  # encoders score sentences: --seq-len is not used
         modeling.check_context(model_config, seq_len, "--seq-len")
     if baseline is not None:
@@ -385,11 +402,20 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
         if getattr(base_config, "vocab_size", None) != getattr(config, "vocab_size", None):
             raise CompressError(f"--baseline {baseline} has a different vocabulary from {model}", "compare a model with its uncompressed original")
     causal = modeling.is_causal_lm(config)
-    if not datasets:
-        raise CompressError("no evaluation data given", "pass --data FILE, a text file; e.g. calibration/heldout-tinyshakespeare.txt")
     start = time.perf_counter()
     results = evaluate(net, tokenizer, datasets, baseline=base, causal=causal, seq_len=seq_len, max_windows=max_windows,
                        max_sentences=max_sentences, batch_size=batch_size, device=dev, progress=progress)
+    task_results = {}
+    if manager is not None:
+        from compress import tasks as lm_tasks
+
+        run = dict(num_fewshot=tasks.num_fewshot, limit=tasks.limit, batch_size=batch_size, metric=tasks.metric)
+        progress(f"lm-eval: {', '.join(tasks.names)}", 0, 2 if base is not None else 1)
+        task_results = lm_tasks.run_tasks(net, tokenizer, tasks.names, manager, **run)
+        if base is not None:
+            progress(f"lm-eval on the baseline: {', '.join(tasks.names)}", 1, 2)
+            for name, r in lm_tasks.run_tasks(base, base_tok, tasks.names, manager, **run).items():
+                task_results[name].update(baseline_score=r["score"], score_drop=r["score"] - task_results[name]["score"])
     meta_file = Path(modeling.resolve_model(model)) / "compress.json"
     layers = json.loads(meta_file.read_text()).get("layers", {}) if meta_file.is_file() else {}
     path = Path(modeling.resolve_model(model))
@@ -397,9 +423,9 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     if isinstance(saved_dtype, str):
         saved_dtype = getattr(torch, saved_dtype, torch.float32)
     size = size_summary(net.cpu(), layers, path if path.is_dir() else None, stored_bits=saved_dtype.itemsize * 8)
-    checks = gate(results, **(thresholds or {}))
+    checks = gate(results, **thresholds) + task_gate(task_results, **task_thresholds)
     return {"model": model, "baseline": baseline, "kind": "causal-lm" if causal else "encoder",
-            "results": results, "size": size, "checks": checks,
+            "results": results, "tasks": task_results, "size": size, "checks": checks,
             "passed": all(c["passed"] for c in checks), "wall_s": time.perf_counter() - start}
 
 

@@ -49,7 +49,22 @@ METRIC_LABELS = {
 }
 
 
-def evaluation_markdown(results: dict, size: dict | None = None, checks: list[dict] | None = None) -> str:
+def task_rows(tasks: dict) -> list[list[str]]:
+    """One row per lm-eval task: task, metric, score ± stderr, documents, baseline, drop."""
+    rows = []
+    for name, r in tasks.items():
+        score = _fmt(r["score"]) + (f" ± {_fmt(r['stderr'])}" if r.get("stderr") is not None else "")
+        rows.append([name, r["metric"], score, str(r.get("samples") or "-"),
+                     _fmt(r["baseline_score"]) if "baseline_score" in r else "-",
+                     _fmt(r["score_drop"]) if "score_drop" in r else "-"])
+    return rows
+
+
+TASK_COLUMNS = ["task (lm-eval)", "metric", "score ± stderr", "documents", "baseline", "drop"]
+
+
+def evaluation_markdown(results: dict, size: dict | None = None, checks: list[dict] | None = None,
+                        tasks: dict | None = None) -> str:
     lines = []
     if checks:
         failed = [c for c in checks if not c["passed"]]
@@ -62,6 +77,10 @@ def evaluation_markdown(results: dict, size: dict | None = None, checks: list[di
         lines += [f"### {spec}", "", "| metric | value |", "| --- | ---: |"]
         for k, v in r.items():
             lines.append(f"| {METRIC_LABELS.get(k, k)} | {_fmt(v)} |")
+        lines.append("")
+    if tasks:
+        lines += ["### tasks", "", "| " + " | ".join(TASK_COLUMNS) + " |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+        lines += ["| " + " | ".join(row) + " |" for row in task_rows(tasks)]
         lines.append("")
     if size:
         lines += ["### size", "", "| | value |", "| --- | ---: |"]

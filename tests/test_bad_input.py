@@ -418,6 +418,28 @@ def _eval_report_is_dir(tmp):
     return ["eval", "--model", "default", "--data", "x.txt", "--report", str(tmp / "report.md")]
 
 
+def _eval_task_option_without_tasks(tmp):
+    return ["eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt", "--limit", "5"]
+
+
+def _eval_task_drop_no_baseline(tmp):
+    return ["eval", "--model", "default", "--tasks", "arc_easy", "--max-task-drop", "0.01"]
+
+
+def _eval_task_unknown(tmp):
+    return ["eval", "--model", "default", "--tasks", "arc_easy,no_such_task"]
+
+
+def _eval_task_include_path_missing(tmp):
+    return ["eval", "--model", "default", "--tasks", "mine", "--include-path", str(tmp / "tasks")]
+
+
+def _eval_task_data_missing(tmp):
+    write(tmp / "tasks/mine.yaml", f"task: mine\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp / 'gone.jsonl'}\n"
+          "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{c}}'\ndoc_to_target: 0\n")
+    return ["eval", "--model", "default", "--tasks", "mine", "--include-path", str(tmp / "tasks")]
+
+
 def _eval_model_missing(tmp):
     return ["eval", "--model", str(tmp / "gone"), "--data", "calibration/heldout-tinyshakespeare.txt"]
 
@@ -691,6 +713,11 @@ CASES = [
     Case("eval-no-windows", _eval_no_windows, ["--max-windows", "greater than or equal to 1"]),
     Case("eval-threshold-as-percent", _eval_threshold_as_percent, ["--min-top1", "less than or equal to 1"]),
     Case("eval-model-missing", _eval_model_missing, ["gone", "does not exist"]),
+    Case("eval-task-option-without-tasks", _eval_task_option_without_tasks, ["--limit", "--tasks"]),
+    Case("eval-task-drop-no-baseline", _eval_task_drop_no_baseline, ["--max-task-drop", "--baseline"]),
+    Case("eval-task-unknown", _eval_task_unknown, ["unknown lm-eval task: no_such_task", "--include-path"]),
+    Case("eval-task-include-path-missing", _eval_task_include_path_missing, ["--include-path {tmp}/tasks", "not a directory"]),
+    Case("eval-task-data-missing", _eval_task_data_missing, ["lm-eval could not run mine", "gone.jsonl"]),
     Case("eval-baseline-missing", _eval_baseline_missing, ["--baseline", "gone", "does not exist"]),
     Case("inspect-foreign-dir", _inspect_foreign, ["plain", "compress.json"]),
     Case("inspect-missing", _inspect_missing, ["nothing", "not a directory"]),

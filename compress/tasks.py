@@ -1,0 +1,127 @@
+"""Benchmark tasks (ARC, HellaSwag, GSM8K, MMLU, or a task of your own written as lm-eval YAML),
+scored by lm-eval, EleutherAI's evaluation harness, on the model as compress loaded it: packed
+checkpoints decompressed, activation quantization simulated.
+
+compress does not write its own tasks. lm-eval's prompts, few-shot sampling and metrics are the
+ones papers and leaderboards report, so its numbers can be compared with theirs. lm-eval is an
+optional dependency (`pip install 'compress[tasks]'`) and is imported only when tasks are asked
+for.
+
+Each task is reduced to one number for the gate, its primary metric: `acc_norm` where the task
+reports it (the length-normalised accuracy that HellaSwag and ARC-Challenge are quoted by), else
+`acc`, else `exact_match`, else the first metric the task reports. `--task-metric` picks another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from compress.errors import CompressError
+
+PREFERRED_METRICS = ("acc_norm", "acc", "exact_match")
+INSTALL_HINT = "install lm-eval: pip install 'compress[tasks]'"
+TASK_HINT = "list lm-eval's tasks with `lm-eval ls tasks`, or give --include-path DIR holding the task's YAML"
+
+
+@dataclass
+class TaskRequest:
+    """What `compress eval --tasks` asks of lm-eval."""
+
+    names: list[str]
+    include_path: Path | None = None  # a directory of the user's own task YAML files
+    num_fewshot: int | None = None  # None: each task's own default
+    limit: int | None = None  # the first N documents of each task (a quick look, not a published number)
+    metric: str | None = None  # None: the primary metric (module note)
+
+
+def _lm_eval():
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise CompressError("--tasks needs lm-eval, which is not installed", INSTALL_HINT) from None
+    for name in ("lm-eval", "lm_eval"):  # its per-task notices would bury the results
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return lm_eval, HFLM, TaskManager
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """Hide what lm-eval writes to stderr: its progress bars, which would fight compress's on the
+    terminal and fill CI logs, and git's "not a git repository" (fd 2 of the subprocess lm-eval
+    runs to record the current directory's commit). Failures still come back as exceptions."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as sink, contextlib.redirect_stderr(io.StringIO()):
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+
+
+def task_manager(include_path: Path | None = None):
+    """lm-eval's task index (its own tasks, plus the YAML files under `include_path`)."""
+    _, _, TaskManager = _lm_eval()
+    if include_path is not None and not Path(include_path).is_dir():
+        raise CompressError(f"--include-path {include_path} is not a directory", "give the directory holding the task YAML files")
+    return TaskManager(include_path=str(include_path) if include_path else None)
+
+
+def check_tasks(tasks: list[str], manager) -> None:
+    """Unknown task names are refused before any model is loaded."""
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise CompressError(f"unknown lm-eval task{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}", TASK_HINT)
+
+
+def primary_metric(metrics: dict, metric: str | None = None) -> str:
+    """The metric a task is judged by (see the module note), from lm-eval's 'name,filter' keys."""
+    names = [k.split(",")[0] for k in metrics if "," in k and not k.split(",")[0].endswith("_stderr")]
+    if metric is not None:
+        if metric not in names:
+            raise CompressError(f"--task-metric {metric}: the task reports {', '.join(names) or 'no metrics'}",
+                                "pick one of those")
+        return metric
+    return next((m for m in PREFERRED_METRICS if m in names), names[0] if names else None)
+
+
+def run_tasks(net, tokenizer, tasks: list[str], manager, *, num_fewshot: int | None = None, limit: int | None = None,
+              batch_size: int = 8, metric: str | None = None) -> dict[str, dict]:
+    """{task: {metric, score (the primary metric's value), stderr, samples}} for one model."""
+    lm_eval, HFLM, _ = _lm_eval()
+    lm = HFLM(pretrained=net, tokenizer=tokenizer, batch_size=batch_size)
+    try:
+        with _stderr_silenced():
+            out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, num_fewshot=num_fewshot,
+                                          limit=limit, log_samples=False)
+    except CompressError:
+        raise
+    except Exception as exc:  # most often a built-in task's dataset that cannot be downloaded
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CompressError(f"lm-eval could not run {', '.join(tasks)}: {first[:200]}",
+                            "built-in tasks download their datasets from the hub (offline, write the task as local YAML and "
+                            "pass --include-path); a local task's data files must exist") from None
+    results = {}
+    for task in tasks:
+        metrics = out["results"].get(task, {})
+        name = primary_metric(metrics, metric)
+        if name is None:
+            raise CompressError(f"lm-eval task {task} reported no metric", "check the task's metric_list")
+        key = next(k for k in metrics if k.split(",")[0] == name)
+        stderr = metrics.get(key.replace(name, f"{name}_stderr", 1))
+        n = out.get("n-samples", {}).get(task, {}).get("effective")
+        results[task] = {"metric": name, "score": float(metrics[key]),
+                         "stderr": float(stderr) if isinstance(stderr, (int, float)) else None, "samples": n}
+    return results

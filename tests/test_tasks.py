@@ -1,0 +1,123 @@
+"""`compress eval --tasks`: lm-eval tasks scored on compress checkpoints, and gated.
+
+No hub here, so the task is a local one written as lm-eval YAML: a word cloze on Tiny
+Shakespeare's test text (300 characters of context, the next word among four of about the same
+frequency in that text, so that the model must read the context to choose)."""
+
+import collections
+import json
+import random
+import re
+
+import pytest
+
+from compress.cli import main
+
+TASK = "ts_cloze"
+
+
+def run(capsys, *args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory, shared):
+    text = (shared / "data/tinyshakespeare/test.txt").read_text()
+    words = list(re.finditer(r"[A-Za-z]+", text))
+    ranked = [w for w, _ in collections.Counter(m.group(0) for m in words).most_common()]
+    rank = {w: i for i, w in enumerate(ranked)}
+    rng = random.Random(0)
+    docs = []
+    for k in sorted(rng.sample(range(50, len(words)), 600)):
+        word, context = words[k].group(0), text[max(0, words[k].start() - 300): words[k].start()]
+        if not context.endswith(" "):
+            continue
+        r = rank[word]
+        choices = [word] + rng.sample([w for w in ranked[max(0, r - 20): r + 21] if w != word], 3)
+        rng.shuffle(choices)
+        docs.append({"context": context[:-1], "choices": [" " + c for c in choices], "label": choices.index(word)})
+    d = tmp_path_factory.mktemp("tasks")
+    (d / "cloze.jsonl").write_text("\n".join(map(json.dumps, docs)))
+    (d / "cloze.yaml").write_text(
+        f"task: {TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'cloze.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def w4_packed(tmp_path_factory, ref_llama):
+    d = tmp_path_factory.mktemp("w4")
+    (d / "r.yaml").write_text("stages:\n  - rtn:\n      scheme: W4A16\n      weights: {group_size: 64}\n")
+    assert main(["--quiet", "quantize", "--recipe", str(d / "r.yaml"), "--model", str(ref_llama), "--output", str(d / "out")]) == 0
+    return d / "out"
+
+
+def test_scores_equal_lm_eval_on_the_checkpoint_loaded_by_transformers(task_dir, w4_packed, capsys):
+    """The number compress reports is lm-eval's own on the same weights: the packed W4
+    checkpoint loaded by plain transformers (compressed-tensors decompresses it) scores the same."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert json.loads((w4_packed / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+    rc, out, _ = run(capsys, "--json", "eval", "--model", w4_packed, "--tasks", TASK, "--include-path", task_dir, "--limit", 150)
+    assert rc == 0
+    ours = json.loads(out)["tasks"][TASK]
+    assert ours["metric"] == "acc" and ours["samples"] == 150 and ours["stderr"] > 0
+
+    lm = HFLM(pretrained=AutoModelForCausalLM.from_pretrained(w4_packed), tokenizer=AutoTokenizer.from_pretrained(w4_packed),
+              batch_size=8)
+    theirs = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=TaskManager(include_path=str(task_dir)), limit=150,
+                                     log_samples=False)["results"][TASK]
+    assert ours["score"] == theirs["acc,none"] and ours["stderr"] == theirs["acc_stderr,none"]
+
+
+def test_gate_passes_the_same_model_and_fails_a_damaged_one(task_dir, ref_llama, tmp_path, capsys):
+    rc, out, _ = run(capsys, "--json", "eval", "--model", ref_llama, "--baseline", ref_llama, "--tasks", TASK,
+                     "--include-path", task_dir, "--limit", 300, "--max-task-drop", 0, "--min-task-score", 0.3)
+    same = json.loads(out)
+    assert rc == 0 and same["passed"] and same["tasks"][TASK]["score_drop"] == 0
+    assert [c["metric"] for c in same["checks"]] == ["acc", "acc drop"]
+
+    # 95 % of each layer's weights gone: perplexity and the task both suffer (drop 0.083 measured)
+    assert main(["--quiet", "prune", "--model", str(ref_llama), "--method", "magnitude", "--sparsity", "0.95",
+                 "--output", str(tmp_path / "p95")]) == 0
+    report, junit = tmp_path / "eval.md", tmp_path / "junit.xml"
+    rc, out, _ = run(capsys, "--json", "eval", "--model", tmp_path / "p95", "--baseline", ref_llama, "--tasks", TASK,
+                     "--include-path", task_dir, "--limit", 300, "--max-task-drop", 0.03, "--report", report, "--junit", junit)
+    damaged = json.loads(out)
+    r = damaged["tasks"][TASK]
+    assert rc == 1 and not damaged["passed"]
+    assert r["baseline_score"] == same["tasks"][TASK]["score"] and r["score_drop"] > 0.05
+    assert f"| {TASK} | acc | {r['score']:.4f} ± " in report.read_text()
+    assert 'failures="1"' in junit.read_text() and "acc drop" in junit.read_text()
+
+
+def test_tasks_refused_before_any_model_is_loaded(task_dir, minilm, capsys, monkeypatch):
+    from compress import modeling
+
+    loads = []
+    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: loads.append(a) or pytest.fail("model loaded"))
+    rc, _, err = run(capsys, "eval", "--model", "default", "--tasks", "no_such_task", "--include-path", task_dir)
+    assert rc == 2 and "unknown lm-eval task: no_such_task" in err and "--include-path" in err
+    rc, _, err = run(capsys, "eval", "--model", minilm, "--tasks", TASK, "--include-path", task_dir)
+    assert rc == 2 and "is an encoder" in err
+    assert not loads
+
+
+def test_without_lm_eval_the_message_says_what_to_install(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    rc, _, err = run(capsys, "eval", "--model", "default", "--tasks", "arc_easy")
+    assert rc == 2 and "--tasks needs lm-eval" in err and "pip install 'compress[tasks]'" in err
+
+
+def test_task_metric_must_be_one_the_task_reports(task_dir, capsys):
+    rc, out, err = run(capsys, "--json", "eval", "--model", "default", "--tasks", TASK, "--include-path", task_dir,
+                       "--limit", 4, "--task-metric", "f1")
+    assert rc == 2 and json.loads(out)["error"] == "--task-metric f1: the task reports acc"
