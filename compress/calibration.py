@@ -17,6 +17,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -52,10 +53,34 @@ def is_local_spec(spec: str) -> bool:
     return spec.endswith(FILE_SUFFIXES) or spec.startswith((".", "/", "~")) or resolve_data_path(spec) is not None
 
 
+STREAM_SHUFFLE_BUFFER = 10_000  # records: a streamed split is shuffled within a window this large
+
+
+@dataclass
+class StreamBudget:
+    """Read hub datasets as streams, record by record, and stop once `need` is reached: a corpus
+    too big to download whole (allenai/c4) gives its first samples in seconds. `count` says what a
+    text counts for: its tokens (packed windows) or one sample."""
+
+    count: Callable[[str], int]
+    need: int
+    shuffle_seed: int | None = None  # shuffle the stream within STREAM_SHUFFLE_BUFFER records
+    got: int = 0
+
+    def take(self, text: str) -> bool:
+        self.got += self.count(text)
+        return self.done
+
+    @property
+    def done(self) -> bool:
+        return self.got >= self.need
+
+
 def read_texts(spec: str, text_field: str = "text", split: str = "train", config_name: str | None = None,
-               lines: bool = False, tokenizer=None) -> list[str]:
+               lines: bool = False, tokenizer=None, stream: StreamBudget | None = None) -> list[str]:
     """Texts of a local .txt/.jsonl/.parquet file or a hub dataset. `lines` splits .txt by line.
-    Conversations are rendered with `tokenizer`'s chat template."""
+    Conversations are rendered with `tokenizer`'s chat template. With `stream`, a hub dataset is
+    read only until the budget is met (a local file is read whole)."""
     path = resolve_data_path(spec)
     if path is None and is_local_spec(spec):
         raise CompressError(f"calibration/evaluation file not found: {spec}", "check the path; relative paths are tried from the current directory, then the project root")
@@ -63,7 +88,7 @@ def read_texts(spec: str, text_field: str = "text", split: str = "train", config
         if path.is_dir():
             raise CompressError(f"{spec} is a directory", "give a .txt, .jsonl or .parquet file")
         return _read_file(path, text_field, lines, tokenizer)
-    return _read_hub(spec, text_field, split, config_name, tokenizer)
+    return _read_hub(spec, text_field, split, config_name, tokenizer, stream)
 
 
 def is_conversation(value) -> bool:
@@ -131,21 +156,42 @@ def _read_file(path: Path, text_field: str, lines: bool, tokenizer=None) -> list
     return texts
 
 
-def _read_hub(name: str, text_field: str, split: str, config_name: str | None, tokenizer=None) -> list[str]:
+def _read_hub(name: str, text_field: str, split: str, config_name: str | None, tokenizer=None,
+              stream: StreamBudget | None = None) -> list[str]:
+    unreachable = "check the name and your network; offline, use a local .txt/.jsonl/.parquet file"
     try:
         import datasets
 
-        ds = datasets.load_dataset(name, config_name, split=split)
+        ds = datasets.load_dataset(name, config_name, split=split, streaming=stream is not None)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CompressError(
-            f"cannot load dataset '{name}' from the hub: {first[:200]}",
-            "check the name and your network; offline, use a local .txt/.jsonl/.parquet file",
-        ) from None
-    if text_field not in ds.column_names:
-        raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(ds.column_names)})", TEXT_FIELD_HINT)
-    texts = [_record_text(v, tokenizer, f"dataset '{name}' record {n}") for n, v in enumerate(ds[text_field])]
-    return [t for t in texts if t is not None]
+        raise CompressError(f"cannot load dataset '{name}' from the hub: {_first_line(exc)}", unreachable) from None
+    fields = ds.column_names  # a stream may not know its columns before the first record
+    if fields is not None and text_field not in fields:
+        raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(fields)})", TEXT_FIELD_HINT)
+    if stream is None:
+        texts = [_record_text(v, tokenizer, f"dataset '{name}' record {n}") for n, v in enumerate(ds[text_field])]
+        return [t for t in texts if t is not None]
+    if stream.shuffle_seed is not None:
+        ds = ds.shuffle(seed=stream.shuffle_seed, buffer_size=STREAM_SHUFFLE_BUFFER)
+    texts = []
+    try:
+        for n, record in enumerate(ds):
+            if text_field not in record:
+                raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(record)})", TEXT_FIELD_HINT)
+            text = _record_text(record[text_field], tokenizer, f"dataset '{name}' record {n}")
+            if text is not None:
+                texts.append(text)
+                if stream.take(text):
+                    break
+    except CompressError:
+        raise
+    except Exception as exc:  # a stream fails on its first read, not on load_dataset
+        raise CompressError(f"cannot stream dataset '{name}' from the hub: {_first_line(exc)}", unreachable) from None
+    return texts
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def token_windows(tokenizer, text: str, seq_len: int) -> torch.Tensor:
@@ -177,12 +223,33 @@ def leading_windows(tokenizer, text: str, seq_len: int, count: int, margin: int 
     return None
 
 
+def _stream_budget(cfg, tokenizer) -> StreamBudget:
+    """What a streamed calibration set must read: enough tokens for the windows, plus the margin
+    leading_windows wants past the last one (records are counted apart; joined they give at
+    least as many), or enough records longer than min_chars."""
+    seed = cfg.seed if cfg.shuffle else None
+    if cfg.packing:
+        return StreamBudget(lambda t: len(tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"]),
+                            cfg.num_samples * cfg.seq_len + 64, seed)
+    return StreamBudget(lambda t: int(len(t.strip()) > cfg.min_chars), cfg.num_samples, seed)
+
+
 def build_calibration(cfg, tokenizer) -> CalibrationSet:
     """Tokenize a recipe's `calibration` section into samples."""
     specs = [cfg.dataset] if isinstance(cfg.dataset, str) else list(cfg.dataset)
     source = ", ".join(specs)
+    stream = _stream_budget(cfg, tokenizer) if cfg.streaming else None
+
+    def gather(lines: bool) -> list[str]:
+        texts = []
+        for spec in specs:
+            if stream is not None and stream.done:
+                break
+            texts += read_texts(spec, cfg.text_field, cfg.split, cfg.config_name, lines=lines, tokenizer=tokenizer, stream=stream)
+        return texts
+
     if cfg.packing:
-        texts = [t for spec in specs for t in read_texts(spec, cfg.text_field, cfg.split, cfg.config_name, tokenizer=tokenizer)]
+        texts = gather(lines=False)
         text = "\n\n".join(t for t in texts if t.strip())
         if not text.strip():
             raise CompressError(f"calibration data {source} is empty", "give a file with text in it")
@@ -205,8 +272,7 @@ def build_calibration(cfg, tokenizer) -> CalibrationSet:
         digest = hashlib.sha256(chosen.numpy().tobytes()).hexdigest()
         return CalibrationSet(samples, digest, source, int(chosen.numel()))
 
-    texts = [t.strip() for spec in specs
-             for t in read_texts(spec, cfg.text_field, cfg.split, cfg.config_name, lines=True, tokenizer=tokenizer)]
+    texts = [t.strip() for t in gather(lines=True)]
     texts = [t for t in texts if t and len(t) > cfg.min_chars]
     if len(texts) < cfg.num_samples:
         raise CompressError(

@@ -44,6 +44,8 @@ class CalibrationConfig(BaseModel):
     packing: bool = Field(True, description="true: concatenate and cut into windows; false: one sample per line/record")
     min_chars: int = Field(0, ge=0, description="skip lines/records shorter than this (unpacked mode)")
     shuffle: bool = Field(False, description="pick windows at random (with seed) instead of the first ones")
+    streaming: bool = Field(False, description="hub datasets: read the split as a stream and stop once there are enough samples, "
+                            "for corpora too big to download whole (allenai/c4); with shuffle, records are shuffled within 10,000")
     seed: int = 0
 
 

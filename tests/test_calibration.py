@@ -196,3 +196,52 @@ def test_instruct_model_quantized_on_conversations(tmp_path, ref_llama):
     assert max(lengths) < 64 and report["calibration"]["tokens"] == sum(lengths)
     assert all(r["gptq_loss"] < r["rtn_loss"] for r in report["layers"].values())
     assert AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE
+
+
+def _fake_hub(monkeypatch, records: list[dict]) -> list[int]:
+    """datasets.load_dataset serving `records`; returns the indices a stream handed out."""
+    import datasets
+
+    served = []
+
+    def gen():
+        for i, r in enumerate(records):
+            served.append(i)
+            yield r
+
+    def fake_load(name, config_name=None, split=None, streaming=False):
+        return datasets.IterableDataset.from_generator(gen) if streaming else datasets.Dataset.from_list(records)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    return served
+
+
+def test_streaming_reads_only_what_the_samples_need(monkeypatch, tokenizer):
+    records = [{"text": line, "id": i} for i, line in enumerate(TEXT.splitlines())] * 20  # 4,000 records
+    served = _fake_hub(monkeypatch, records)
+    cfg = dict(dataset="allenai/c4", num_samples=6, seq_len=64)
+    whole = build_calibration(CalibrationConfig(**cfg), tokenizer)
+    streamed = build_calibration(CalibrationConfig(**cfg, streaming=True), tokenizer)
+    assert streamed.fingerprint == whole.fingerprint  # the same first windows
+    assert 0 < len(served) < 40  # each record is ~20 tokens: 6 x 64 + 64 tokens need about 23 of 4,000
+
+    served.clear()
+    unpacked = dict(dataset="allenai/c4", num_samples=5, seq_len=32, packing=False, min_chars=72)
+    one_each = build_calibration(CalibrationConfig(**unpacked, streaming=True), tokenizer)
+    assert one_each.fingerprint == build_calibration(CalibrationConfig(**unpacked), tokenizer).fingerprint
+    assert len(one_each.samples) == 5 and len(served) == 15  # lines 0-9 have 72 characters, 10-14 are taken
+
+
+def test_streaming_with_shuffle_is_seeded(monkeypatch, tokenizer):
+    _fake_hub(monkeypatch, [{"text": line} for line in TEXT.splitlines()])
+    cfg = lambda seed: CalibrationConfig(dataset="org/big", num_samples=4, seq_len=32, streaming=True,  # noqa: E731
+                                         shuffle=True, seed=seed)
+    a, b, c = (build_calibration(cfg(s), tokenizer) for s in (0, 0, 1))
+    first = build_calibration(CalibrationConfig(dataset="org/big", num_samples=4, seq_len=32, streaming=True), tokenizer)
+    assert a.fingerprint == b.fingerprint != c.fingerprint and a.fingerprint != first.fingerprint
+
+
+def test_streaming_missing_field_names_the_fields(monkeypatch, tokenizer):
+    _fake_hub(monkeypatch, [{"content": "x" * 100}] * 10)
+    with pytest.raises(CompressError, match=r"dataset 'org/big' has no field 'text' \(fields: content\)"):
+        build_calibration(CalibrationConfig(dataset="org/big", num_samples=2, seq_len=8, streaming=True), tokenizer)
