@@ -138,15 +138,15 @@ def test_conversations_from_a_hub_dataset(monkeypatch, chat_tokenizer):
 
     seen = {}
 
-    def fake_load(name, config_name=None, split=None):
-        seen.update(name=name, split=split)
+    def fake_load(name, config_name=None, split=None, streaming=False):
+        seen.update(name=name, split=split, streaming=streaming)
         return datasets.Dataset.from_dict({"messages": CHATS, "prompt": [c[0]["content"] for c in CHATS]})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
     cfg = CalibrationConfig(dataset="org/chat-data", split="train_sft", text_field="messages", num_samples=5,
                             seq_len=48, packing=False)
     cal = build_calibration(cfg, chat_tokenizer)
-    assert seen == {"name": "org/chat-data", "split": "train_sft"} and len(cal.samples) == 5
+    assert seen == {"name": "org/chat-data", "split": "train_sft", "streaming": False} and len(cal.samples) == 5
     first = chat_tokenizer.decode(cal.samples[0]["input_ids"][0])
     assert first.startswith("<s><|user|>") and "Question 0" in first
 
