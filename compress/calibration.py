@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from compress.errors import CompressError
+from compress.errors import CompressError, first_line
 from compress.modeling import REPO_DIR
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
@@ -80,23 +80,32 @@ def read_texts(spec: str, text_field: str = "text", split: str = "train", config
                lines: bool = False, tokenizer=None, stream: StreamBudget | None = None) -> list[str]:
     """Texts of a local .txt/.jsonl/.parquet file or a hub dataset. `lines` splits .txt by line.
     Conversations are rendered with `tokenizer`'s chat template. With `stream`, a hub dataset is
-    read only until the budget is met (a local file is read whole)."""
+    read only until the budget is met (a local file is read whole, and counts towards it)."""
     path = resolve_data_path(spec)
     if path is None and is_local_spec(spec):
         raise CompressError(f"calibration/evaluation file not found: {spec}", "check the path; relative paths are tried from the current directory, then the project root")
     if path is not None:
         if path.is_dir():
             raise CompressError(f"{spec} is a directory", "give a .txt, .jsonl or .parquet file")
-        return _read_file(path, text_field, lines, tokenizer)
+        texts = _read_file(path, text_field, lines, tokenizer)
+        if stream is not None:
+            # Read whole, but it counts: a hub dataset after it is read only for what is still missing.
+            for text in texts:
+                if stream.take(text):
+                    break
+        return texts
     return _read_hub(spec, text_field, split, config_name, tokenizer, stream)
 
 
 def is_conversation(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+    return isinstance(value, list) and all(isinstance(m, dict) for m in value)
 
 
 def render_conversation(messages: list[dict], tokenizer, where: str) -> str:
-    """One conversation as the model sees it in use: the tokenizer's chat template, whole."""
+    """One conversation as the model sees it in use: the tokenizer's chat template, whole. An empty
+    one is empty text, skipped like an empty line."""
+    if not messages:
+        return ""
     for n, m in enumerate(messages):
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise CompressError(f"{where}: message {n} is not {{role: str, content: str}} (keys: {', '.join(map(str, m)) or 'none'})",
@@ -151,7 +160,7 @@ def _read_file(path: Path, text_field: str, lines: bool, tokenizer=None) -> list
     except CompressError:
         raise
     except Exception as exc:  # pyarrow errors on a damaged file
-        raise CompressError(f"{path}: cannot read: {str(exc).splitlines()[0]}",
+        raise CompressError(f"{path}: cannot read: {first_line(exc)}",
                             "the file may be damaged; give a valid .parquet file, or the text as .txt/.jsonl") from None
     return texts
 
@@ -164,7 +173,7 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None, t
 
         ds = datasets.load_dataset(name, config_name, split=split, streaming=stream is not None)
     except Exception as exc:
-        raise CompressError(f"cannot load dataset '{name}' from the hub: {_first_line(exc)}", unreachable) from None
+        raise CompressError(f"cannot load dataset '{name}' from the hub: {first_line(exc)}", unreachable) from None
     fields = ds.column_names  # a stream may not know its columns before the first record
     if fields is not None and text_field not in fields:
         raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(fields)})", TEXT_FIELD_HINT)
@@ -186,12 +195,8 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None, t
     except CompressError:
         raise
     except Exception as exc:  # a stream fails on its first read, not on load_dataset
-        raise CompressError(f"cannot stream dataset '{name}' from the hub: {_first_line(exc)}", unreachable) from None
+        raise CompressError(f"cannot stream dataset '{name}' from the hub: {first_line(exc)}", unreachable) from None
     return texts
-
-
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def token_windows(tokenizer, text: str, seq_len: int) -> torch.Tensor:
@@ -202,7 +207,10 @@ def token_windows(tokenizer, text: str, seq_len: int) -> torch.Tensor:
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).reshape(n, seq_len)
 
 
-def leading_windows(tokenizer, text: str, seq_len: int, count: int, margin: int = 64) -> torch.Tensor | None:
+WINDOW_MARGIN = 64  # tokens past the last window: far enough that a cut there cannot change it
+
+
+def leading_windows(tokenizer, text: str, seq_len: int, count: int, margin: int = WINDOW_MARGIN) -> torch.Tensor | None:
     """The first `count` windows of token_windows(text), tokenizing only as much of the text as
     they need: a prefix cut at a line break, doubled until it yields `count` windows plus `margin`
     tokens. Tokens that far before the cut do not depend on it (the pre-tokenizer splits at
@@ -230,15 +238,15 @@ def _stream_budget(cfg, tokenizer) -> StreamBudget:
     seed = cfg.seed if cfg.shuffle else None
     if cfg.packing:
         return StreamBudget(lambda t: len(tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"]),
-                            cfg.num_samples * cfg.seq_len + 64, seed)
+                            cfg.num_samples * cfg.seq_len + WINDOW_MARGIN, seed)
     return StreamBudget(lambda t: int(len(t.strip()) > cfg.min_chars), cfg.num_samples, seed)
 
 
 def build_calibration(cfg, tokenizer) -> CalibrationSet:
     """Tokenize a recipe's `calibration` section into samples."""
     specs = [cfg.dataset] if isinstance(cfg.dataset, str) else list(cfg.dataset)
-    source = ", ".join(specs)
     stream = _stream_budget(cfg, tokenizer) if cfg.streaming else None
+    read = []  # the sources read: streaming stops before the rest
 
     def gather(lines: bool) -> list[str]:
         texts = []
@@ -246,10 +254,12 @@ def build_calibration(cfg, tokenizer) -> CalibrationSet:
             if stream is not None and stream.done:
                 break
             texts += read_texts(spec, cfg.text_field, cfg.split, cfg.config_name, lines=lines, tokenizer=tokenizer, stream=stream)
+            read.append(spec)
         return texts
 
     if cfg.packing:
         texts = gather(lines=False)
+        source = ", ".join(read)
         text = "\n\n".join(t for t in texts if t.strip())
         if not text.strip():
             raise CompressError(f"calibration data {source} is empty", "give a file with text in it")
@@ -273,6 +283,7 @@ def build_calibration(cfg, tokenizer) -> CalibrationSet:
         return CalibrationSet(samples, digest, source, int(chosen.numel()))
 
     texts = [t.strip() for t in gather(lines=True)]
+    source = ", ".join(read)
     texts = [t for t in texts if t and len(t) > cfg.min_chars]
     if len(texts) < cfg.num_samples:
         raise CompressError(

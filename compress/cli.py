@@ -370,7 +370,7 @@ def eval_cmd(
     limit: Optional[int] = typer.Option(None, min=1, help="score only the first N documents of each task (a quick look)."),
     task_metric: Optional[str] = typer.Option(None, help="the task metric to report and gate (default: acc_norm, else acc, else exact_match)."),
     min_task_score: Optional[float] = typer.Option(None, min=0, help="fail if a task's metric falls below this."),
-    max_task_drop: Optional[float] = typer.Option(None, help="fail if a task's metric falls more than this below the baseline's (0.01: one point)."),
+    max_task_drop: Optional[float] = typer.Option(None, help="fail if a task scores worse than the baseline by more than this, in its metric's units (0.01: one point of accuracy)."),
     report: Optional[Path] = typer.Option(None, help="write a Markdown report here (for a pull-request comment)."),
     junit: Optional[Path] = typer.Option(None, help="write JUnit XML here (one test case per threshold)."),
 ):

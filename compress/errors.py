@@ -15,3 +15,9 @@ class CompressError(Exception):
 
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of a library's exception, for a one-line message (its type when empty)."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__

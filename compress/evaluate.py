@@ -21,7 +21,7 @@ from compress.errors import CompressError
 
 
 def eval_windows(tokenizer, spec: str, seq_len: int = 256, max_windows: int = 256) -> torch.Tensor:
-    text = "\n".join(read_texts(spec))
+    text = "\n".join(read_texts(spec, tokenizer=tokenizer))
     # Only the prefix the first max_windows windows need is tokenized (the same windows as the
     # whole file's: see calibration.leading_windows); a file shorter than that is tokenized whole.
     windows = leading_windows(tokenizer, text, seq_len, max_windows)
@@ -33,8 +33,8 @@ def eval_windows(tokenizer, spec: str, seq_len: int = 256, max_windows: int = 25
     return windows[:max_windows]
 
 
-def eval_sentences(spec: str, max_sentences: int = 200, min_chars: int = 40) -> list[str]:
-    lines = [ln.strip() for ln in read_texts(spec, lines=True)]
+def eval_sentences(spec: str, max_sentences: int = 200, min_chars: int = 40, tokenizer=None) -> list[str]:
+    lines = [ln.strip() for ln in read_texts(spec, lines=True, tokenizer=tokenizer)]
     sentences = [ln for ln in lines if len(ln) > min_chars][:max_sentences]
     if len(sentences) < 2:
         raise CompressError(f"evaluation text {spec} has fewer than 2 lines longer than {min_chars} characters", "give a file of sentences")
@@ -218,7 +218,7 @@ def evaluate(model, tokenizer, datasets: list[str], baseline=None, causal: bool 
                 r["baseline_word_perplexity"] = b["word_perplexity"]
                 r["ppl_increase_pct"] = 100.0 * (r["token_perplexity"] / b["token_perplexity"] - 1.0)
         else:
-            sentences = eval_sentences(spec, max_sentences)
+            sentences = eval_sentences(spec, max_sentences, tokenizer=tokenizer)
             saved = baseline_store.embeddings(sentences) if baseline_store is not None else None
             r = encoder_metrics(model, tokenizer, sentences, baseline, device, baseline_embeddings=saved)
         results[spec] = r
@@ -250,7 +250,8 @@ def gate(results: dict, max_ppl_increase: float | None = None, max_kl: float | N
 
 
 def task_gate(tasks: dict, min_task_score: float | None = None, max_task_drop: float | None = None) -> list[dict]:
-    """Threshold checks on lm-eval tasks: each task's primary metric, and its drop from the baseline."""
+    """Threshold checks on lm-eval tasks: each task's primary metric, and how much worse than the
+    baseline it scores (compress.tasks.worsening)."""
     checks = []
     for name, r in tasks.items():
         if min_task_score is not None:
@@ -259,6 +260,6 @@ def task_gate(tasks: dict, min_task_score: float | None = None, max_task_drop: f
         if max_task_drop is not None:
             if "score_drop" not in r:
                 raise CompressError("--max-task-drop compares against the uncompressed model", "pass --baseline")
-            checks.append({"dataset": f"task {name}", "metric": f"{r['metric']} drop", "value": r["score_drop"],
+            checks.append({"dataset": f"task {name}", "metric": f"{r['metric']} worse than baseline by", "value": r["score_drop"],
                            "threshold": max_task_drop, "passed": r["score_drop"] <= max_task_drop})
     return checks

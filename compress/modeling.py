@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from compress.errors import CompressError
+from compress.errors import CompressError, first_line
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = PACKAGE_DIR / "assets" / "ref-llama"
@@ -47,7 +47,7 @@ def load_config(ref: str):
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        first = str(exc).splitlines()[0]
+        first = first_line(exc, limit=1000)
         if "does not recognize this architecture" in first:  # a config transformers cannot map to a class
             kind = first.split("`")[1] if first.count("`") >= 2 else "unknown"
             raise CompressError(f"model {ref}: architecture (model_type) '{kind}' is not supported by the installed "
@@ -119,7 +119,7 @@ def _load_tokenizer(ref: str, path: str | Path):
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise CompressError(f"cannot load the tokenizer of {ref}: {str(exc).splitlines()[0]}", "the model directory needs tokenizer files") from None
+        raise CompressError(f"cannot load the tokenizer of {ref}: {first_line(exc)}", "the model directory needs tokenizer files") from None
 
 
 def _from_pretrained(ref: str, path: str, config, torch_dtype):
@@ -130,7 +130,7 @@ def _from_pretrained(ref: str, path: str, config, torch_dtype):
     try:
         return model_class(config).from_pretrained(path, dtype=torch_dtype)
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise CompressError(f"cannot load model weights from {ref}: {first}", "the checkpoint may be truncated or corrupted") from None
 
 

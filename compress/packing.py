@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from compress.errors import CompressError
+from compress.errors import CompressError, first_line
 
 FORMAT_PACKED = "compressed-tensors"
 FORMAT_DENSE = "dense"
@@ -311,21 +311,16 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         try:
             handle = safe_open(str(f), framework="pt")
         except (SafetensorError, OSError, ValueError) as exc:
-            raise CompressError(f"{f}: not a readable safetensors file ({_first_line(exc)})",
+            raise CompressError(f"{f}: not a readable safetensors file ({first_line(exc)})",
                                 "the checkpoint may be truncated or corrupted: write it again") from None
         with handle:
             for key in handle.keys():
                 try:
                     tensors[key] = handle.get_tensor(key)
                 except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-                    raise CompressError(f"{f}: tensor {key} cannot be read ({_first_line(exc)})",
+                    raise CompressError(f"{f}: tensor {key} cannot be read ({first_line(exc)})",
                                         "the checkpoint may be truncated or corrupted: write it again") from None
     return tensors
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) -> torch.nn.Module:
@@ -344,7 +339,7 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
         qconfig = QuantizationConfig.model_validate({k: v for k, v in raw.items()
                                                      if k in QuantizationConfig.model_fields})
     except Exception as exc:
-        raise CompressError(f"{path / 'config.json'}: quantization_config is not valid ({_first_line(exc)})",
+        raise CompressError(f"{path / 'config.json'}: quantization_config is not valid ({first_line(exc)})",
                             "the checkpoint's config.json is damaged: write it again") from None
     saved_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if not isinstance(saved_dtype, torch.dtype):
@@ -371,7 +366,7 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
             try:
                 weight = compressor.decompress(local, scheme)["weight"]
             except Exception as exc:
-                raise CompressError(f"{path} ({files}): tensor {name}.{expected[0]} cannot be decompressed ({_first_line(exc)})",
+                raise CompressError(f"{path} ({files}): tensor {name}.{expected[0]} cannot be decompressed ({first_line(exc)})",
                                     "the checkpoint may be truncated or corrupted: write it again") from None
             if tuple(weight.shape) != tuple(module.weight.shape):
                 raise CompressError(f"{path} ({files}): tensor {name}.{expected[0]} gives a {tuple(weight.shape)} weight, "
@@ -459,7 +454,7 @@ def tensor_bytes(path: str | Path) -> dict[str, int]:
             if max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0) + 8 + n > size:
                 raise ValueError("the file is shorter than its header says")
         except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-            raise CompressError(f"{f}: not a readable safetensors file ({_first_line(exc)})",
+            raise CompressError(f"{f}: not a readable safetensors file ({first_line(exc)})",
                                 "the checkpoint may be truncated or corrupted: write it again") from None
         for key, info in meta.items():
             if key != "__metadata__":

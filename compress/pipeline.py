@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from compress import modeling, packing
-from compress.calibration import build_calibration, is_local_spec, resolve_data_path
+from compress.calibration import build_calibration, is_local_spec, read_texts, resolve_data_path
 from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
 from compress.evaluate import evaluate, gate, task_gate
@@ -149,6 +149,9 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         progress("tokenizing calibration data", 0, 1)
         calibration = build_calibration(recipe.calibration, tokenizer)
         kill_point("calibrated")
+    for spec in recipe.evaluation.datasets if recipe.evaluation else []:
+        if resolve_data_path(spec) is not None:  # read now: what it cannot give (a conversation without a chat template) fails before the stages
+            read_texts(spec, tokenizer=tokenizer)
 
     report = {
         "versions": versions(),
@@ -375,6 +378,8 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     if not datasets and not (tasks and tasks.names):
         raise CompressError("no evaluation data given", "pass --data FILE, a text file (e.g. calibration/heldout-tinyshakespeare.txt), "
                             "or --tasks NAMES")
+    if task_thresholds["max_task_drop"] is not None and baseline is None:
+        raise CompressError("--max-task-drop compares against the uncompressed model", "pass --baseline")
     manager = None
     if tasks and tasks.names:  # unknown names, or no lm-eval, refused before any model is loaded
         from compress import tasks as lm_tasks
@@ -412,10 +417,11 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
         run = dict(num_fewshot=tasks.num_fewshot, limit=tasks.limit, batch_size=batch_size, metric=tasks.metric)
         progress(f"lm-eval: {', '.join(tasks.names)}", 0, 2 if base is not None else 1)
         task_results = lm_tasks.run_tasks(net, tokenizer, tasks.names, manager, **run)
+        lm_tasks.check_thresholds(task_results, **task_thresholds)
         if base is not None:
             progress(f"lm-eval on the baseline: {', '.join(tasks.names)}", 1, 2)
             for name, r in lm_tasks.run_tasks(base, base_tok, tasks.names, manager, **run).items():
-                task_results[name].update(baseline_score=r["score"], score_drop=r["score"] - task_results[name]["score"])
+                task_results[name].update(baseline_score=r["score"], score_drop=lm_tasks.worsening(task_results[name], r))
     meta_file = Path(modeling.resolve_model(model)) / "compress.json"
     layers = json.loads(meta_file.read_text()).get("layers", {}) if meta_file.is_file() else {}
     path = Path(modeling.resolve_model(model))

@@ -50,7 +50,8 @@ METRIC_LABELS = {
 
 
 def task_rows(tasks: dict) -> list[list[str]]:
-    """One row per lm-eval task: task, metric, score ± stderr, documents, baseline, drop."""
+    """One row per lm-eval task: task, metric, score ± stderr, documents, baseline, and how much
+    worse than the baseline it scores (compress.tasks.worsening)."""
     rows = []
     for name, r in tasks.items():
         score = _fmt(r["score"]) + (f" ± {_fmt(r['stderr'])}" if r.get("stderr") is not None else "")
@@ -60,7 +61,7 @@ def task_rows(tasks: dict) -> list[list[str]]:
     return rows
 
 
-TASK_COLUMNS = ["task (lm-eval)", "metric", "score ± stderr", "documents", "baseline", "drop"]
+TASK_COLUMNS = ["task (lm-eval)", "metric", "score ± stderr", "documents", "baseline", "worse by"]
 
 
 def evaluation_markdown(results: dict, size: dict | None = None, checks: list[dict] | None = None,

@@ -10,6 +10,9 @@ for.
 Each task is reduced to one number for the gate, its primary metric: `acc_norm` where the task
 reports it (the length-normalised accuracy that HellaSwag and ARC-Challenge are quoted by), else
 `acc`, else `exact_match`, else the first metric the task reports. `--task-metric` picks another.
+Against a baseline, the gate looks at how much worse the model scores, in the metric's units and
+in lm-eval's direction for it (accuracy falling, perplexity rising). A tag (ai2_arc) or a group
+without an aggregate score is reported, and gated, task by task.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from compress.errors import CompressError
+from compress.errors import CompressError, first_line
 
 PREFERRED_METRICS = ("acc_norm", "acc", "exact_match")
 INSTALL_HINT = "install lm-eval: pip install 'compress[tasks]'"
@@ -99,7 +102,8 @@ def primary_metric(metrics: dict, metric: str | None = None) -> str:
 
 def run_tasks(net, tokenizer, tasks: list[str], manager, *, num_fewshot: int | None = None, limit: int | None = None,
               batch_size: int = 8, metric: str | None = None) -> dict[str, dict]:
-    """{task: {metric, score (the primary metric's value), stderr, samples}} for one model."""
+    """{task: {metric, score, higher_is_better, stderr, samples}} for one model: each task asked
+    for, or, for a tag or a group without an aggregate score, each of its tasks."""
     lm_eval, HFLM, _ = _lm_eval()
     lm = HFLM(pretrained=net, tokenizer=tokenizer, batch_size=batch_size)
     try:
@@ -108,20 +112,54 @@ def run_tasks(net, tokenizer, tasks: list[str], manager, *, num_fewshot: int | N
                                           limit=limit, log_samples=False)
     except CompressError:
         raise
-    except Exception as exc:  # most often a built-in task's dataset that cannot be downloaded
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CompressError(f"lm-eval could not run {', '.join(tasks)}: {first[:200]}",
-                            "built-in tasks download their datasets from the hub (offline, write the task as local YAML and "
-                            "pass --include-path); a local task's data files must exist") from None
-    results = {}
-    for task in tasks:
-        metrics = out["results"].get(task, {})
-        name = primary_metric(metrics, metric)
-        if name is None:
-            raise CompressError(f"lm-eval task {task} reported no metric", "check the task's metric_list")
-        key = next(k for k in metrics if k.split(",")[0] == name)
-        stderr = metrics.get(key.replace(name, f"{name}_stderr", 1))
-        n = out.get("n-samples", {}).get(task, {}).get("effective")
-        results[task] = {"metric": name, "score": float(metrics[key]),
-                         "stderr": float(stderr) if isinstance(stderr, (int, float)) else None, "samples": n}
-    return results
+    except Exception as exc:
+        message = first_line(exc)
+        data = isinstance(exc, (OSError, ConnectionError)) or any(w in message.lower() for w in ("hub", "offline", "unable to find", "connect"))
+        hint = ("built-in tasks download their datasets from the hub (offline, write the task as local YAML and pass "
+                "--include-path); a local task's data files must exist") if data else "check the task names and their YAML"
+        raise CompressError(f"lm-eval could not run {', '.join(tasks)}: {message}", hint) from None
+    return {task: _row(out, task, metric) for name in tasks for task in _scored(out, name, manager)}
+
+
+def _scored(out: dict, name: str, manager) -> list[str]:
+    """The entries that answer for `name`: itself where lm-eval scored it (a task, or a group with
+    aggregate_metric_list), else its tasks (a tag, or a group without an aggregate)."""
+    if any("," in k for k in out["results"].get(name, {})):
+        return [name]
+    members = out.get("group_subtasks", {}).get(name) or []
+    if not members and name in getattr(manager, "all_tags", []):
+        members = sorted(getattr(manager.task_index.get(name), "tags", None) or [])  # a tag's entry lists its tasks
+    members = [m for m in members if m in out["results"]]
+    if not members:
+        raise CompressError(f"lm-eval task {name} reported no metric", "check the task's metric_list")
+    return [task for m in members for task in _scored(out, m, manager)]
+
+
+def _row(out: dict, task: str, metric: str | None) -> dict:
+    metrics = out["results"][task]
+    name = primary_metric(metrics, metric)
+    key = next(k for k in metrics if k.split(",")[0] == name)
+    stderr = metrics.get(key.replace(name, f"{name}_stderr", 1))
+    return {"metric": name, "score": float(metrics[key]),
+            "higher_is_better": bool(out.get("higher_is_better", {}).get(task, {}).get(name, True)),
+            "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+            "samples": out.get("n-samples", {}).get(task, {}).get("effective")}
+
+
+def worsening(model: dict, baseline: dict) -> float:
+    """How much worse the model scores than the baseline, in the metric's own units (a fall in
+    accuracy, a rise in perplexity); negative where it scores better."""
+    gap = baseline["score"] - model["score"]
+    return gap if model["higher_is_better"] else -gap
+
+
+def check_thresholds(results: dict, min_task_score: float | None, max_task_drop: float | None) -> None:
+    """Thresholds that could never fail, or mean nothing for a task's metric, refused after the
+    model's run and before the baseline's."""
+    for task, r in results.items():
+        if min_task_score is not None and not r["higher_is_better"]:
+            raise CompressError(f"--min-task-score: {task}'s {r['metric']} is better when lower, so a floor on it means nothing",
+                                "gate it against the baseline with --max-task-drop, or pick --task-metric")
+        if max_task_drop is not None and max_task_drop >= 1 and r["higher_is_better"] and 0 <= r["score"] <= 1:
+            raise CompressError(f"--max-task-drop {max_task_drop:g} can never fail: {task}'s {r['metric']} lies in [0, 1]",
+                                "give the drop as a fraction: 0.01 is one point")

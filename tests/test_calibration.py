@@ -245,3 +245,56 @@ def test_streaming_missing_field_names_the_fields(monkeypatch, tokenizer):
     _fake_hub(monkeypatch, [{"content": "x" * 100}] * 10)
     with pytest.raises(CompressError, match=r"dataset 'org/big' has no field 'text' \(fields: content\)"):
         build_calibration(CalibrationConfig(dataset="org/big", num_samples=2, seq_len=8, streaming=True), tokenizer)
+
+
+def test_streaming_counts_local_files_and_names_only_sources_read(monkeypatch, tokenizer, tmp_path):
+    local = tmp_path / "local.txt"
+    local.write_text(TEXT)  # 4,000 tokens: 6 windows of 64 and the margin, with room to spare
+    served = _fake_hub(monkeypatch, [{"text": line} for line in TEXT.splitlines()])
+    cfg = CalibrationConfig(dataset=[str(local), "org/a"], num_samples=6, seq_len=64, streaming=True)
+    cal = build_calibration(cfg, tokenizer)
+    assert served == [] and cal.source == str(local)
+    # hub first: enough from it, so the local file is not read, and not named
+    cal = build_calibration(CalibrationConfig(dataset=["org/a", str(local)], num_samples=6, seq_len=64, streaming=True), tokenizer)
+    assert 0 < len(served) < 40 and cal.source == "org/a"
+
+
+def test_empty_conversations_are_skipped_in_every_format(tmp_path, chat_tokenizer):
+    records = [CHATS[0], [], CHATS[1]]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in records))
+    pq.write_table(pa.table({"messages": records}), tmp_path / "c.parquet")
+    for name in ("c.jsonl", "c.parquet"):
+        cal = build_calibration(CalibrationConfig(dataset=str(tmp_path / name), text_field="messages", num_samples=2,
+                                                  seq_len=64, packing=False), chat_tokenizer)
+        assert "Question 1" in chat_tokenizer.decode(cal.samples[1]["input_ids"][0]), name
+
+
+def test_evaluation_data_may_hold_conversations(tmp_path, ref_llama, chat_tokenizer, capsys, monkeypatch):
+    """eval renders them with the model's template: the same numbers as the rendered text in a .txt;
+    a model without a template is refused before any stage runs."""
+    import shutil
+
+    from compress.cli import main
+
+    model = tmp_path / "instruct"
+    shutil.copytree(ref_llama, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
+    chats = CHATS * 3
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"text": m}) for m in chats))
+    (tmp_path / "chat.txt").write_text("\n".join(chat_tokenizer.apply_chat_template(m, tokenize=False) for m in chats))
+    results = []
+    for data in ("chat.jsonl", "chat.txt"):
+        assert main(["--json", "eval", "--model", str(model), "--data", str(tmp_path / data), "--seq-len", "64",
+                     "--max-windows", "8"]) == 0
+        results.append(next(iter(json.loads(capsys.readouterr().out)["results"].values())))
+    assert results[0] == results[1] and results[0]["windows"] == 8
+
+    from compress.stages.rtn import RoundToNearest
+
+    monkeypatch.setattr(RoundToNearest, "apply", lambda *a: pytest.fail("the stage ran"))
+    (tmp_path / "r.yaml").write_text(f"stages:\n  - rtn:\n      scheme: W8A16\nevaluation:\n  datasets: [{tmp_path / 'chat.jsonl'}]\n")
+    assert main(["quantize", "--recipe", str(tmp_path / "r.yaml"), "--model", str(ref_llama), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "chat.jsonl:1: holds chat messages, but the model's tokenizer has no chat template" in err
+    assert not (tmp_path / "out").exists()

@@ -40,11 +40,30 @@ def task_dir(tmp_path_factory, shared):
         docs.append({"context": context[:-1], "choices": [" " + c for c in choices], "label": choices.index(word)})
     d = tmp_path_factory.mktemp("tasks")
     (d / "cloze.jsonl").write_text("\n".join(map(json.dumps, docs)))
-    (d / "cloze.yaml").write_text(
-        f"task: {TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'cloze.jsonl'}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n")
+    cloze = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'cloze.jsonl'}\n"
+             "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\n"
+             "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n")
+    (d / "cloze.yaml").write_text(f"task: {TASK}\n" + cloze)
+    # the same task twice more under a tag, and in a group without an aggregate score
+    (d / "tagged.yaml").write_text("task: ts_cloze_b\ntag: ts_tag\n" + cloze)
+    (d / "tagged2.yaml").write_text("task: ts_cloze_c\ntag: ts_tag\n" + cloze)
+    (d / "group.yaml").write_text("group: ts_group\ntask: [ts_cloze_b, ts_cloze_c]\n")
+    # perplexity (lower is better), like lm-eval's wikitext: Tiny Shakespeare's speeches
+    (d / "ppl.jsonl").write_text("\n".join(json.dumps({"page": p}) for p in text.split("\n\n")[:40] if len(p) > 200))
+    (d / "ppl.yaml").write_text(
+        f"task: ts_ppl\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'ppl.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{page}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
     return d
+
+
+@pytest.fixture(scope="module")
+def p95(tmp_path_factory, ref_llama):
+    """ref-llama with 95 % of each layer's weights gone: perplexity and the tasks both suffer."""
+    out = tmp_path_factory.mktemp("p95") / "out"
+    assert main(["--quiet", "prune", "--model", str(ref_llama), "--method", "magnitude", "--sparsity", "0.95",
+                 "--output", str(out)]) == 0
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -76,25 +95,23 @@ def test_scores_equal_lm_eval_on_the_checkpoint_loaded_by_transformers(task_dir,
     assert ours["score"] == theirs["acc,none"] and ours["stderr"] == theirs["acc_stderr,none"]
 
 
-def test_gate_passes_the_same_model_and_fails_a_damaged_one(task_dir, ref_llama, tmp_path, capsys):
+def test_gate_passes_the_same_model_and_fails_a_damaged_one(task_dir, ref_llama, p95, tmp_path, capsys):
     rc, out, _ = run(capsys, "--json", "eval", "--model", ref_llama, "--baseline", ref_llama, "--tasks", TASK,
                      "--include-path", task_dir, "--limit", 300, "--max-task-drop", 0, "--min-task-score", 0.3)
     same = json.loads(out)
     assert rc == 0 and same["passed"] and same["tasks"][TASK]["score_drop"] == 0
-    assert [c["metric"] for c in same["checks"]] == ["acc", "acc drop"]
+    assert [c["metric"] for c in same["checks"]] == ["acc", "acc worse than baseline by"]
 
-    # 95 % of each layer's weights gone: perplexity and the task both suffer (drop 0.083 measured)
-    assert main(["--quiet", "prune", "--model", str(ref_llama), "--method", "magnitude", "--sparsity", "0.95",
-                 "--output", str(tmp_path / "p95")]) == 0
+    # the pruned model's accuracy falls by 0.083 (measured)
     report, junit = tmp_path / "eval.md", tmp_path / "junit.xml"
-    rc, out, _ = run(capsys, "--json", "eval", "--model", tmp_path / "p95", "--baseline", ref_llama, "--tasks", TASK,
+    rc, out, _ = run(capsys, "--json", "eval", "--model", p95, "--baseline", ref_llama, "--tasks", TASK,
                      "--include-path", task_dir, "--limit", 300, "--max-task-drop", 0.03, "--report", report, "--junit", junit)
     damaged = json.loads(out)
     r = damaged["tasks"][TASK]
     assert rc == 1 and not damaged["passed"]
     assert r["baseline_score"] == same["tasks"][TASK]["score"] and r["score_drop"] > 0.05
     assert f"| {TASK} | acc | {r['score']:.4f} ± " in report.read_text()
-    assert 'failures="1"' in junit.read_text() and "acc drop" in junit.read_text()
+    assert 'failures="1"' in junit.read_text() and "acc worse than baseline by" in junit.read_text()
 
 
 def test_tasks_refused_before_any_model_is_loaded(task_dir, minilm, capsys, monkeypatch):
@@ -121,3 +138,37 @@ def test_task_metric_must_be_one_the_task_reports(task_dir, capsys):
     rc, out, err = run(capsys, "--json", "eval", "--model", "default", "--tasks", TASK, "--include-path", task_dir,
                        "--limit", 4, "--task-metric", "f1")
     assert rc == 2 and json.loads(out)["error"] == "--task-metric f1: the task reports acc"
+
+
+def test_perplexity_tasks_are_gated_the_right_way_up(task_dir, ref_llama, p95, capsys):
+    """word_perplexity is better when lower: the pruned model's rise must fail the gate."""
+    rc, out, _ = run(capsys, "--json", "eval", "--model", p95, "--baseline", ref_llama, "--tasks", "ts_ppl",
+                     "--include-path", task_dir, "--limit", 8, "--max-task-drop", 100)
+    r = json.loads(out)["tasks"]["ts_ppl"]
+    assert rc == 1 and r["metric"] == "word_perplexity" and not r["higher_is_better"]
+    assert r["score"] > r["baseline_score"] + 100 and r["score_drop"] == r["score"] - r["baseline_score"]
+    rc, _, err = run(capsys, "eval", "--model", p95, "--tasks", "ts_ppl", "--include-path", task_dir, "--limit", 2,
+                     "--min-task-score", 0.5)
+    assert rc == 2 and "ts_ppl's word_perplexity is better when lower" in err
+
+
+def test_tags_and_groups_without_an_aggregate_are_scored_task_by_task(task_dir, capsys):
+    for name in ("ts_tag", "ts_group"):
+        rc, out, _ = run(capsys, "--json", "eval", "--model", "default", "--tasks", name, "--include-path", task_dir,
+                         "--limit", 6, "--min-task-score", 0)
+        result = json.loads(out)
+        assert rc == 0 and sorted(result["tasks"]) == ["ts_cloze_b", "ts_cloze_c"], name
+        assert [c["dataset"] for c in result["checks"]] == ["task ts_cloze_b", "task ts_cloze_c"]
+
+
+def test_thresholds_that_cannot_fail_or_need_a_baseline_are_refused(task_dir, ref_llama, capsys, monkeypatch):
+    rc, _, err = run(capsys, "eval", "--model", "default", "--baseline", "default", "--tasks", TASK, "--include-path", task_dir,
+                     "--limit", 2, "--max-task-drop", 1)
+    assert rc == 2 and "--max-task-drop 1 can never fail: ts_cloze's acc lies in [0, 1]" in err
+    from compress import evaluate_model, modeling
+    from compress.errors import CompressError
+    from compress.tasks import TaskRequest
+
+    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    with pytest.raises(CompressError, match="--max-task-drop compares against the uncompressed model"):
+        evaluate_model(str(ref_llama), [], tasks=TaskRequest([TASK], task_dir), thresholds={"max_task_drop": 0.01})
