@@ -369,6 +369,7 @@ def eval_cmd(
     num_fewshot: Optional[int] = typer.Option(None, min=0, help="few-shot examples per task prompt (default: each task's own)."),
     limit: Optional[int] = typer.Option(None, min=1, help="score only the first N documents of each task (a quick look)."),
     task_metric: Optional[str] = typer.Option(None, help="the task metric to report and gate (default: acc_norm, else acc, else exact_match)."),
+    chat_template: bool = typer.Option(False, "--chat-template", help="instruct models: task prompts, and few-shot examples as turns, through the tokenizer's chat template."),
     min_task_score: Optional[float] = typer.Option(None, min=0, help="fail if a task's metric falls below this."),
     max_task_drop: Optional[float] = typer.Option(None, help="fail if a task scores worse than the baseline by more than this, in its metric's units (0.01: one point of accuracy)."),
     report: Optional[Path] = typer.Option(None, help="write a Markdown report here (for a pull-request comment)."),
@@ -391,14 +392,15 @@ def eval_cmd(
         raise CompressError(f"--{given[0].replace('_', '-')} compares against the uncompressed model", "pass --baseline")
     names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
     task_options = {"--include-path": include_path, "--num-fewshot": num_fewshot, "--limit": limit,
-                    "--task-metric": task_metric, "--min-task-score": min_task_score, "--max-task-drop": max_task_drop}
+                    "--task-metric": task_metric, "--chat-template": chat_template or None,
+                    "--min-task-score": min_task_score, "--max-task-drop": max_task_drop}
     stray = next((k for k, v in task_options.items() if v is not None), None)
     if stray and not names:
         raise CompressError(f"{stray} applies to lm-eval tasks, and none were given", "pass --tasks NAMES")
     for f in (report, junit):
         if f is not None and f.is_dir():
             raise CompressError(f"report path {f} is a directory", "give a file path")
-    request = TaskRequest(names, include_path, num_fewshot, limit, task_metric) if names else None
+    request = TaskRequest(names, include_path, num_fewshot, limit, task_metric, chat_template) if names else None
     with progress_bar() as progress:
         result = evaluate_model(model, data, baseline=baseline, device=S.device, seq_len=seq_len, max_windows=max_windows,
                                 batch_size=batch_size, thresholds={**against_baseline, "min_task_score": min_task_score},

@@ -414,7 +414,8 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     if manager is not None:
         from compress import tasks as lm_tasks
 
-        run = dict(num_fewshot=tasks.num_fewshot, limit=tasks.limit, batch_size=batch_size, metric=tasks.metric)
+        run = dict(num_fewshot=tasks.num_fewshot, limit=tasks.limit, batch_size=batch_size, metric=tasks.metric,
+                   chat_template=tasks.chat_template)
         progress(f"lm-eval: {', '.join(tasks.names)}", 0, 2 if base is not None else 1)
         task_results = lm_tasks.run_tasks(net, tokenizer, tasks.names, manager, **run)
         lm_tasks.check_thresholds(task_results, **task_thresholds)

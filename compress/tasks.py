@@ -42,6 +42,7 @@ class TaskRequest:
     num_fewshot: int | None = None  # None: each task's own default
     limit: int | None = None  # the first N documents of each task (a quick look, not a published number)
     metric: str | None = None  # None: the primary metric (module note)
+    chat_template: bool = False  # prompts (and few-shot examples, as turns) through the tokenizer's chat template
 
 
 def _lm_eval():
@@ -101,15 +102,19 @@ def primary_metric(metrics: dict, metric: str | None = None) -> str:
 
 
 def run_tasks(net, tokenizer, tasks: list[str], manager, *, num_fewshot: int | None = None, limit: int | None = None,
-              batch_size: int = 8, metric: str | None = None) -> dict[str, dict]:
+              batch_size: int = 8, metric: str | None = None, chat_template: bool = False) -> dict[str, dict]:
     """{task: {metric, score, higher_is_better, stderr, samples}} for one model: each task asked
     for, or, for a tag or a group without an aggregate score, each of its tasks."""
     lm_eval, HFLM, _ = _lm_eval()
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise CompressError("--chat-template: the model's tokenizer has no chat template",
+                            "evaluate an instruct model (its tokenizer_config.json has chat_template), or drop --chat-template")
     lm = HFLM(pretrained=net, tokenizer=tokenizer, batch_size=batch_size)
     try:
         with _stderr_silenced():
             out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, num_fewshot=num_fewshot,
-                                          limit=limit, log_samples=False)
+                                          limit=limit, log_samples=False, apply_chat_template=chat_template,
+                                          fewshot_as_multiturn=chat_template)
     except CompressError:
         raise
     except Exception as exc:

@@ -172,3 +172,27 @@ def test_thresholds_that_cannot_fail_or_need_a_baseline_are_refused(task_dir, re
     monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(CompressError, match="--max-task-drop compares against the uncompressed model"):
         evaluate_model(str(ref_llama), [], tasks=TaskRequest([TASK], task_dir), thresholds={"max_task_drop": 0.01})
+
+
+def test_chat_template_puts_prompts_through_the_template(task_dir, ref_llama, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from lm_eval.models.huggingface import HFLM
+
+    model = tmp_path / "instruct"
+    shutil.copytree(ref_llama, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}<|assistant|>\n"
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    contexts = []
+    scored = HFLM.loglikelihood
+    monkeypatch.setattr(HFLM, "loglikelihood", lambda self, requests, **kw: contexts.extend(r.args[0] for r in requests)
+                        or scored(self, requests, **kw))
+    for flag in ([], ["--chat-template"]):
+        rc, out, _ = run(capsys, "--json", "eval", "--model", model, "--tasks", TASK, "--include-path", task_dir, "--limit", 3, *flag)
+        assert rc == 0
+    plain, chat = contexts[:12], contexts[12:]  # 3 documents x 4 choices each
+    assert len(chat) == 12 and not any("<|user|>" in c for c in plain)
+    assert all(c.startswith("<|user|>\n") and c.rstrip().endswith("<|assistant|>") for c in chat)
+    rc, _, err = run(capsys, "eval", "--model", ref_llama, "--tasks", TASK, "--include-path", task_dir, "--chat-template")
+    assert rc == 2 and "--chat-template: the model's tokenizer has no chat template" in err
