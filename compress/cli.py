@@ -400,7 +400,8 @@ def eval_cmd(
     for f in (report, junit):
         if f is not None and f.is_dir():
             raise CompressError(f"report path {f} is a directory", "give a file path")
-    request = TaskRequest(names, include_path, num_fewshot, limit, task_metric, chat_template) if names else None
+    request = TaskRequest(names=names, include_path=str(include_path) if include_path else None, num_fewshot=num_fewshot, limit=limit, metric=task_metric,
+                          chat_template=chat_template) if names else None
     with progress_bar() as progress:
         result = evaluate_model(model, data, baseline=baseline, device=S.device, seq_len=seq_len, max_windows=max_windows,
                                 batch_size=batch_size, thresholds={**against_baseline, "min_task_score": min_task_score},

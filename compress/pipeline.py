@@ -29,6 +29,7 @@ from compress.report import versions, write_json, write_reports
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.stages import STAGES
 from compress.stages.base import StageContext
+from compress import tasks as lm_tasks
 from compress.tasks import TaskRequest
 
 Progress = Callable[[str, int, int], None]
@@ -104,7 +105,12 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     atomic = AtomicOutput(out_dir, force=force, protect=protect) if main_process else nullcontext()
     dest = Path(out_dir).expanduser().resolve()
     _check_data_files(recipe)
-    check_sequence_lengths(recipe, modeling.load_config(model_ref))
+    model_config = modeling.load_config(model_ref)
+    check_sequence_lengths(recipe, model_config)
+    task_request = recipe.evaluation.tasks if recipe.evaluation is not None else None
+    task_manager = None
+    if task_request is not None:
+        task_manager = lm_tasks.prepare(task_request, modeling.is_causal_lm(model_config), model_ref)
     cache_root = None
     if resume or cache_dir:
         from compress import stagecache
@@ -224,15 +230,18 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         report["output"] = size_summary(net, ctx.layers, tmp)
         if ctx.offload is None:
             report["output"].update(packing.quantized_size(tmp, net, ctx.layers))
-        if recipe.evaluation is not None and recipe.evaluation.datasets:
+        if recipe.evaluation is not None and (recipe.evaluation.datasets or task_request is not None):
             if ctx.offload is not None:
                 report["evaluation_note"] = "skipped: the model was offloaded to disk; run `compress eval` on the output"
             else:
                 _reset_model_dtype(net)
-                reference, _, _ = modeling.load_model(baseline or model_ref, dtype="float32", device=dev)
+                reference, reference_tokenizer, _ = modeling.load_model(baseline or model_ref, dtype="float32", device=dev)
                 report["evaluation"] = evaluate(
                     net.to(dev), tokenizer, recipe.evaluation.datasets, baseline=reference,
                     causal=modeling.is_causal_lm(config), **_eval_kwargs(recipe.evaluation), device=dev, progress=progress)
+                if task_manager is not None:
+                    report["tasks"] = lm_tasks.score(net, tokenizer, task_request, task_manager, recipe.evaluation.batch_size,
+                                                     (reference, reference_tokenizer), progress=progress)
                 del reference
                 net.to("cpu")
         write_reports(tmp, report)
@@ -380,17 +389,11 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
                             "or --tasks NAMES")
     if task_thresholds["max_task_drop"] is not None and baseline is None:
         raise CompressError("--max-task-drop compares against the uncompressed model", "pass --baseline")
-    manager = None
-    if tasks and tasks.names:  # unknown names, or no lm-eval, refused before any model is loaded
-        from compress import tasks as lm_tasks
-
-        manager = lm_tasks.task_manager(tasks.include_path)
-        lm_tasks.check_tasks(tasks.names, manager)
     progress("loading model", 0, 1)
     model_config = modeling.load_config(model)
-    if manager is not None and not modeling.is_causal_lm(model_config):
-        raise CompressError(f"--tasks: {model} is an encoder, and lm-eval's tasks score causal language models",
-                            "measure encoders with --data and --baseline (embedding fidelity)")
+    manager = None
+    if tasks and tasks.names:
+        manager = lm_tasks.prepare(tasks, modeling.is_causal_lm(model_config), model)
     if modeling.is_causal_lm(model_config):  # encoders score sentences: --seq-len is not used
         modeling.check_context(model_config, seq_len, "--seq-len")
     if baseline is not None:
@@ -412,17 +415,8 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
                        max_sentences=max_sentences, batch_size=batch_size, device=dev, progress=progress)
     task_results = {}
     if manager is not None:
-        from compress import tasks as lm_tasks
-
-        run = dict(num_fewshot=tasks.num_fewshot, limit=tasks.limit, batch_size=batch_size, metric=tasks.metric,
-                   chat_template=tasks.chat_template)
-        progress(f"lm-eval: {', '.join(tasks.names)}", 0, 2 if base is not None else 1)
-        task_results = lm_tasks.run_tasks(net, tokenizer, tasks.names, manager, **run)
-        lm_tasks.check_thresholds(task_results, **task_thresholds)
-        if base is not None:
-            progress(f"lm-eval on the baseline: {', '.join(tasks.names)}", 1, 2)
-            for name, r in lm_tasks.run_tasks(base, base_tok, tasks.names, manager, **run).items():
-                task_results[name].update(baseline_score=r["score"], score_drop=lm_tasks.worsening(task_results[name], r))
+        task_results = lm_tasks.score(net, tokenizer, tasks, manager, batch_size, (base, base_tok) if base is not None else None,
+                                      task_thresholds, progress)
     meta_file = Path(modeling.resolve_model(model)) / "compress.json"
     layers = json.loads(meta_file.read_text()).get("layers", {}) if meta_file.is_file() else {}
     path = Path(modeling.resolve_model(model))

@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from compress.errors import CompressError
+from compress.tasks import TaskRequest
 
 
 class CalibrationConfig(BaseModel):
@@ -59,6 +60,8 @@ class EvaluationConfig(BaseModel):
     max_windows: int = Field(256, gt=0)
     max_sentences: int = Field(200, gt=0, description="encoders: sentences taken from each file")
     batch_size: int = Field(8, gt=0)
+    tasks: Optional[TaskRequest] = Field(None, description="lm-eval tasks scored on the output and on the uncompressed model: "
+                                         "a list of names, or {names, num_fewshot, limit, metric, chat_template, include_path}")
 
 
 STAGES_HELP = "a list of one or more stages, each `- name: {keys}`, e.g. `- rtn: {scheme: W8A16}`"

@@ -140,8 +140,8 @@ def run_markdown(report: dict) -> str:
               + (f" ({nonzero:,} nonzero, {1 - nonzero / out['parameters']:.2%} zeros; stored densely)" if nonzero is not None and nonzero < out["parameters"] else ""),
               f"- weights on disk: {out['bytes_on_disk']:,} bytes ({out['bits_per_parameter_on_disk']:.2f} bits/parameter; weights are stored dequantized in {src['dtype']})",
               f"- bits/parameter once packed (weights at their quantized width plus 16-bit scales and zero-points): {out['bits_per_parameter_packed']:.2f}"]
-    if report.get("evaluation"):
-        lines += ["", "## Evaluation", "", evaluation_markdown(report["evaluation"])]
+    if report.get("evaluation") or report.get("tasks"):
+        lines += ["", "## Evaluation", "", evaluation_markdown(report.get("evaluation") or {}, tasks=report.get("tasks"))]
     return "\n".join(lines) + "\n"
 
 

@@ -23,26 +23,36 @@ import logging
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compress.errors import CompressError, first_line
 
 PREFERRED_METRICS = ("acc_norm", "acc", "exact_match")
 INSTALL_HINT = "install lm-eval: pip install 'compress[tasks]'"
-TASK_HINT = "list lm-eval's tasks with `lm-eval ls tasks`, or give --include-path DIR holding the task's YAML"
+TASK_HINT = ("list lm-eval's tasks with `lm-eval ls tasks`, or give the directory holding the task's YAML: "
+             "--include-path DIR (include_path in a recipe)")
 
 
-@dataclass
-class TaskRequest:
-    """What `compress eval --tasks` asks of lm-eval."""
+class TaskRequest(BaseModel):
+    """What `compress eval --tasks`, or a recipe's `evaluation.tasks`, asks of lm-eval. In a
+    recipe a plain list is the task names alone."""
 
-    names: list[str]
-    include_path: Path | None = None  # a directory of the user's own task YAML files
-    num_fewshot: int | None = None  # None: each task's own default
-    limit: int | None = None  # the first N documents of each task (a quick look, not a published number)
-    metric: str | None = None  # None: the primary metric (module note)
-    chat_template: bool = False  # prompts (and few-shot examples, as turns) through the tokenizer's chat template
+    model_config = ConfigDict(extra="forbid")
+
+    names: list[str] = Field(..., min_length=1, description="lm-eval tasks, groups or tags (arc_easy, mmlu, ai2_arc)")
+    include_path: Optional[str] = Field(None, description="a directory of your own lm-eval task YAML files")
+    num_fewshot: Optional[int] = Field(None, ge=0, description="few-shot examples per prompt (default: each task's own)")
+    limit: Optional[int] = Field(None, gt=0, description="only the first N documents of each task: a quick look, not a published number")
+    metric: Optional[str] = Field(None, description="the metric each task is judged by (default: acc_norm, else acc, else exact_match)")
+    chat_template: bool = Field(False, description="prompts, and few-shot examples as turns, through the tokenizer's chat template")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names_alone(cls, value):
+        return {"names": value} if isinstance(value, list) else value
 
 
 def _lm_eval():
@@ -75,7 +85,7 @@ def _stderr_silenced():
         os.close(saved)
 
 
-def task_manager(include_path: Path | None = None):
+def task_manager(include_path: str | Path | None = None):
     """lm-eval's task index (its own tasks, plus the YAML files under `include_path`)."""
     _, _, TaskManager = _lm_eval()
     if include_path is not None and not Path(include_path).is_dir():
@@ -99,6 +109,35 @@ def primary_metric(metrics: dict, metric: str | None = None) -> str:
                                 "pick one of those")
         return metric
     return next((m for m in PREFERRED_METRICS if m in names), names[0] if names else None)
+
+
+def prepare(request: TaskRequest, causal: bool, model: str):
+    """lm-eval's index, with the request checked where it costs nothing: a missing lm-eval,
+    unknown names and an encoder are refused before any model is loaded or compressed."""
+    manager = task_manager(request.include_path)
+    check_tasks(request.names, manager)
+    if not causal:
+        raise CompressError(f"lm-eval tasks: {model} is an encoder, and lm-eval's tasks score causal language models",
+                            "measure encoders with evaluation data and a baseline (embedding fidelity)")
+    return manager
+
+
+def score(net, tokenizer, request: TaskRequest, manager, batch_size: int = 8, baseline: tuple | None = None,
+          thresholds: dict | None = None, progress=lambda *_: None) -> dict[str, dict]:
+    """run_tasks on the model, then (with `baseline`, a (model, tokenizer) pair) on the baseline,
+    adding its score and how much worse the model scores. `thresholds` (min_task_score,
+    max_task_drop) are checked in between, so a pointless one costs one run, not two."""
+    run = dict(num_fewshot=request.num_fewshot, limit=request.limit, batch_size=batch_size, metric=request.metric,
+               chat_template=request.chat_template)
+    names = ", ".join(request.names)
+    progress(f"lm-eval: {names}", 0, 2 if baseline is not None else 1)
+    results = run_tasks(net, tokenizer, request.names, manager, **run)
+    check_thresholds(results, **(thresholds or {"min_task_score": None, "max_task_drop": None}))
+    if baseline is not None:
+        progress(f"lm-eval on the baseline: {names}", 1, 2)
+        for task, r in run_tasks(*baseline, request.names, manager, **run).items():
+            results[task].update(baseline_score=r["score"], score_drop=worsening(results[task], r))
+    return results
 
 
 def run_tasks(net, tokenizer, tasks: list[str], manager, *, num_fewshot: int | None = None, limit: int | None = None,

@@ -171,7 +171,7 @@ def test_thresholds_that_cannot_fail_or_need_a_baseline_are_refused(task_dir, re
 
     monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(CompressError, match="--max-task-drop compares against the uncompressed model"):
-        evaluate_model(str(ref_llama), [], tasks=TaskRequest([TASK], task_dir), thresholds={"max_task_drop": 0.01})
+        evaluate_model(str(ref_llama), [], tasks=TaskRequest(names=[TASK], include_path=str(task_dir)), thresholds={"max_task_drop": 0.01})
 
 
 def test_chat_template_puts_prompts_through_the_template(task_dir, ref_llama, tmp_path, capsys, monkeypatch):
@@ -196,3 +196,30 @@ def test_chat_template_puts_prompts_through_the_template(task_dir, ref_llama, tm
     assert all(c.startswith("<|user|>\n") and c.rstrip().endswith("<|assistant|>") for c in chat)
     rc, _, err = run(capsys, "eval", "--model", ref_llama, "--tasks", TASK, "--include-path", task_dir, "--chat-template")
     assert rc == 2 and "--chat-template: the model's tokenizer has no chat template" in err
+
+
+def test_recipe_evaluation_scores_tasks_on_the_output(task_dir, ref_llama, tmp_path, capsys):
+    """`evaluation.tasks` in a recipe: the report carries each task's score on the output and on
+    the uncompressed model; the W4 output's score equals `compress eval --tasks` on it."""
+    recipe = (f"stages:\n  - rtn:\n      scheme: W4A16\n      weights: {{group_size: 64}}\n"
+              f"evaluation:\n  tasks: {{names: [{TASK}], include_path: {task_dir}, limit: 60}}\n")
+    (tmp_path / "r.yaml").write_text(recipe)
+    out = tmp_path / "out"
+    assert main(["--quiet", "quantize", "--recipe", str(tmp_path / "r.yaml"), "--model", str(ref_llama), "--output", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    r = report["tasks"][TASK]
+    assert r["samples"] == 60 and r["score_drop"] == pytest.approx(r["baseline_score"] - r["score"])
+    assert f"| {TASK} | acc | {r['score']:.4f} ± " in (out / "report.md").read_text()
+    rc, stdout, _ = run(capsys, "--json", "eval", "--model", out, "--baseline", ref_llama, "--tasks", TASK,
+                        "--include-path", task_dir, "--limit", 60)
+    assert rc == 0 and json.loads(stdout)["tasks"][TASK] == r
+
+
+def test_recipe_with_an_unknown_task_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    from compress import modeling
+
+    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    (tmp_path / "r.yaml").write_text("stages:\n  - rtn:\n      scheme: W8A16\nevaluation:\n  tasks: [no_such_task]\n")
+    rc, _, err = run(capsys, "quantize", "--recipe", tmp_path / "r.yaml", "--model", "default", "--output", tmp_path / "out")
+    assert rc == 2 and "unknown lm-eval task: no_such_task" in err and "include_path in a recipe" in err
+    assert not (tmp_path / "out").exists()
