@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -36,3 +38,19 @@ def minilm() -> Path:
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+# An instruct model's template in miniature: BOS, each turn tagged and closed by EOS, and the
+# assistant's tag as the generation prompt.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def instruct_llama(tmp_path_factory, ref_llama) -> Path:
+    """ref-llama whose tokenizer_config.json has CHAT_TEMPLATE, as an instruct model's has."""
+    model = tmp_path_factory.mktemp("instruct") / "ref-llama-instruct"
+    shutil.copytree(ref_llama, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return model

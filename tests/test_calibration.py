@@ -103,17 +103,13 @@ def test_leading_windows_equal_the_whole_texts(tokenizer, seq_len, count):
     assert torch.equal(prefix, token_windows(tokenizer, text, seq_len)[:count])
 
 
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n"
-                 "{% endfor %}")
 CHATS = [[{"role": "user", "content": f"Question {i}: what follows {i}?"},
           {"role": "assistant", "content": f"The number {i + 1} follows {i}, as it always has."}] for i in range(40)]
 
 
 @pytest.fixture(scope="module")
-def chat_tokenizer():
-    tok = AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR)
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+def chat_tokenizer(instruct_llama):
+    return AutoTokenizer.from_pretrained(instruct_llama)
 
 
 def test_conversations_are_rendered_with_the_chat_template(tmp_path, chat_tokenizer):
@@ -167,20 +163,14 @@ def test_malformed_message_names_the_record(tmp_path, chat_tokenizer):
         build_calibration(CalibrationConfig(dataset=str(f), text_field="messages", num_samples=2, packing=False), chat_tokenizer)
 
 
-def test_instruct_model_quantized_on_conversations(tmp_path, ref_llama):
+def test_instruct_model_quantized_on_conversations(tmp_path, instruct_llama):
     """GPTQ through the CLI calibrated on a chat .jsonl, with the template from the model's own
     tokenizer_config.json; the output keeps the template for the next tool."""
-    import shutil
-
     import yaml
-    from transformers import AutoTokenizer
 
     from compress.cli import main
 
-    model = tmp_path / "instruct"
-    shutil.copytree(ref_llama, model)
-    cfg = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
+    model = instruct_llama
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in CHATS))
     recipe = {"calibration": {"dataset": str(tmp_path / "chat.jsonl"), "text_field": "messages", "packing": False,
                               "num_samples": 8, "seq_len": 64},
@@ -195,7 +185,7 @@ def test_instruct_model_quantized_on_conversations(tmp_path, ref_llama):
     lengths = [len(tok(tok.apply_chat_template(m, tokenize=False).strip(), add_special_tokens=False)["input_ids"]) for m in CHATS[:8]]
     assert max(lengths) < 64 and report["calibration"]["tokens"] == sum(lengths)
     assert all(r["gptq_loss"] < r["rtn_loss"] for r in report["layers"].values())
-    assert AutoTokenizer.from_pretrained(out).chat_template == CHAT_TEMPLATE
+    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(model).chat_template
 
 
 def _fake_hub(monkeypatch, records: list[dict]) -> list[int]:
@@ -269,17 +259,12 @@ def test_empty_conversations_are_skipped_in_every_format(tmp_path, chat_tokenize
         assert "Question 1" in chat_tokenizer.decode(cal.samples[1]["input_ids"][0]), name
 
 
-def test_evaluation_data_may_hold_conversations(tmp_path, ref_llama, chat_tokenizer, capsys, monkeypatch):
+def test_evaluation_data_may_hold_conversations(tmp_path, ref_llama, instruct_llama, chat_tokenizer, capsys, monkeypatch):
     """eval renders them with the model's template: the same numbers as the rendered text in a .txt;
     a model without a template is refused before any stage runs."""
-    import shutil
-
     from compress.cli import main
 
-    model = tmp_path / "instruct"
-    shutil.copytree(ref_llama, model)
-    cfg = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHAT_TEMPLATE}))
+    model = instruct_llama
     chats = CHATS * 3
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"text": m}) for m in chats))
     (tmp_path / "chat.txt").write_text("\n".join(chat_tokenizer.apply_chat_template(m, tokenize=False) for m in chats))

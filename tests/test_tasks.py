@@ -174,16 +174,10 @@ def test_thresholds_that_cannot_fail_or_need_a_baseline_are_refused(task_dir, re
         evaluate_model(str(ref_llama), [], tasks=TaskRequest(names=[TASK], include_path=str(task_dir)), thresholds={"max_task_drop": 0.01})
 
 
-def test_chat_template_puts_prompts_through_the_template(task_dir, ref_llama, tmp_path, capsys, monkeypatch):
-    import shutil
-
+def test_chat_template_puts_prompts_through_the_template(task_dir, ref_llama, instruct_llama, capsys, monkeypatch):
     from lm_eval.models.huggingface import HFLM
 
-    model = tmp_path / "instruct"
-    shutil.copytree(ref_llama, model)
-    cfg = json.loads((model / "tokenizer_config.json").read_text())
-    template = "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}<|assistant|>\n"
-    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    model = instruct_llama
     contexts = []
     scored = HFLM.loglikelihood
     monkeypatch.setattr(HFLM, "loglikelihood", lambda self, requests, **kw: contexts.extend(r.args[0] for r in requests)
@@ -193,7 +187,7 @@ def test_chat_template_puts_prompts_through_the_template(task_dir, ref_llama, tm
         assert rc == 0
     plain, chat = contexts[:12], contexts[12:]  # 3 documents x 4 choices each
     assert len(chat) == 12 and not any("<|user|>" in c for c in plain)
-    assert all(c.startswith("<|user|>\n") and c.rstrip().endswith("<|assistant|>") for c in chat)
+    assert all(c.startswith("<s><|user|>\n") and c.rstrip().endswith("</s>\n<|assistant|>") for c in chat)
     rc, _, err = run(capsys, "eval", "--model", ref_llama, "--tasks", TASK, "--include-path", task_dir, "--chat-template")
     assert rc == 2 and "--chat-template: the model's tokenizer has no chat template" in err
 
