@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import yaml
 
-from compress import modeling, packing
+from compress import modeling, packing, tasks as lm_tasks
 from compress.calibration import build_calibration, is_local_spec, read_texts, resolve_data_path
 from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
@@ -29,8 +29,6 @@ from compress.report import versions, write_json, write_reports
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.stages import STAGES
 from compress.stages.base import StageContext
-from compress import tasks as lm_tasks
-from compress.tasks import TaskRequest
 
 Progress = Callable[[str, int, int], None]
 
@@ -155,9 +153,13 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         progress("tokenizing calibration data", 0, 1)
         calibration = build_calibration(recipe.calibration, tokenizer)
         kill_point("calibrated")
+    # What evaluation will need of the tokenizer is checked now, not after the stages: local
+    # evaluation files are read (a conversation needs a chat template), and lm-eval's chat_template.
     for spec in recipe.evaluation.datasets if recipe.evaluation else []:
-        if resolve_data_path(spec) is not None:  # read now: what it cannot give (a conversation without a chat template) fails before the stages
+        if resolve_data_path(spec) is not None:
             read_texts(spec, tokenizer=tokenizer)
+    if task_request is not None:
+        lm_tasks.check_tokenizer(task_request.chat_template, tokenizer)
 
     report = {
         "versions": versions(),
@@ -377,7 +379,7 @@ def check_sequence_lengths(recipe: Recipe, config) -> None:
 
 def evaluate_model(model: str, datasets: list[str], baseline: str | None = None, device: str = "auto",
                    seq_len: int = 256, max_windows: int = 256, max_sentences: int = 200, batch_size: int = 8,
-                   thresholds: dict | None = None, tasks: TaskRequest | None = None,
+                   thresholds: dict | None = None, tasks: lm_tasks.TaskRequest | None = None,
                    progress: Progress = lambda *_: None) -> dict:
     """`compress eval` as a function: metrics per dataset and per lm-eval task, size, and
     threshold checks."""

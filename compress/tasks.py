@@ -122,6 +122,12 @@ def prepare(request: TaskRequest, causal: bool, model: str):
     return manager
 
 
+def check_tokenizer(chat_template: bool, tokenizer) -> None:
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise CompressError("--chat-template (chat_template in a recipe): the model's tokenizer has no chat template",
+                            "evaluate an instruct model (its tokenizer_config.json has chat_template), or drop the option")
+
+
 def score(net, tokenizer, request: TaskRequest, manager, batch_size: int = 8, baseline: tuple | None = None,
           thresholds: dict | None = None, progress=lambda *_: None) -> dict[str, dict]:
     """run_tasks on the model, then (with `baseline`, a (model, tokenizer) pair) on the baseline,
@@ -145,9 +151,7 @@ def run_tasks(net, tokenizer, tasks: list[str], manager, *, num_fewshot: int | N
     """{task: {metric, score, higher_is_better, stderr, samples}} for one model: each task asked
     for, or, for a tag or a group without an aggregate score, each of its tasks."""
     lm_eval, HFLM, _ = _lm_eval()
-    if chat_template and not getattr(tokenizer, "chat_template", None):
-        raise CompressError("--chat-template: the model's tokenizer has no chat template",
-                            "evaluate an instruct model (its tokenizer_config.json has chat_template), or drop --chat-template")
+    check_tokenizer(chat_template, tokenizer)
     lm = HFLM(pretrained=net, tokenizer=tokenizer, batch_size=batch_size)
     try:
         with _stderr_silenced():

@@ -189,7 +189,7 @@ def test_chat_template_puts_prompts_through_the_template(task_dir, ref_llama, in
     assert len(chat) == 12 and not any("<|user|>" in c for c in plain)
     assert all(c.startswith("<s><|user|>\n") and c.rstrip().endswith("</s>\n<|assistant|>") for c in chat)
     rc, _, err = run(capsys, "eval", "--model", ref_llama, "--tasks", TASK, "--include-path", task_dir, "--chat-template")
-    assert rc == 2 and "--chat-template: the model's tokenizer has no chat template" in err
+    assert rc == 2 and "--chat-template (chat_template in a recipe): the model's tokenizer has no chat template" in err
 
 
 def test_recipe_evaluation_scores_tasks_on_the_output(task_dir, ref_llama, tmp_path, capsys):
@@ -217,3 +217,13 @@ def test_recipe_with_an_unknown_task_is_refused_before_loading(tmp_path, capsys,
     rc, _, err = run(capsys, "quantize", "--recipe", tmp_path / "r.yaml", "--model", "default", "--output", tmp_path / "out")
     assert rc == 2 and "unknown lm-eval task: no_such_task" in err and "include_path in a recipe" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_recipe_asking_for_a_missing_chat_template_fails_before_the_stages(tmp_path, task_dir, ref_llama, capsys, monkeypatch):
+    from compress.stages.rtn import RoundToNearest
+
+    monkeypatch.setattr(RoundToNearest, "apply", lambda *a: pytest.fail("the stage ran"))
+    (tmp_path / "r.yaml").write_text(f"stages:\n  - rtn:\n      scheme: W8A16\nevaluation:\n  tasks: {{names: [{TASK}], "
+                                     f"include_path: {task_dir}, chat_template: true}}\n")
+    rc, _, err = run(capsys, "quantize", "--recipe", tmp_path / "r.yaml", "--model", ref_llama, "--output", tmp_path / "out")
+    assert rc == 2 and "chat_template in a recipe): the model's tokenizer has no chat template" in err
