@@ -364,7 +364,7 @@ def eval_cmd(
     seq_len: int = typer.Option(256, min=2, help="tokens per evaluation window."),
     max_windows: int = typer.Option(256, min=1, help="windows per file (the protocol's cap)."),
     batch_size: int = typer.Option(8, min=1, help="windows per forward pass."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", "-t", help="lm-eval tasks, comma-separated (arc_easy,hellaswag); needs compress[tasks]."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", "-t", help="lm-eval tasks, comma-separated (arc_easy,hellaswag); needs lm-eval (the tasks extra)."),
     include_path: Optional[Path] = typer.Option(None, help="a directory of your own lm-eval task YAML files, for --tasks."),
     num_fewshot: Optional[int] = typer.Option(None, min=0, help="few-shot examples per task prompt (default: each task's own)."),
     limit: Optional[int] = typer.Option(None, min=1, help="score only the first N documents of each task (a quick look)."),
