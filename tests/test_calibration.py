@@ -283,3 +283,38 @@ def test_evaluation_data_may_hold_conversations(tmp_path, ref_llama, instruct_ll
     err = capsys.readouterr().err
     assert "chat.jsonl:1: holds chat messages, but the model's tokenizer has no chat template" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_streaming_a_list_reads_on_while_samples_are_missing(monkeypatch, tokenizer):
+    import datasets
+
+    served = {"org/a": 0, "org/b": 0}
+    lines = TEXT.splitlines()
+
+    def fake_load(name, config_name=None, split=None, streaming=False):
+        part = lines[:5] if name == "org/a" else lines[5:]  # org/a alone is far too short
+
+        def gen():
+            for line in part:
+                served[name] += 1
+                yield {"text": line}
+
+        return datasets.IterableDataset.from_generator(gen) if streaming else datasets.Dataset.from_list([{"text": t} for t in part])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    cfg = dict(dataset=["org/a", "org/b"], num_samples=6, seq_len=64)
+    streamed = build_calibration(CalibrationConfig(**cfg, streaming=True), tokenizer)
+    assert streamed.source == "org/a, org/b" and served["org/a"] == 5 and 0 < served["org/b"] < 40
+    assert streamed.fingerprint == build_calibration(CalibrationConfig(**cfg), tokenizer).fingerprint
+
+
+def test_a_stream_that_fails_mid_read_is_a_clear_error(monkeypatch, tokenizer):
+    import datasets
+
+    def gen():
+        yield {"text": "first"}
+        raise ConnectionError("connection reset by peer")
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.IterableDataset.from_generator(gen))
+    with pytest.raises(CompressError, match=r"cannot stream dataset 'org/big' from the hub: .*connection reset"):
+        build_calibration(CalibrationConfig(dataset="org/big", num_samples=2, seq_len=8, streaming=True), tokenizer)

@@ -110,7 +110,8 @@ def test_gate_passes_the_same_model_and_fails_a_damaged_one(task_dir, ref_llama,
     r = damaged["tasks"][TASK]
     assert rc == 1 and not damaged["passed"]
     assert r["baseline_score"] == same["tasks"][TASK]["score"] and r["score_drop"] > 0.05
-    assert f"| {TASK} | acc | {r['score']:.4f} ± " in report.read_text()
+    assert (f"| {TASK} | acc | {r['score']:.4f} ± {r['stderr']:.4f} | 300 | {r['baseline_score']:.4f} | {r['score_drop']:.4f} |"
+            in report.read_text())
     assert 'failures="1"' in junit.read_text() and "acc worse than baseline by" in junit.read_text()
 
 
@@ -194,19 +195,23 @@ def test_chat_template_puts_prompts_through_the_template(task_dir, ref_llama, in
 
 def test_recipe_evaluation_scores_tasks_on_the_output(task_dir, ref_llama, tmp_path, capsys):
     """`evaluation.tasks` in a recipe: the report carries each task's score on the output and on
-    the uncompressed model; the W4 output's score equals `compress eval --tasks` on it."""
-    recipe = (f"stages:\n  - rtn:\n      scheme: W4A16\n      weights: {{group_size: 64}}\n"
+    the uncompressed model; the output's score equals `compress eval --tasks` on it. The stage
+    damages the model (95 % magnitude pruning) so that the two scores differ."""
+    recipe = (f"stages:\n  - magnitude: {{sparsity: 0.95}}\n"
               f"evaluation:\n  tasks: {{names: [{TASK}], include_path: {task_dir}, limit: 60}}\n")
     (tmp_path / "r.yaml").write_text(recipe)
     out = tmp_path / "out"
     assert main(["--quiet", "quantize", "--recipe", str(tmp_path / "r.yaml"), "--model", str(ref_llama), "--output", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     r = report["tasks"][TASK]
-    assert r["samples"] == 60 and r["score_drop"] == pytest.approx(r["baseline_score"] - r["score"])
+    assert r["samples"] == 60 and r["score_drop"] == pytest.approx(r["baseline_score"] - r["score"]) and r["score_drop"] > 0
     assert f"| {TASK} | acc | {r['score']:.4f} ± " in (out / "report.md").read_text()
     rc, stdout, _ = run(capsys, "--json", "eval", "--model", out, "--baseline", ref_llama, "--tasks", TASK,
                         "--include-path", task_dir, "--limit", 60)
     assert rc == 0 and json.loads(stdout)["tasks"][TASK] == r
+    # the baseline column is the uncompressed model's own score
+    rc, stdout, _ = run(capsys, "--json", "eval", "--model", ref_llama, "--tasks", TASK, "--include-path", task_dir, "--limit", 60)
+    assert rc == 0 and json.loads(stdout)["tasks"][TASK]["score"] == r["baseline_score"]
 
 
 def test_recipe_with_an_unknown_task_is_refused_before_loading(tmp_path, capsys, monkeypatch):
@@ -227,3 +232,45 @@ def test_recipe_asking_for_a_missing_chat_template_fails_before_the_stages(tmp_p
                                      f"include_path: {task_dir}, chat_template: true}}\n")
     rc, _, err = run(capsys, "quantize", "--recipe", tmp_path / "r.yaml", "--model", ref_llama, "--output", tmp_path / "out")
     assert rc == 2 and "chat_template in a recipe): the model's tokenizer has no chat template" in err
+
+
+def test_options_reach_lm_eval_and_the_metric_is_chosen_as_documented(instruct_llama, task_dir, capsys, monkeypatch):
+    """--num-fewshot, --limit and --chat-template are what lm-eval is asked for; --task-metric, or
+    else the preference acc_norm > acc > exact_match, picks the number reported."""
+    import lm_eval
+
+    calls = []
+
+    def fake_evaluate(**kwargs):
+        calls.append(kwargs)
+        metrics = {"exact_match,none": 0.1, "acc,none": 0.2, "acc_stderr,none": 0.01, "acc_norm,none": 0.3}
+        return {"results": {TASK: metrics}, "higher_is_better": {TASK: {"acc": True, "acc_norm": True}},
+                "n-samples": {TASK: {"effective": 7}}}
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", fake_evaluate)
+    for extra, metric, value in (([], "acc_norm", 0.3), (["--task-metric", "acc"], "acc", 0.2)):
+        rc, out, _ = run(capsys, "--json", "eval", "--model", instruct_llama, "--tasks", TASK, "--include-path", task_dir,
+                         "--num-fewshot", 2, "--limit", 7, "--chat-template", *extra)
+        r = json.loads(out)["tasks"][TASK]
+        assert rc == 0 and (r["metric"], r["score"], r["samples"]) == (metric, value, 7)
+    assert all((c["tasks"], c["num_fewshot"], c["limit"], c["apply_chat_template"], c["fewshot_as_multiturn"])
+               == ([TASK], 2, 7, True, True) for c in calls)
+    from compress.tasks import primary_metric
+
+    assert primary_metric({"exact_match,strict": 1.0, "f1,strict": 0.5}) == "exact_match"
+    assert primary_metric({"bleu,none": 30.0, "bleu_stderr,none": 1.0}) == "bleu"
+
+
+def test_thresholds_at_their_boundary_and_on_unbounded_metrics():
+    from compress.evaluate import task_gate
+    from compress.tasks import check_thresholds
+
+    row = {"metric": "acc", "score": 0.5, "higher_is_better": True, "score_drop": 0.01}
+    assert [c["passed"] for c in task_gate({"t": row}, min_task_score=0.5, max_task_drop=0.01)] == [True, True]
+    assert [c["passed"] for c in task_gate({"t": row}, min_task_score=0.51, max_task_drop=0.0099)] == [False, False]
+    check_thresholds({"t": {"metric": "bleu", "score": 35.0, "higher_is_better": True}}, None, 5)  # BLEU drops by points
+
+
+def test_lm_eval_writes_nothing_to_stderr(task_dir, capfd):
+    assert main(["--quiet", "eval", "--model", "default", "--tasks", TASK, "--include-path", str(task_dir), "--limit", "2"]) == 0
+    assert capfd.readouterr().err == ""  # neither its progress bars nor git's "not a git repository"
