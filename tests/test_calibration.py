@@ -318,3 +318,26 @@ def test_a_stream_that_fails_mid_read_is_a_clear_error(monkeypatch, tokenizer):
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.IterableDataset.from_generator(gen))
     with pytest.raises(CompressError, match=r"cannot stream dataset 'org/big' from the hub: .*connection reset"):
         build_calibration(CalibrationConfig(dataset="org/big", num_samples=2, seq_len=8, streaming=True), tokenizer)
+
+
+def test_one_bos_where_both_the_template_and_the_tokenizer_add_it(tmp_path, instruct_llama):
+    """Llama-style tokenizers add BOS themselves and their templates write it too: a conversation
+    gets one, plain text still gets the tokenizer's."""
+    import shutil
+
+    model = tmp_path / "bos"
+    shutil.copytree(instruct_llama, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    spec = json.loads((model / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
+    spec["post_processor"]["single"] = [bos, *spec["post_processor"]["single"]]
+    spec["post_processor"]["special_tokens"] = {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    tok = AutoTokenizer.from_pretrained(model)
+    assert tok("hello")["input_ids"][0] == tok.bos_token_id  # it does add BOS
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps({"messages": m}) for m in CHATS[:4]))
+    cal = build_calibration(CalibrationConfig(dataset=str(tmp_path / "chat.jsonl"), text_field="messages", num_samples=4,
+                                              seq_len=64, packing=False), tok)
+    assert all(s["input_ids"][0].tolist().count(tok.bos_token_id) == 1 for s in cal.samples)
+    (tmp_path / "plain.txt").write_text("\n".join(TEXT.splitlines()[:4]))
+    plain = build_calibration(CalibrationConfig(dataset=str(tmp_path / "plain.txt"), num_samples=4, seq_len=64, packing=False), tok)
+    assert all(s["input_ids"][0, 0] == tok.bos_token_id for s in plain.samples)
