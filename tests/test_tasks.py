@@ -12,14 +12,9 @@ import re
 import pytest
 
 from compress.cli import main
+from tests.test_cli import run
 
 TASK = "ts_cloze"
-
-
-def run(capsys, *args):
-    rc = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.fixture(scope="module")
