@@ -105,6 +105,12 @@ def _rows() -> list[Row]:
         Row("ref-llama", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}),
         Row("ref-llama", "W8A8 int8 static per-tensor", W8A8_STATIC),
         Row("ref-llama", "FP8_DYNAMIC", {"scheme": "FP8_DYNAMIC"}),
+        # FP4 weights in the two block formats (E2M1 codes; e4m3 block scales under a global scale,
+        # or power-of-two block scales), then the same with GPTQ
+        Row("ref-llama", "NVFP4 g16", {"scheme": "NVFP4A16"}),
+        Row("ref-llama", "MXFP4 g32", {"scheme": "MXFP4A16"}),
+        Row("ref-llama", "NVFP4 g16", {"scheme": "NVFP4A16"}, **GPTQ_ROW),
+        Row("ref-llama", "MXFP4 g32", {"scheme": "MXFP4A16"}, **GPTQ_ROW),
         # The mixed-precision recipe `compress analyze --emit-recipe` wrote for W3 g64's storage
         # (recipes/mixed-w3avg-g64.yaml: one rtn stage per width), against uniform RTN W3 g64.
         Row("ref-llama", MIXED_LABEL, MIXED_STAGES[-1]["rtn"], method="mixed", before=tuple(MIXED_STAGES[:-1])),
@@ -143,6 +149,8 @@ def _rows() -> list[Row]:
         Row("minilm", "W3 absmax g64", {"scheme": "W4A16", "weights": {"num_bits": 3, "group_size": 64}}),
         Row("minilm", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}),
         Row("minilm", "W8A8 int8 static per-tensor", W8A8_STATIC),
+        Row("minilm", "NVFP4 g16", {"scheme": "NVFP4A16"}),
+        Row("minilm", "NVFP4 g16", {"scheme": "NVFP4A16"}, **GPTQ_ROW),
         Row("minilm", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}, **GPTQ_ROW),
         Row("minilm", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **GPTQ_ROW),
         Row("minilm", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}, **AWQ_ROW),

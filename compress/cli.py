@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from compress.errors import CompressError
-from compress.schemes import symmetry_label
+from compress.schemes import weights_label
 
 app = typer.Typer(
     name="compress",
@@ -519,7 +519,7 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
         ratio = f"{rec['bytes_on_disk'] / rec['float16_bytes']:.3f}" if rec.get("float16_bytes") and rec["bytes_on_disk"] else "-"
         err = rec.get("relative_error")
         t.add_row(n, "x".join(map(str, rec.get("shape", []))),
-                  f"{w['type']}{w['num_bits']} {w['strategy']}{' g' + str(w['group_size']) if w.get('group_size') else ''} {symmetry_label(w['symmetric'], w.get('full_range', False))}" if w else "-",
+                  weights_label(w),
                   f"{a['type']}{a['num_bits']} {a['strategy']} {'dynamic' if a['dynamic'] else 'static'}" if a else "-",
                   f"{err:.4g}" if err is not None else "-", *sparse, f"{rec['bytes_on_disk']:,}", ratio)
     _print_wide(t)

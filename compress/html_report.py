@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from html import escape
 
-from compress.schemes import symmetry_label
+from compress.schemes import weights_label
 from compress.svg import Point, bars, scatter
 
 CSS = """
@@ -55,12 +55,6 @@ def table(header: list[str], rows: list[list], numeric: set[int] | None = None) 
     return f"<div class=scroll><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
-def _weights_desc(rec: dict) -> str:
-    w = rec.get("weights")
-    if not w:
-        return "-"
-    gran = f"g{w['group_size']}" if w.get("group_size") else w.get("strategy", "")
-    return f"{w.get('type', 'int')}{w.get('num_bits')} {gran} {symmetry_label(w.get('symmetric'), w.get('full_range', False))}"
 
 
 def run_html(report: dict) -> str:
@@ -100,7 +94,7 @@ def run_html(report: dict) -> str:
     if not errors and not sparsity:
         body.append("<p class=note>No per-layer error was recorded by these stages.</p>")
     body.append(table(["layer", "shape", "weights", "relative error"] + (["sparsity"] if sparsity else []),
-                      [[n, "x".join(map(str, r.get("shape", []))), _weights_desc(r), _num(r.get("relative_error"))]
+                      [[n, "x".join(map(str, r.get("shape", []))), weights_label(r.get("weights")), _num(r.get("relative_error"))]
                        + ([_num(r.get("sparsity"))] if sparsity else []) for n, r in layers.items()], {3, 4}))
     ev = report.get("evaluation")
     if ev:

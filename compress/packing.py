@@ -55,9 +55,13 @@ def ct_args(args: dict):
     """Our QuantArgs fields (as recorded in ctx.layers) as compressed-tensors QuantizationArgs."""
     from compressed_tensors.quantization import QuantizationArgs
 
+    extra = {}
+    if args["type"] == "float" and args["num_bits"] == 4:  # the block scales' storage type names the format
+        dtype = torch.float8_e4m3fn if args["strategy"] == "tensor_group" else torch.uint8  # NVFP4 e4m3; MXFP4 e8m0
+        extra = {"scale_dtype": dtype, "zp_dtype": dtype}
     return QuantizationArgs(num_bits=args["num_bits"], type=args["type"], symmetric=args["symmetric"],
                             strategy=args["strategy"], group_size=args.get("group_size"),
-                            dynamic=bool(args.get("dynamic", False)))
+                            dynamic=bool(args.get("dynamic", False)), **extra)
 
 
 def ct_scheme(rec: dict, targets: list[str]):
@@ -82,9 +86,9 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
             problems.append(f"{name}, which is not a module of the saved model (fused mixture-of-experts weights)")
         elif type(module) is not torch.nn.Linear:
             problems.append(f"{name}, a {type(module).__name__} layer rather than a Linear one")
-        elif w["strategy"] == "group" and module.in_features % w["group_size"]:
+        elif w["strategy"] in ("group", "tensor_group") and module.in_features % w["group_size"]:
             problems.append(f"{name}, whose {module.in_features} input features are not a whole number of groups of {w['group_size']}")
-        elif w["strategy"] not in ("tensor", "channel", "group"):
+        elif w["strategy"] not in ("tensor", "channel", "group", "tensor_group"):
             problems.append(f"{name}, with weight strategy {w['strategy']}")
         elif id(module.weight) in shared:
             problems.append(f"{name}, whose weight is tied to another parameter")
@@ -169,6 +173,25 @@ def _activation_qparams(rec: dict) -> dict[str, torch.Tensor]:
     return {"input_scale": qp.scale.float(), "input_zero_point": qp.zero_point.to(torch.int8)}
 
 
+def _fp4_scales(name: str, weight: torch.Tensor, rec: dict) -> dict[str, torch.Tensor]:
+    """An FP4 layer's block scales, as the compressor takes them: NVFP4's e4m3 values (step times
+    the global scale the stage recorded) and its global scale; MXFP4's power-of-two steps."""
+    from compress.quant import nvfp4_global_scale, recover_fp4_steps
+
+    w = rec["weights"]
+    nv = w["strategy"] == "tensor_group"
+    g = rec.get("global_scale") if nv else None
+    if nv and g is None:  # a stage that did not record one: the weight's own, as quantize_weight takes it
+        g = nvfp4_global_scale(weight.float().abs().amax())
+    steps, failed = recover_fp4_steps(weight, w["group_size"], g)
+    if failed:
+        raise NotPackable(f"layer {name}: {failed} weight block(s) are not on an FP4 grid the format can store exactly",
+                          "pass --format dense; the layer's weights were changed after quantization")
+    if not nv:
+        return {"weight_scale": steps}
+    return {"weight_scale": steps * g, "weight_global_scale": torch.tensor([g], dtype=torch.float32)}
+
+
 def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str, torch.Tensor], str]:
     """The layer's tensors in the format (local names: weight_packed, weight_scale, ...), and the
     format's name. Raises CompressError when the packed layer would not give back its weights."""
@@ -176,6 +199,8 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
 
     w = rec["weights"]
     weight = module.weight.detach().cpu()
+    if w["type"] == "float" and w["num_bits"] == 4:
+        return _pack(name, module, rec, weight, _fp4_scales(name, weight, rec))
     scale, zero_point, failed = recover_qparams(weight, w["num_bits"], w["symmetric"], w["strategy"], w.get("group_size"),
                                                 float8=w["type"] == "float")
     if failed:
@@ -186,13 +211,20 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
         # (stages round them so: compress.quant.scales_stored_as), so nothing is cast on load
         in_dtype = scales_as(weight, scale, zero_point, w["num_bits"], w["strategy"], w.get("group_size"), weight.dtype)
         scale = scale if in_dtype is None else in_dtype
+    scales = {"weight_scale": scale}
+    if zero_point is not None:
+        scales["weight_zero_point"] = zero_point
+    return _pack(name, module, rec, weight, scales)
+
+
+def _pack(name: str, module: torch.nn.Linear, rec: dict, weight: torch.Tensor,
+          scales: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str]:
+    """Compress with the library, and check that it decompresses to the same weights."""
     scheme = ct_scheme(rec, [name])
     compressor, fmt = _compressor(scheme)
     # float32 in: the library divides by the scale in the weight's dtype, and in bfloat16 that
     # division can round an 8-bit code to its neighbour
-    state = {"weight": weight.float(), "weight_scale": scale}
-    if zero_point is not None:
-        state["weight_zero_point"] = zero_point
+    state = {"weight": weight.float(), **scales}
     state.update(_activation_qparams(rec))
     packed = compressor.compress(state, scheme)
     again = compressor.decompress(dict(packed), scheme)["weight"]

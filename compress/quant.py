@@ -25,6 +25,13 @@ weight), per group of `group_size` consecutive input columns, or per token (row 
 A width that `group_size` does not divide gets a shorter last group.
 
 FP8 (e4m3) is supported as a float format: scale so that max|x| maps to 448, cast, cast back.
+
+FP4 (e2m1: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in blocks, the two formats NVIDIA Blackwell and the
+OCP microscaling spec define, each element rounded to the nearest value at its block's step:
+* NVFP4: blocks of 16, each with an FP8 e4m3 scale, times one float32 global scale per tensor
+      step = e4m3(max|block| · g / 6) / g
+* MXFP4: blocks of 32, each with a power-of-two (e8m0) step
+See the FP4 section below for how g and the steps are chosen.
 Nothing here knows about models, hooks or devices.
 
 Scales are float32 values; inside `scales_stored_as(torch.bfloat16)` (or float16) every weight
@@ -109,6 +116,7 @@ class QParams:
     zero_point: torch.Tensor  # integer-valued float32 tensor (all zeros for absmax)
     qmin: int
     qmax: int
+    fp4: bool = False  # codes are the E2M1 values (round_to_fp4), not integers
 
 
 def absmax_qparams(absmax: torch.Tensor, bits: int, full_range: bool = False) -> QParams:
@@ -132,7 +140,9 @@ def zeropoint_qparams(xmin: torch.Tensor, xmax: torch.Tensor, bits: int) -> QPar
 
 
 def quantize(x: torch.Tensor, qp: QParams) -> torch.Tensor:
-    """Integer codes (as float32 holding integers) for x."""
+    """Integer codes (as float32 holding integers) for x; E2M1 values for an FP4 grid."""
+    if qp.fp4:
+        return round_to_fp4(x.float() / qp.scale)
     return torch.clamp(torch.round(x.float() / qp.scale + qp.zero_point), qp.qmin, qp.qmax)
 
 
@@ -522,6 +532,107 @@ def scales_as(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
         if bool(ok.all()):
             return chosen.reshape(scale.shape)
     return None
+
+
+# --- FP4 (E2M1) with block scales: NVFP4 and MXFP4 -----------------------------------------------
+
+FP4_E2M1_MAX = 6.0
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# The midpoints between neighbouring values, and whether a tie there goes up: to the value whose
+# mantissa bit is 0 (round half to even, as IEEE casts, the OCP spec and compressed-tensors do).
+_FP4_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+NVFP4_GROUP, MXFP4_GROUP = 16, 32
+_E4M3_SMALLEST = 2.0**-9  # e4m3's smallest subnormal
+
+
+def round_to_fp4(x: torch.Tensor) -> torch.Tensor:
+    """Each element to the nearest E2M1 value, saturating at ±6; float32 out."""
+    a = x.float().abs()
+    index = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for edge, tie_up in _FP4_MIDPOINTS:
+        index += (a >= edge) if tie_up else (a > edge)
+    values = torch.tensor(FP4_E2M1_VALUES, device=a.device)[index.long()]
+    return torch.where(x < 0, -values, values)
+
+
+def nvfp4_global_scale(absmax: torch.Tensor | float) -> float:
+    """The per-tensor NVFP4 scale g: a power of two, the largest at which max|W| · g / 6 still fits
+    e4m3's 448, so the block scales use e4m3's top binades. (compressed-tensors' observers take
+    g = 448 · 6 / max|W| itself.) A power of two changes no block's precision, since e4m3 is
+    equally fine in every normal binade, and makes every step s / g, and every weight code · s / g,
+    exact in float32 and bfloat16: what a model computes with is exactly what the checkpoint
+    stores, and packing can recover the block scales from the weights alone."""
+    m = float(absmax)
+    if not m > 0 or not torch.isfinite(torch.tensor(m)):
+        return 1.0
+    _, exponent = torch.frexp(torch.tensor(FP8_E4M3_MAX * FP4_E2M1_MAX / m, dtype=torch.float64))
+    return float(2.0 ** (int(exponent) - 1))  # floor(log2(448 · 6 / m)); frexp's mantissa is in [0.5, 1)
+
+
+def fp4_steps(block_absmax: torch.Tensor, global_scale: float | None) -> torch.Tensor:
+    """Each block's step (the value of E2M1's 1.0) from its largest magnitude.
+
+    NVFP4 (`global_scale` g given): the e4m3 value nearest max|block| · g / 6, over g: the block's
+    extreme lands on ±6 (a scale that rounded down saturates it by at most 1/16).
+    MXFP4 (None): the smallest power of two at which the extreme stays below 7, so saturation costs
+    it less than one step, the error it would have at the next power up, while every other element
+    keeps the finer grid. (The OCP spec's 2^(floor(log2 max) - 2) saturates by up to two steps.)
+    An all-zero block gets a step that holds it exactly, like any other."""
+    m = block_absmax.float()
+    if global_scale is not None:
+        s8 = (m * global_scale / FP4_E2M1_MAX).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+        return torch.where(s8 > 0, s8, torch.full_like(s8, _E4M3_SMALLEST)) / global_scale
+    mantissa, exponent = torch.frexp(m / 7)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # ceil(log2(m / 7)), exactly
+    exponent = exponent.clamp(-127, 127).float()
+    return torch.where(m > 0, torch.exp2(exponent), torch.ones_like(m))
+
+
+def fp4_qparams(block_absmax: torch.Tensor, global_scale: float | None) -> QParams:
+    """Steps (shaped as `block_absmax`) as QParams on the FP4 grid, for quantize/dequantize."""
+    step = fp4_steps(block_absmax, global_scale)
+    return QParams(step, torch.zeros_like(step), -int(FP4_E2M1_MAX), int(FP4_E2M1_MAX), fp4=True)
+
+
+def fake_quantize_fp4(x: torch.Tensor, group_size: int, global_scale: float | None = None) -> torch.Tensor:
+    """x [rows, cols] rounded to FP4 in blocks of `group_size` consecutive columns (NVFP4 with a
+    `global_scale`, MXFP4 without); float32 out. NaN/Inf elements stay as they are."""
+    original = x
+    x, finite = _finite_or_zero(x.float())
+    grouped, pad = _grouped(x, group_size)
+    qp = fp4_qparams(grouped.abs().amax(-1, keepdim=True), global_scale)
+    out = dequantize(quantize(grouped, qp), qp).reshape(x.shape[0], -1)
+    out = out[:, : x.shape[1]] if pad else out
+    return out if finite is None else torch.where(finite, out, original.float())
+
+
+def recover_fp4_steps(weight: torch.Tensor, group_size: int, global_scale: float | None) -> tuple[torch.Tensor, int]:
+    """Block steps that reproduce an FP4-quantized weight bit for bit (recover_qparams' job for
+    the float grids): a block's largest magnitude is code · step for one of E2M1's seven nonzero
+    values, so step = max / code exactly for the right one; each candidate is verified over the
+    whole block, and must be storable (step · g an e4m3 value, or a power of two for MXFP4).
+    Returns (steps [rows, cols / group_size] float32, number of blocks that failed)."""
+    rows, cols = weight.shape
+    if cols % group_size:
+        raise ValueError(f"{cols} columns are not a whole number of groups of {group_size}")
+    w = weight.detach().reshape(-1, group_size)
+    x = w.float()
+    top = x.abs().amax(-1, keepdim=True)
+    steps = torch.ones_like(top) if global_scale is None else torch.full_like(top, 1.0 / global_scale)
+    ok = top == 0
+    for code in reversed(FP4_E2M1_VALUES[1:]):
+        cand = top / code
+        if global_scale is None:
+            mantissa, _ = torch.frexp(cand)
+            storable = (mantissa == 0.5) & (cand >= 2.0**-127) & (cand <= 2.0**127)
+        else:
+            s8 = cand * global_scale
+            storable = (s8 <= FP8_E4M3_MAX) & (s8.to(torch.float8_e4m3fn).float() == s8)
+        exact = ((round_to_fp4(x / cand) * cand).to(w.dtype) == w).all(-1, keepdim=True)
+        good = storable & exact & ~ok
+        steps = torch.where(good, cand, steps)
+        ok = ok | good
+    return steps.reshape(rows, cols // group_size), int((~ok).sum())
 
 
 # --- Differentiable fake quantization, for quantization-aware training -------------------------

@@ -10,7 +10,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 import torch
 
-from compress.schemes import symmetry_label
+from compress.schemes import weights_label
 
 
 def versions() -> dict:
@@ -128,7 +128,7 @@ def run_markdown(report: dict) -> str:
     for name, rec in report["layers"].items():
         w = rec.get("weights") or {}
         a = rec.get("input_activations")
-        wdesc = f"int{w.get('num_bits')} {w.get('strategy')}" + (f" g{w['group_size']}" if w.get("group_size") else "") + " " + symmetry_label(w.get("symmetric"), w.get("full_range", False)) if w else "-"
+        wdesc = weights_label(w)
         adesc = f"{a['type']}{a['num_bits']} {a['strategy']}{' dynamic' if a.get('dynamic') else ' static'}" if a else "-"
         sparse = ""
         if pruned:

@@ -15,16 +15,19 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from compress.quant import MXFP4_GROUP, NVFP4_GROUP
+
 
 class QuantArgs(BaseModel):
     """How one tensor (a weight, or a layer's input activations) is quantized."""
 
     model_config = ConfigDict(extra="forbid")
 
-    num_bits: int = Field(8, description="bit width: 2..8 for int, 8 for float (FP8 e4m3)")
+    num_bits: int = Field(8, description="bit width: 2..8 for int; for float 8 (FP8 e4m3) or 4 (FP4 e2m1: NVFP4, MXFP4)")
     type: Literal["int", "float"] = "int"
     symmetric: bool = Field(True, description="true: absmax; false: zero-point (asymmetric)")
-    strategy: Literal["tensor", "channel", "group", "token"] = "channel"
+    strategy: Literal["tensor", "channel", "group", "tensor_group", "token"] = Field(
+        "channel", description="tensor_group: NVFP4's blocks of 16 with e4m3 scales under one per-tensor scale")
     group_size: Optional[int] = Field(None, description="columns per scale when strategy is group")
     dynamic: bool = Field(False, description="activations: ranges from each input (true) or from calibration (false)")
     full_range: bool = Field(False, description="symmetric int: all 2^b codes, [-2^(b-1), 2^(b-1)-1], step max|x|/(2^(b-1)-0.5) "
@@ -35,15 +38,24 @@ class QuantArgs(BaseModel):
         if self.type == "int" and not 2 <= self.num_bits <= 8:
             raise ValueError(f"num_bits must be between 2 and 8 for int quantization, got {self.num_bits}")
         if self.type == "float":
-            if self.num_bits != 8:
-                raise ValueError("float quantization is FP8 (e4m3): num_bits must be 8")
+            if self.num_bits not in (4, 8):
+                raise ValueError("float quantization is FP8 (e4m3, num_bits 8) or FP4 (e2m1, num_bits 4)")
             if not self.symmetric:
-                raise ValueError("FP8 quantization is symmetric: set symmetric: true")
-            if self.strategy == "group":
+                raise ValueError(f"FP{self.num_bits} quantization is symmetric: set symmetric: true")
+            if self.num_bits == 8 and self.strategy in ("group", "tensor_group"):
                 raise ValueError("FP8 supports tensor, channel and token strategies, not group")
+            if self.num_bits == 4 and self.strategy == "tensor_group" and self.group_size != NVFP4_GROUP:
+                raise ValueError(f"NVFP4 (strategy tensor_group) has blocks of {NVFP4_GROUP}: set group_size: {NVFP4_GROUP}")
+            if self.num_bits == 4 and self.strategy == "group" and self.group_size != MXFP4_GROUP:
+                raise ValueError(f"MXFP4 (float 4-bit, strategy group) has blocks of {MXFP4_GROUP}: set group_size: {MXFP4_GROUP}, "
+                                 f"or strategy tensor_group with group_size {NVFP4_GROUP} for NVFP4")
+            if self.num_bits == 4 and self.strategy not in ("group", "tensor_group"):
+                raise ValueError("FP4 quantizes in blocks: strategy tensor_group (NVFP4, group_size 16) or group (MXFP4, group_size 32)")
+        elif self.strategy == "tensor_group":
+            raise ValueError("strategy tensor_group is NVFP4's: set type: float and num_bits: 4 (or use strategy group)")
         if self.full_range and (self.type != "int" or not self.symmetric):
             raise ValueError("full_range is for symmetric int quantization (zero-point already uses all 2^b codes)")
-        if self.strategy == "group":
+        if self.strategy in ("group", "tensor_group"):
             if self.group_size is None:
                 raise ValueError("strategy group needs group_size (e.g. 64 or 128)")
             if self.group_size <= 0:
@@ -55,7 +67,16 @@ class QuantArgs(BaseModel):
             raise ValueError(f"group_size is set but strategy is {self.strategy!r}: set strategy: group")
         return self
 
+    @property
+    def fp4_format(self) -> str | None:
+        """"nvfp4" or "mxfp4" for FP4 weights or activations, else None."""
+        if self.type != "float" or self.num_bits != 4:
+            return None
+        return "nvfp4" if self.strategy == "tensor_group" else "mxfp4"
+
     def describe(self) -> str:
+        if self.fp4_format:
+            return f"{self.fp4_format} g{self.group_size}" + (" dynamic" if self.dynamic else "")
         kind = f"{'fp' if self.type == 'float' else 'int'}{self.num_bits}"
         gran = f"g{self.group_size}" if self.strategy == "group" else f"per-{self.strategy}"
         sym = symmetry_label(self.symmetric, self.full_range)
@@ -66,6 +87,17 @@ class QuantArgs(BaseModel):
 def symmetry_label(symmetric: bool, full_range: bool = False) -> str:
     """How reports name a grid: sym (absmax), sym full (all 2^b codes) or asym (zero-point)."""
     return ("sym full" if full_range else "sym") if symmetric else "asym"
+
+
+def weights_label(w: dict | None) -> str:
+    """A layer record's weights (QuantArgs as dumped) for report tables: `int4 group g64 sym`,
+    `float8 channel sym`, `nvfp4 g16`; `-` for none."""
+    if not w:
+        return "-"
+    if w.get("type") == "float" and w.get("num_bits") == 4:
+        return f"{'nvfp4' if w.get('strategy') == 'tensor_group' else 'mxfp4'} g{w.get('group_size')}"
+    group = f" g{w['group_size']}" if w.get("group_size") else ""
+    return f"{w.get('type', 'int')}{w.get('num_bits')} {w.get('strategy')}{group} {symmetry_label(w.get('symmetric'), w.get('full_range', False))}"
 
 
 def _w(bits: int, strategy: str = "channel", group_size: int | None = None, symmetric: bool = True, type: str = "int"):
@@ -86,6 +118,8 @@ PRESETS: dict[str, dict] = {
     "W4A8": {"weights": _w(4, "group", 128), "input_activations": _a()},
     "FP8": {"weights": _w(8, "tensor", type="float"), "input_activations": _a(8, "tensor", False, "float")},
     "FP8_DYNAMIC": {"weights": _w(8, "channel", type="float"), "input_activations": _a(8, "token", True, "float")},
+    "NVFP4A16": {"weights": _w(4, "tensor_group", NVFP4_GROUP, type="float")},
+    "MXFP4A16": {"weights": _w(4, "group", MXFP4_GROUP, type="float")},
 }
 
 
@@ -129,13 +163,13 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
         fields = dict(base.get(part) or {})
         if override:
             # Switching strategy away from group must drop the preset's group size.
-            if override.get("strategy", "group") != "group" and "group_size" not in override:
+            if override.get("strategy", "group") not in ("group", "tensor_group") and "group_size" not in override:
                 fields.pop("group_size", None)
             if "group_size" in override and "strategy" not in override and override["group_size"] is not None:
                 fields["strategy"] = "group"
             fields.update(override)
         if fields:
-            if fields.get("strategy") != "group" and fields.get("group_size") is None:
+            if fields.get("strategy") not in ("group", "tensor_group") and fields.get("group_size") is None:
                 fields.pop("group_size", None)
             merged[part] = fields
     return QuantScheme.model_validate(merged)
@@ -143,7 +177,11 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
 
 def packed_weight_bits(out_features: int, in_features: int, args: QuantArgs) -> int:
     """Storage of one quantized weight once packed: codes at num_bits, 16-bit scales, and
-    zero-points at num_bits when asymmetric (the compressed-tensors layout)."""
+    zero-points at num_bits when asymmetric (the compressed-tensors layout); FP4 has 8-bit block
+    scales (e4m3 or e8m0), and NVFP4 one float32 global scale."""
+    if args.fp4_format:
+        blocks = out_features * -(-in_features // args.group_size)
+        return out_features * in_features * 4 + blocks * 8 + (32 if args.fp4_format == "nvfp4" else 0)
     if args.strategy == "group":
         n_scales = out_features * -(-in_features // args.group_size)
     elif args.strategy == "channel":

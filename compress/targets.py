@@ -45,3 +45,21 @@ def unused_patterns(model: torch.nn.Module, patterns: list[str]) -> list[str]:
     """Patterns that match no linear-like module: almost always a typo in the recipe."""
     linear = [(n, m) for n, m in model.named_modules() if type(m).__name__ in LINEAR_TYPES]
     return [p for p in patterns if not any(matches(p, n, m) for n, m in linear)]
+
+
+# Layers that read one input and that inference engines (vLLM) run as one fused matrix: Llama-style
+# q/k/v and gate/up, BERT's query/key/value, Mixtral's expert w1/w3. A per-tensor scale (NVFP4's
+# global scale) must be the same across such a group, since the fused matrix has only one.
+FUSED_INPUTS = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"query", "key", "value"}, {"w1", "w3"})
+
+
+def fused_groups(names: list[str]) -> list[list[str]]:
+    """`names` in groups of siblings that an engine fuses (FUSED_INPUTS), every other name alone;
+    in order of each group's first member."""
+    groups: dict[tuple, list[str]] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        fused = next((i for i, leaves in enumerate(FUSED_INPUTS) if leaf in leaves), None)
+        key = (parent, fused) if fused is not None else (name,)
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())

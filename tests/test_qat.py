@@ -133,7 +133,7 @@ stages:
 
 
 @pytest.mark.parametrize("stage, words", [
-    ("{scheme: FP8}", "FP8 weights are not supported"),
+    ("{scheme: FP8}", "float weights (FP8, FP4) are not supported"),
     ("{scheme: W8A8, input_activations: {dynamic: false, strategy: tensor}}", "dynamic integer activations only"),
     ("{scheme: W4A16, kd_weight: 0}", "nothing to train on"),
     ("{scheme: W4A16, freeze: [nothing_like_this]}", "match no parameter"),

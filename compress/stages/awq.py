@@ -165,7 +165,7 @@ class AWQ(EngineOptions, QuantizationStage):
     @model_validator(mode="after")
     def _integer_weights(self) -> "AWQ":
         if self.resolved_scheme().weights.type != "int":
-            raise ValueError("AWQ quantizes to an integer grid: use an int weights scheme")
+            raise ValueError("AWQ quantizes to an integer grid: use an int weights scheme (FP4: gptq or rtn)")
         return self
 
     def observe(self, name: str, module: torch.nn.Module) -> InputSampler:

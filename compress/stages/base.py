@@ -144,7 +144,7 @@ class QuantArgsOverride(BaseModel):
     num_bits: Optional[int] = Field(None, ge=2, le=8)
     type: Optional[Literal["int", "float"]] = None
     symmetric: Optional[bool] = None
-    strategy: Optional[Literal["tensor", "channel", "group", "token"]] = None
+    strategy: Optional[Literal["tensor", "channel", "group", "tensor_group", "token"]] = None
     group_size: Optional[int] = Field(None, gt=0)
     dynamic: Optional[bool] = None
     full_range: Optional[bool] = None

@@ -43,10 +43,11 @@ from compress import activations
 from compress.engine import solve_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
-from compress.quant import QParams, absmax_qparams, compute_qparams, zeropoint_qparams, dequantize, fake_quantize, quantize, relative_error
+from compress.quant import QParams, absmax_qparams, compute_qparams, dequantize, fp4_qparams, quantize, relative_error, zeropoint_qparams
 from compress.schemes import QuantArgs
 from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
+from compress.stages.rtn import global_scales, quantize_weight
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -78,43 +79,55 @@ def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_damp: float = 10.
     raise FloatingPointError(f"Hessian is not positive definite even with damping {frac / 10:g}")
 
 
+def _row_qparams(lo: torch.Tensor, hi: torch.Tensor, args: QuantArgs, global_scale) -> QParams:
+    """Parameters for rows whose ranges are [lo, hi] ([rows, 1] each)."""
+    if args.fp4_format:
+        return fp4_qparams(torch.maximum(-lo, hi), global_scale)
+    if args.symmetric:
+        return absmax_qparams(torch.maximum(-lo, hi), args.num_bits, args.full_range)
+    return zeropoint_qparams(lo, hi, args.num_bits)
+
+
 def _column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | None = None,
-                    shrink_grid: int = 0, max_shrink: float = 0.2) -> QParams:
+                    shrink_grid: int = 0, max_shrink: float = 0.2, global_scale=None) -> QParams:
     """Per-row (or per-tensor) parameters for the columns of W. With `shrink_grid`, each row's range
     is shrunk to r · (min, max) for r from 1 down to 1 - max_shrink, keeping the r whose rounding
-    error Σ_j weight_j (w_j - q_j)² is least (weight: the columns' Hessian diagonal)."""
-    strategy = "tensor" if args.strategy == "tensor" else "channel"
-    qp = compute_qparams(W, args.num_bits, args.symmetric, strategy, full_range=args.full_range)
-    if not shrink_grid or strategy == "tensor":
+    error Σ_j weight_j (w_j - q_j)² is least (weight: the columns' Hessian diagonal). FP4 blocks
+    take NVFP4's `global_scale` (a float, or one per row [rows, 1])."""
+    if args.strategy == "tensor":
+        return compute_qparams(W, args.num_bits, args.symmetric, "tensor", full_range=args.full_range)
+    lo, hi = W.amin(1, keepdim=True), W.amax(1, keepdim=True)
+    qp = _row_qparams(lo, hi, args, global_scale)
+    if not shrink_grid:
         return qp
     weight = torch.ones(W.shape[1], device=W.device) if weight is None else weight
     best_err = ((W - dequantize(quantize(W, qp), qp)).pow(2) * weight).sum(1, keepdim=True)
     best = qp
-    lo, hi = W.amin(1, keepdim=True), W.amax(1, keepdim=True)
     for i in range(1, shrink_grid + 1):
         r = 1 - max_shrink * i / shrink_grid
-        cand = (absmax_qparams(torch.maximum(-lo, hi) * r, args.num_bits, args.full_range) if args.symmetric
-                else zeropoint_qparams(lo * r, hi * r, args.num_bits))
+        cand = _row_qparams(lo * r, hi * r, args, global_scale)
         err = ((W - dequantize(quantize(W, cand), cand)).pow(2) * weight).sum(1, keepdim=True)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = QParams(torch.where(better, cand.scale, best.scale), torch.where(better, cand.zero_point, best.zero_point),
-                       qp.qmin, qp.qmax)
+                       qp.qmin, qp.qmax, qp.fp4)
     return best
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size: int = 128, damp: float = 0.01,
                   actorder: bool = False, static_groups: bool = False, shrink_grid: int = 0,
-                  keep_zero: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                  keep_zero: torch.Tensor | None = None, global_scale=None) -> tuple[torch.Tensor, dict]:
     """Quantize W [out, in] against Hessian H [in, in]; returns the dequantized Q and details.
 
     `keep_zero` (bool [out, in]): weights that must stay exactly zero (a pruning mask). They are
     "quantized" to 0 and their error is spread like any other, so the kept weights compensate.
+    `global_scale`: NVFP4's per-tensor scale (a float, or [out, 1] for stacked weights); its block
+    scales are then chosen as the columns are reached, like integer group scales.
     """
     W = W.clone().float()
     H = H.clone().float()
     columns = W.shape[1]
-    group = args.group_size if args.strategy == "group" else None
+    group = args.group_size if args.strategy in ("group", "tensor_group") else None
     if keep_zero is not None:
         keep_zero = keep_zero.to(W.device)
 
@@ -126,7 +139,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
     qp = None if group else _column_qparams(W, args, diag, shrink_grid)
     group_qparams = None
     if group and static_groups:
-        group_qparams = [_column_qparams(W[:, g : g + group], args, diag[g : g + group], shrink_grid)
+        group_qparams = [_column_qparams(W[:, g : g + group], args, diag[g : g + group], shrink_grid, global_scale=global_scale)
                          for g in range(0, columns, group)]
 
     perm = None
@@ -154,7 +167,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
                 elif col % group == 0:
                     # Scales from the group's current (already error-compensated) values.
                     ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group]
-                    qp = _column_qparams(ahead, args, torch.diag(H)[col : col + group], shrink_grid)
+                    qp = _column_qparams(ahead, args, torch.diag(H)[col : col + group], shrink_grid, global_scale=global_scale)
             w = W1[:, i : i + 1]
             q = dequantize(quantize(w, qp), qp)
             if keep_zero is not None:
@@ -173,7 +186,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
 
 
 def gptq_quantize_stacked(weights: list[torch.Tensor], H: torch.Tensor, args: QuantArgs,
-                          keep_zero: list[torch.Tensor | None] | None = None, **options) -> tuple[list[torch.Tensor], dict]:
+                          keep_zero: list[torch.Tensor | None] | None = None, global_scales: list[float] | None = None,
+                          **options) -> tuple[list[torch.Tensor], dict]:
     """GPTQ for several weights [out_i, in] that share one Hessian (layers reading the same input:
     q/k/v, gate/up). Each row's result depends only on that row and H, so the weights are solved
     stacked, in one factorisation and one pass over the columns, and split again; the result is
@@ -187,7 +201,10 @@ def gptq_quantize_stacked(weights: list[torch.Tensor], H: torch.Tensor, args: Qu
         stacked_mask = torch.cat([m if m is not None else torch.zeros(W.shape, dtype=torch.bool, device=W.device)
                                   for m, W in zip(masks, weights)])
     W = torch.cat(weights) if len(weights) > 1 else weights[0]
-    Q, info = gptq_quantize(W, H, args, keep_zero=stacked_mask, **options)
+    g = None
+    if global_scales is not None:  # each weight's NVFP4 global scale on its own rows
+        g = torch.cat([torch.full((w.shape[0], 1), float(s), device=W.device) for w, s in zip(weights, global_scales)])
+    Q, info = gptq_quantize(W, H, args, keep_zero=stacked_mask, global_scale=g, **options)
     return list(Q.split([w.shape[0] for w in weights])), info
 
 
@@ -291,8 +308,9 @@ class GPTQ(EngineOptions, QuantizationStage):
 
     @model_validator(mode="after")
     def _integer_weights(self) -> "GPTQ":
-        if self.resolved_scheme().weights.type != "int":
-            raise ValueError("GPTQ quantizes to an integer grid: use an int weights scheme (FP8 needs rtn)")
+        w = self.resolved_scheme().weights
+        if w.type != "int" and not w.fp4_format:
+            raise ValueError("GPTQ quantizes to an integer or FP4 grid: FP8 weights need rtn")
         return self
 
     def observe(self, name: str, module: torch.nn.Module) -> HessianObserver:
@@ -305,24 +323,29 @@ class GPTQ(EngineOptions, QuantizationStage):
         scheme = self.resolved_scheme()
         args = scheme.weights
         order = list(layers)
+        scales = global_scales(layers, args)  # NVFP4: one per fused group (q/k/v, gate/up), from the weights as they are
         solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens: self._round_to_nearest(
-            name, module, ctx, tokens, f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest"))
+            name, module, ctx, tokens, f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest",
+            scales.get(name)))
 
         def solve(group: tuple[str, ...], device: torch.device) -> list[tuple]:
             # The group's layers read one input, so one Hessian serves them all (see shared_hessian_groups).
             first, H = weight_and_hessian(group[0], layers[group[0]], observers[group[0]], device)
             Ws = [first] + [layer_weight(name, layers[name], device) for name in group[1:]]
             masks = [self._pruning_mask(W) for W in Ws]
+            g = [scales[name] for name in group] if scales else None
             try:
-                Qs, info = gptq_quantize_stacked(Ws, H, args, masks, block_size=self.block_size, damp=self.dampening_frac,
+                Qs, info = gptq_quantize_stacked(Ws, H, args, masks, g, block_size=self.block_size, damp=self.dampening_frac,
                                                  actorder=self.actorder, static_groups=self.static_groups,
                                                  shrink_grid=self.shrink_grid)
             except FloatingPointError as exc:
                 raise CompressError(f"layer {', '.join(group)}: {exc}", "raise dampening_frac or give more calibration samples") from None
             results = []
-            for W, Q, mask in zip(Ws, Qs, masks):
+            for name, W, Q, mask in zip(group, Ws, Qs, masks):
                 layer_info = {**info, "sparsity_preserved": float(mask.float().mean())} if mask is not None else dict(info)
-                rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
+                if name in scales:
+                    layer_info["global_scale"] = scales[name]
+                rtn = quantize_weight(W, args, scales.get(name))
                 results.append((Q, layer_info, hessian_loss(W, Q, H), hessian_loss(W, rtn, H), relative_error(W, Q)))
             return results
 
@@ -351,6 +374,7 @@ class GPTQ(EngineOptions, QuantizationStage):
         record = {"stage": "gptq", "shape": list(Q.shape), "weights": scheme.weights.model_dump(mode="json"),
                   "relative_error": rel_error, "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
                   "tokens": obs.tokens, **info}
+        ctx.layers[name].pop("global_scale", None)  # from an earlier stage; `info` has this one's
         if info["damp_retries"]:
             record["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"
         if scheme.input_activations is not None:
@@ -366,17 +390,23 @@ class GPTQ(EngineOptions, QuantizationStage):
         """Where W is exactly zero, if this layer's zeros are a pruning mask to keep."""
         return pruned_zeros(W, self.preserve_sparsity)
 
-    def _round_to_nearest(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str) -> None:
+    def _round_to_nearest(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str,
+                          global_scale: float | None = None) -> None:
         """The fallback for a layer GPTQ cannot solve, recorded as such."""
         args = self.resolved_scheme().weights
         W = get_weight(module)
         check_weight(name, W)
-        rtn = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
+        if args.fp4_format == "nvfp4" and global_scale is None:
+            global_scale = global_scales({name: module}, args)[name]
+        rtn = quantize_weight(W, args, global_scale)
         set_weight(module, rtn)
-        ctx.layers.setdefault(name, {}).update({
+        record = ctx.layers.setdefault(name, {})
+        record.pop("global_scale", None)
+        record.update({
             "stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
             "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,
-            "tokens": tokens, "damp_retries": 0, "note": note})
+            "tokens": tokens, "damp_retries": 0, "note": note,
+            **({"global_scale": global_scale} if global_scale is not None else {})})
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = self.select(model, "gptq")

@@ -15,16 +15,35 @@ import torch
 
 from compress import activations
 from compress.modeling import get_weight, set_weight
-from compress.quant import fake_quantize, fake_quantize_fp8, relative_error
+from compress.quant import fake_quantize, fake_quantize_fp4, fake_quantize_fp8, nvfp4_global_scale, relative_error
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext, check_weight
+from compress.targets import fused_groups
 
 
-def quantize_weight(weight: torch.Tensor, args: QuantArgs) -> torch.Tensor:
-    """Round a [out_features, in_features] weight to the scheme's grid; returns float32."""
+def quantize_weight(weight: torch.Tensor, args: QuantArgs, global_scale: float | None = None) -> torch.Tensor:
+    """Round a [out_features, in_features] weight to the scheme's grid; returns float32.
+    NVFP4 takes the layer's `global_scale` (global_scales); without one, the weight's own."""
+    if args.fp4_format == "nvfp4":
+        g = global_scale if global_scale is not None else nvfp4_global_scale(weight.abs().amax())
+        return fake_quantize_fp4(weight, args.group_size, g)
+    if args.fp4_format == "mxfp4":
+        return fake_quantize_fp4(weight, args.group_size)
     if args.type == "float":
         return fake_quantize_fp8(weight, args.strategy)
     return fake_quantize(weight, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
+
+
+def global_scales(modules: dict[str, torch.nn.Module], args: QuantArgs) -> dict[str, float]:
+    """NVFP4's per-tensor scale for each layer, one per group an engine fuses (q/k/v, gate/up:
+    targets.fused_groups), from the group's largest weight; empty for every other scheme."""
+    if args.fp4_format != "nvfp4":
+        return {}
+    scales = {}
+    for group in fused_groups(list(modules)):
+        g = nvfp4_global_scale(max(float(get_weight(modules[n]).abs().amax()) for n in group))
+        scales.update({n: g for n in group})
+    return scales
 
 
 class RoundToNearest(QuantizationStage):
@@ -34,17 +53,21 @@ class RoundToNearest(QuantizationStage):
         scheme = self.resolved_scheme()
         modules = self.select(model, "rtn")
         wargs = scheme.weights
+        scales = global_scales(modules, wargs)
         for i, (name, module) in enumerate(modules.items()):
             ctx.progress(f"rtn {name}", i, len(modules))
             weight = get_weight(module)  # [out, in], float32 copy
             check_weight(name, weight)
-            q = quantize_weight(weight.to(ctx.device), wargs).cpu()
+            q = quantize_weight(weight.to(ctx.device), wargs, scales.get(name)).cpu()
             set_weight(module, q)
-            ctx.layers.setdefault(name, {}).update({
+            record = ctx.layers.setdefault(name, {})
+            record.pop("global_scale", None)  # from an earlier stage
+            record.update({
                 "stage": "rtn",
                 "shape": list(weight.shape),
                 "weights": wargs.model_dump(mode="json"),
                 "relative_error": relative_error(weight, q),
+                **({"global_scale": scales[name]} if name in scales else {}),
             })
         ctx.progress("rtn", len(modules), len(modules))
 

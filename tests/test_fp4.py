@@ -1,0 +1,234 @@
+"""FP4 weights (NVFP4 and MXFP4): the E2M1 grid, block scales, GPTQ on the FP4 grid, and packed
+checkpoints that compressed-tensors and plain transformers read back to the evaluated weights."""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from compress import modeling, parse_recipe, run_recipe
+from compress.errors import CompressError
+from compress.packing import pack_layer
+from compress.quant import (FP4_E2M1_VALUES, FP8_E4M3_MAX, fake_quantize, fake_quantize_fp4, fp4_steps, nvfp4_global_scale,
+                            recover_fp4_steps, round_to_fp4)
+from compress.schemes import QuantArgs, resolve_scheme
+from compress.stages.gptq import gptq_quantize, gptq_quantize_stacked, hessian_loss
+from compress.stages.rtn import quantize_weight
+from compress.targets import fused_groups
+
+from tests.test_gptq import correlated_layer
+from tests.test_packed import IDS, ct_decompress, plain_transformers_logits, relative_difference
+
+NV = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16)
+MX = QuantArgs(num_bits=4, type="float", strategy="group", group_size=32)
+GRID = torch.tensor(FP4_E2M1_VALUES)
+
+
+# ---------------------------------------------------------------------------------------------
+# The E2M1 grid and the block scales
+
+
+def test_round_to_fp4_nearest_value_ties_to_even_saturating():
+    values = torch.cat([GRID, -GRID])
+    assert torch.equal(round_to_fp4(values), values)  # every grid value is its own rounding
+    # midpoints go to the neighbour whose mantissa bit is 0: 0, 1, 1, 2, 2, 4, 4
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    assert round_to_fp4(ties).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert round_to_fp4(-ties).tolist() == [-0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0]
+    assert round_to_fp4(torch.tensor([5.01, 6.9, 1e6, -50.0])).tolist() == [6.0, 6.0, 6.0, -6.0]
+    # off the midpoints, the nearest value, by brute force over the grid
+    x = torch.randn(10_000) * 3
+    x = x[(x.abs().unsqueeze(1) - ties).abs().min(1).values > 1e-4]
+    nearest = GRID[(x.abs().clamp(max=6).unsqueeze(1) - GRID).abs().argmin(1)] * x.sign()
+    assert torch.equal(round_to_fp4(x), nearest)
+
+
+def test_round_to_fp4_agrees_with_compressed_tensors():
+    cast = pytest.importorskip("compressed_tensors.quantization.utils.fp4_utils").cast_to_fp4
+    x = torch.cat([torch.linspace(-7, 7, 56 * 8 + 1), torch.randn(5000) * 2])  # every midpoint, exactly
+    assert torch.equal(round_to_fp4(x), cast(x.clone()))
+
+
+def test_nvfp4_global_scale_is_the_largest_power_of_two_that_fits_e4m3():
+    for absmax in (1e-4, 0.0371, 0.5, 1.0, 3.0, 448 * 6.0, 1e5):
+        g = nvfp4_global_scale(torch.tensor(absmax))
+        assert torch.frexp(torch.tensor(g))[0] == 0.5  # a power of two
+        assert absmax * g / 6 <= FP8_E4M3_MAX < 2 * absmax * g / 6
+    assert nvfp4_global_scale(torch.tensor(0.0)) == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_fake_quantization_error_bounds_and_storable_steps(fmt):
+    torch.manual_seed(0)
+    W = torch.randn(64, 256) * torch.logspace(-3, 1, 256)  # blocks of very different ranges
+    group = 16 if fmt == "nvfp4" else 32
+    g = nvfp4_global_scale(W.abs().amax()) if fmt == "nvfp4" else None
+    Q = fake_quantize_fp4(W, group, g)
+    blocks, qblocks = W.reshape(64, -1, group), Q.reshape(64, -1, group)
+    top = blocks.abs().amax(-1, keepdim=True)
+    step = fp4_steps(top, g)
+    codes = qblocks / step
+    assert torch.isin(codes.abs(), GRID).all()  # every element is an E2M1 value times its block's step
+    if fmt == "nvfp4":
+        s8 = step * g
+        assert torch.equal(s8.to(torch.float8_e4m3fn).float(), s8)  # the block scale is an e4m3 value
+        assert (top / step <= 6 * (1 + 2**-4)).all()  # the extreme saturates by at most e4m3's half step
+    else:
+        assert (torch.frexp(step)[0] == 0.5).all()  # a power of two (e8m0)
+        assert ((top / step < 7) & (top / step >= 3.5)).all()  # neither saturated by a step, nor coarser than needed
+    # no element is off by more than its step (half of the widest gap, 4 -> 6), saturation included
+    assert ((blocks - qblocks).abs() <= step).all()
+    # the products are exact in bfloat16: a bfloat16 model holds the evaluated weights exactly
+    assert torch.equal(Q.to(torch.bfloat16).float(), Q)
+    steps, failed = recover_fp4_steps(Q, group, g)
+    assert failed == 0 and torch.equal(steps, step.squeeze(-1))
+    # error against int4 with the same block size: same order (FP4 spends codes on small values)
+    int4 = fake_quantize(W, 4, True, "group", group)
+    assert 0.5 < float((W - Q).norm() / (W - int4).norm()) < 2.0
+
+
+def test_recovery_refuses_weights_off_the_grid():
+    torch.manual_seed(0)
+    W = torch.randn(8, 32)
+    g = nvfp4_global_scale(W.abs().amax())
+    Q = fake_quantize_fp4(W, 16, g)
+    Q[3, 5] += 1e-3
+    assert recover_fp4_steps(Q, 16, g)[1] == 1
+    assert recover_fp4_steps(W, 32, None)[1] == 8
+
+
+def test_scheme_validation_names_the_fix():
+    assert resolve_scheme("NVFP4A16", None, None).weights == NV
+    assert resolve_scheme("MXFP4A16", None, None).weights == MX
+    for fields, words in [({"strategy": "tensor_group", "group_size": 32}, "set group_size: 16"),
+                          ({"strategy": "group", "group_size": 16}, "set group_size: 32"),
+                          ({"strategy": "tensor_group", "group_size": 16, "symmetric": False}, "symmetric: true"),
+                          ({"strategy": "channel"}, "FP4 quantizes in blocks")]:
+        with pytest.raises(ValueError, match=words):
+            QuantArgs(num_bits=4, type="float", **fields)
+    with pytest.raises(ValueError, match="tensor_group is NVFP4's"):
+        QuantArgs(num_bits=4, strategy="tensor_group", group_size=16)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPTQ on the FP4 grid
+
+
+@pytest.mark.parametrize("args", [NV, MX])
+@pytest.mark.parametrize("actorder", [False, True])
+def test_gptq_beats_round_to_nearest_on_fp4(args, actorder):
+    W, X, H = correlated_layer(in_features=128)
+    g = nvfp4_global_scale(W.abs().amax()) if args.fp4_format == "nvfp4" else None
+    # act-order with static groups: blocks stay contiguous, which the format (no g_idx) needs
+    Q, _ = gptq_quantize(W, H, args, block_size=32, actorder=actorder, static_groups=actorder, global_scale=g)
+    rtn = quantize_weight(W, args, g)
+    assert hessian_loss(W, Q, H) < 0.5 * hessian_loss(W, rtn, H)
+    # still on the grid the format stores: every block recovers exactly, at the same global scale
+    assert recover_fp4_steps(Q, args.group_size, g)[1] == 0
+
+
+def test_stacked_fp4_gptq_keeps_each_weights_global_scale():
+    W, _, H = correlated_layer(in_features=128)
+    parts = [W[:16], W[16:] * 40]  # two layers with ranges 40x apart, solved as one
+    scales = [nvfp4_global_scale(p.abs().amax()) for p in parts]
+    assert scales[0] != scales[1]
+    Qs, _ = gptq_quantize_stacked(parts, H, NV, None, scales, block_size=32)
+    for Q, single, g in zip(Qs, parts, scales):
+        alone, _ = gptq_quantize(single, H, NV, block_size=32, global_scale=g)
+        assert torch.allclose(Q, alone, rtol=0, atol=1e-6 * float(single.abs().max()))
+        assert recover_fp4_steps(Q, 16, g)[1] == 0
+
+
+def test_fused_groups_are_the_layers_engines_fuse():
+    names = ["m.0.attn.q_proj", "m.0.attn.k_proj", "m.0.attn.v_proj", "m.0.attn.o_proj", "m.0.mlp.gate_proj",
+             "m.0.mlp.up_proj", "m.0.mlp.down_proj", "m.1.attn.q_proj", "e.0.w1", "e.0.w2", "e.0.w3",
+             "b.self.query", "b.self.key", "b.self.value"]
+    assert fused_groups(names) == [names[0:3], [names[3]], names[4:6], [names[6]], [names[7]], ["e.0.w1", "e.0.w3"],
+                                   ["e.0.w2"], names[11:14]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the pipeline: packed checkpoints
+
+
+def fp4_recipe(stage: str, scheme: str, dtype_extra: str = "") -> object:
+    calib = "calibration: {dataset: calibration/default.txt, num_samples: 8, seq_len: 64}\n" if stage == "gptq" else ""
+    return parse_recipe(f"model: default\n{calib}stages:\n  - {stage}: {{scheme: {scheme}}}\n{dtype_extra}", "test")
+
+
+@pytest.fixture(scope="module")
+def nvfp4_gptq(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nvfp4") / "gptq"
+    report = run_recipe(fp4_recipe("gptq", "NVFP4A16"), output=str(out), device="cpu")
+    return out, report
+
+
+def test_nvfp4_gptq_checkpoint_layout_and_fused_global_scales(nvfp4_gptq):
+    out, report = nvfp4_gptq
+    assert report["format"]["compressed_tensors_format"] == "nvfp4-pack-quantized"
+    layers = report["layers"]
+    assert len(layers) == 28
+    for name, rec in layers.items():
+        assert rec["gptq_loss"] < rec["rtn_loss"], name
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        q = "model.layers.0.self_attn.q_proj"
+        assert f.get_slice(f"{q}.weight_packed").get_dtype() == "U8"
+        assert f.get_slice(f"{q}.weight_packed").get_shape() == [256, 128]  # two codes a byte
+        assert f.get_slice(f"{q}.weight_scale").get_dtype() == "F8_E4M3"
+        assert f.get_slice(f"{q}.weight_scale").get_shape() == [256, 16]
+        assert f"{q}.weight" not in keys
+        g = {n: float(f.get_tensor(f"{n}.weight_global_scale")) for n in layers}
+    for block in range(4):
+        p = f"model.layers.{block}."
+        qkv = {g[p + f"self_attn.{x}_proj"] for x in "qkv"}
+        gate_up = {g[p + "mlp.gate_proj"], g[p + "mlp.up_proj"]}
+        assert len(qkv) == 1 and len(gate_up) == 1  # one per fused matrix, as vLLM needs
+        assert qkv.pop() == layers[p + "self_attn.q_proj"]["global_scale"]
+
+
+def test_nvfp4_checkpoint_decompresses_and_loads_to_the_evaluated_weights(nvfp4_gptq, tmp_path):
+    out, report = nvfp4_gptq
+    loaded, _, _ = modeling.load_model(str(out))
+    modules = dict(loaded.named_modules())
+    decompressed = ct_decompress(out)
+    assert len(decompressed) == 28
+    for name, weight in decompressed.items():
+        assert torch.equal(weight.to(modules[name].weight.dtype), modules[name].weight), name
+    with torch.no_grad():
+        ours = loaded(input_ids=IDS).logits
+    assert relative_difference(ours, plain_transformers_logits(out, tmp_path)) <= 1e-4
+
+
+def test_mxfp4_rtn_packs_e8m0_scales_exactly(tmp_path):
+    out = tmp_path / "mx"
+    report = run_recipe(fp4_recipe("rtn", "MXFP4A16"), output=str(out), device="cpu", dtype="float32")
+    assert report["format"]["compressed_tensors_format"] == "mxfp4-pack-quantized"
+    loaded, _, _ = modeling.load_model(str(out))
+    modules = dict(loaded.named_modules())
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        scale = f.get_tensor("model.layers.1.mlp.down_proj.weight_scale")
+        assert scale.dtype == torch.uint8 and list(scale.shape) == [256, 640 // 32]
+        assert not any(k.endswith("weight_global_scale") for k in f.keys())
+    weight = modules["model.layers.1.mlp.down_proj"].weight
+    step = torch.exp2(scale.float() - 127)  # e8m0: a biased exponent
+    codes = weight.reshape(256, -1, 32) / step.unsqueeze(-1)
+    assert torch.isin(codes.abs(), GRID).all()
+    for name, w in ct_decompress(out).items():
+        assert torch.equal(w.to(modules[name].weight.dtype), modules[name].weight), name
+
+
+def test_fp4_layer_changed_after_quantization_is_not_packed():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 8, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(quantize_weight(layer.weight, NV))
+        layer.weight[0, 0] += 1e-3
+    rec = {"weights": NV.model_dump(mode="json")}
+    with pytest.raises(CompressError, match="not on an FP4 grid"):
+        pack_layer("proj", layer, rec)
+
+
+@pytest.mark.parametrize("stage, words", [("awq", "FP4: gptq or rtn"), ("qat", "float weights")])
+def test_stages_without_an_fp4_grid_refuse_it(stage, words):
+    with pytest.raises(Exception, match=words):
+        parse_recipe(f"model: default\ncalibration: {{dataset: calibration/default.txt}}\nstages:\n  - {stage}: {{scheme: NVFP4A16}}\n", "test")
