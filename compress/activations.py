@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from compress.errors import CompressError
-from compress.quant import (FP8_E4M3_MAX, QParams, absmax_qparams, compute_qparams, fake_quantize, fake_quantize_fp8,
-                            scales_stored_as, zeropoint_qparams)
+from compress.quant import (FP8_E4M3_MAX, QParams, absmax_qparams, compute_qparams, fake_quantize, fake_quantize_fp4,
+                            fake_quantize_fp8, nvfp4_input_global_scale, scales_stored_as, zeropoint_qparams)
 from compress.schemes import QuantArgs
 
 HOOK_ATTR = "_compress_activation_hook"
@@ -42,7 +42,13 @@ class ActivationFakeQuant:
         x = inputs[0]
         flat = x.reshape(-1, x.shape[-1])
         a = self.args
-        if a.type == "float":
+        if a.fp4_format:
+            # blocks of consecutive features along each token; NVFP4's global scale from the range
+            g = None
+            if a.fp4_format == "nvfp4":
+                g = nvfp4_input_global_scale(max(abs(self.static_range[0]), abs(self.static_range[1])))
+            out = fake_quantize_fp4(flat, a.group_size, g)
+        elif a.type == "float":
             absmax = None
             if not a.dynamic and self.static_qparams is not None:
                 absmax = self.static_qparams.scale.to(x.device) * FP8_E4M3_MAX

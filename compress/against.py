@@ -60,11 +60,16 @@ def _config_groups(cfg) -> dict:
              "weights": scheme.weights.model_dump(mode="json", exclude_none=True)}
     if scheme.input_activations is not None:
         group["input_activations"] = scheme.input_activations.model_dump(mode="json", exclude_none=True)
-    for args in group.values():
+    for part, args in group.items():
         if isinstance(args, dict):
             args.pop("full_range", None)  # compressed-tensors' symmetric grid is always the full one
-            if args.get("strategy") != "group":
+            if args.get("strategy") not in ("group", "tensor_group"):
                 args.pop("group_size", None)
+            if args["type"] == "float" and args["num_bits"] == 4:  # as compressed-tensors' NVFP4 / MXFP4 presets
+                nv = args["strategy"] == "tensor_group"
+                args["scale_dtype"] = args["zp_dtype"] = "torch.float8_e4m3fn" if nv else "torch.uint8"
+                if part == "input_activations" and nv:
+                    args.update(dynamic="local", observer="static_minmax")
     return {"group_0": group}
 
 

@@ -111,6 +111,11 @@ def _rows() -> list[Row]:
         Row("ref-llama", "MXFP4 g32", {"scheme": "MXFP4A16"}),
         Row("ref-llama", "NVFP4 g16", {"scheme": "NVFP4A16"}, **GPTQ_ROW),
         Row("ref-llama", "MXFP4 g32", {"scheme": "MXFP4A16"}, **GPTQ_ROW),
+        # W4A4: the activations in the same blocks too (NVFP4's global scale calibrated)
+        Row("ref-llama", "NVFP4 W4A4", {"scheme": "NVFP4"}),
+        Row("ref-llama", "MXFP4 W4A4", {"scheme": "MXFP4"}),
+        Row("ref-llama", "NVFP4 W4A4", {"scheme": "NVFP4"}, **GPTQ_ROW),
+        Row("ref-llama", "MXFP4 W4A4", {"scheme": "MXFP4"}, **GPTQ_ROW),
         # The mixed-precision recipe `compress analyze --emit-recipe` wrote for W3 g64's storage
         # (recipes/mixed-w3avg-g64.yaml: one rtn stage per width), against uniform RTN W3 g64.
         Row("ref-llama", MIXED_LABEL, MIXED_STAGES[-1]["rtn"], method="mixed", before=tuple(MIXED_STAGES[:-1])),
@@ -151,6 +156,8 @@ def _rows() -> list[Row]:
         Row("minilm", "W8A8 int8 static per-tensor", W8A8_STATIC),
         Row("minilm", "NVFP4 g16", {"scheme": "NVFP4A16"}),
         Row("minilm", "NVFP4 g16", {"scheme": "NVFP4A16"}, **GPTQ_ROW),
+        Row("minilm", "NVFP4 W4A4", {"scheme": "NVFP4"}),
+        Row("minilm", "NVFP4 W4A4", {"scheme": "NVFP4"}, **GPTQ_ROW),
         Row("minilm", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}, **GPTQ_ROW),
         Row("minilm", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **GPTQ_ROW),
         Row("minilm", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}, **AWQ_ROW),

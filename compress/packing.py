@@ -51,17 +51,20 @@ def _ct():
     return compressed_tensors
 
 
-def ct_args(args: dict):
+def ct_args(args: dict, activations: bool = False):
     """Our QuantArgs fields (as recorded in ctx.layers) as compressed-tensors QuantizationArgs."""
     from compressed_tensors.quantization import QuantizationArgs
 
     extra = {}
+    dynamic = bool(args.get("dynamic", False))
     if args["type"] == "float" and args["num_bits"] == 4:  # the block scales' storage type names the format
-        dtype = torch.float8_e4m3fn if args["strategy"] == "tensor_group" else torch.uint8  # NVFP4 e4m3; MXFP4 e8m0
+        nv = args["strategy"] == "tensor_group"
+        dtype = torch.float8_e4m3fn if nv else torch.uint8  # NVFP4 e4m3; MXFP4 e8m0
         extra = {"scale_dtype": dtype, "zp_dtype": dtype}
+        if activations and nv:
+            dynamic = "local"  # block scales from each input, the global scale calibrated (input_global_scale)
     return QuantizationArgs(num_bits=args["num_bits"], type=args["type"], symmetric=args["symmetric"],
-                            strategy=args["strategy"], group_size=args.get("group_size"),
-                            dynamic=bool(args.get("dynamic", False)), **extra)
+                            strategy=args["strategy"], group_size=args.get("group_size"), dynamic=dynamic, **extra)
 
 
 def ct_scheme(rec: dict, targets: list[str]):
@@ -69,7 +72,7 @@ def ct_scheme(rec: dict, targets: list[str]):
 
     acts = rec.get("input_activations")
     return QuantizationScheme(targets=targets, weights=ct_args(rec["weights"]),
-                              input_activations=ct_args(acts) if acts else None)
+                              input_activations=ct_args(acts, activations=True) if acts else None)
 
 
 def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
@@ -163,6 +166,10 @@ def _activation_qparams(rec: dict) -> dict[str, torch.Tensor]:
     from compress.quant import FP8_E4M3_MAX, absmax_qparams, zeropoint_qparams
 
     lo, hi = float(rng[0]), float(rng[1])
+    if a["type"] == "float" and a["num_bits"] == 4:  # NVFP4 (MXFP4 activations are dynamic)
+        from compress.quant import nvfp4_input_global_scale
+
+        return {"input_global_scale": torch.tensor([nvfp4_input_global_scale(max(abs(lo), abs(hi)))], dtype=torch.float32)}
     if a["type"] == "float":
         scale = torch.tensor([max(abs(lo), abs(hi)) / FP8_E4M3_MAX])
         return {"input_scale": torch.where(scale > 0, scale, torch.ones_like(scale)).float()}
@@ -445,14 +452,30 @@ def attach_activation_quant(model: torch.nn.Module, qconfig, tensors: dict[str, 
             continue
         strategy = getattr(a.strategy, "value", a.strategy)
         kind = getattr(a.type, "value", a.type)
-        if strategy not in ("tensor", "token") or a.dynamic not in (True, False):
-            raise CompressError(f"{path}: activation strategy {strategy} (dynamic {a.dynamic}) is not one compress simulates",
-                                "compress evaluates per-tensor static and per-token dynamic activations")
-        args = QuantArgs(num_bits=a.num_bits, type=kind, symmetric=a.symmetric, strategy=strategy, dynamic=a.dynamic)
+        dynamic = getattr(a.dynamic, "value", a.dynamic)
+        fp4 = kind == "float" and a.num_bits == 4
+        nvfp4 = fp4 and strategy == "tensor_group" and dynamic == "local"
+        if not (strategy in ("tensor", "token") and dynamic in (True, False)) and not nvfp4 \
+                and not (fp4 and strategy == "group" and dynamic is True):
+            raise CompressError(f"{path}: activation strategy {strategy} (dynamic {dynamic}) is not one compress simulates",
+                                "compress evaluates per-tensor static and per-token dynamic activations, and NVFP4 and MXFP4 blocks")
+        args = QuantArgs(num_bits=a.num_bits, type=kind, symmetric=a.symmetric, strategy=strategy, dynamic=not nvfp4 and dynamic,
+                         group_size=a.group_size if fp4 else None)
         for name, module in match_named_modules(model, scheme.targets, qconfig.ignore):
             if name in done:
                 continue
             qparams = None
+            if nvfp4:  # the calibrated global scale g = 448 · 6 / max|x| gives back the range
+                g = tensors.get(f"{name}.input_global_scale")
+                if g is None:
+                    raise CompressError(f"{path}: tensor {name}.input_global_scale is missing (NVFP4 activations need it)",
+                                        "the checkpoint may be truncated or corrupted: write it again")
+                from compress.quant import FP4_E2M1_MAX, FP8_E4M3_MAX
+
+                absmax = FP8_E4M3_MAX * FP4_E2M1_MAX / float(g.float().reshape(()))
+                activations.attach(module, args, (-absmax, absmax))
+                done.add(name)
+                continue
             if not a.dynamic:
                 scale = tensors.get(f"{name}.input_scale")
                 if scale is None:

@@ -588,6 +588,13 @@ def fp4_steps(block_absmax: torch.Tensor, global_scale: float | None) -> torch.T
     return torch.where(m > 0, torch.exp2(exponent), torch.ones_like(m))
 
 
+def nvfp4_input_global_scale(absmax: float) -> float:
+    """NVFP4 activations' global scale from the calibrated range: 448 · 6 / max|x|, as
+    compressed-tensors stores `input_global_scale` and vLLM computes with it. (Unlike the weights'
+    scale it needs no power of two: no activation is stored or recovered.)"""
+    return FP8_E4M3_MAX * FP4_E2M1_MAX / absmax if absmax > 0 else 1.0
+
+
 def fp4_qparams(block_absmax: torch.Tensor, global_scale: float | None) -> QParams:
     """Steps (shaped as `block_absmax`) as QParams on the FP4 grid, for quantize/dequantize."""
     step = fp4_steps(block_absmax, global_scale)

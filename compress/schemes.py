@@ -104,8 +104,8 @@ def _w(bits: int, strategy: str = "channel", group_size: int | None = None, symm
     return dict(num_bits=bits, type=type, symmetric=symmetric, strategy=strategy, group_size=group_size)
 
 
-def _a(bits: int = 8, strategy: str = "token", dynamic: bool = True, type: str = "int"):
-    return dict(num_bits=bits, type=type, symmetric=True, strategy=strategy, dynamic=dynamic)
+def _a(bits: int = 8, strategy: str = "token", dynamic: bool = True, type: str = "int", group_size: int | None = None):
+    return dict(num_bits=bits, type=type, symmetric=True, strategy=strategy, dynamic=dynamic, group_size=group_size)
 
 
 # The compressed-tensors preset names. Each maps to weights and (optionally) input activations.
@@ -120,6 +120,12 @@ PRESETS: dict[str, dict] = {
     "FP8_DYNAMIC": {"weights": _w(8, "channel", type="float"), "input_activations": _a(8, "token", True, "float")},
     "NVFP4A16": {"weights": _w(4, "tensor_group", NVFP4_GROUP, type="float")},
     "MXFP4A16": {"weights": _w(4, "group", MXFP4_GROUP, type="float")},
+    # W4A4: activations in the same blocks, along each token; NVFP4's block scales are computed
+    # from each input and its global scale is calibrated, MXFP4's scales are all dynamic
+    "NVFP4": {"weights": _w(4, "tensor_group", NVFP4_GROUP, type="float"),
+              "input_activations": _a(4, "tensor_group", False, "float", NVFP4_GROUP)},
+    "MXFP4": {"weights": _w(4, "group", MXFP4_GROUP, type="float"),
+              "input_activations": _a(4, "group", True, "float", MXFP4_GROUP)},
 }
 
 
@@ -134,8 +140,14 @@ class QuantScheme(BaseModel):
     @model_validator(mode="after")
     def _activations_are_per_token_or_tensor(self) -> "QuantScheme":
         a = self.input_activations
-        if a is not None and a.strategy not in ("token", "tensor"):
-            raise ValueError("input_activations strategy must be token (dynamic) or tensor")
+        if a is not None and a.fp4_format == "nvfp4" and a.dynamic:
+            raise ValueError("NVFP4 activations have block scales from each input under a global scale calibrated once: "
+                             "set dynamic: false")
+        if a is not None and a.fp4_format == "mxfp4" and not a.dynamic:
+            raise ValueError("MXFP4 activations take their block scales from each input: set dynamic: true")
+        if a is not None and not a.fp4_format and a.strategy not in ("token", "tensor"):
+            raise ValueError("input_activations strategy must be token (dynamic) or tensor, or FP4 blocks "
+                             "(type float, num_bits 4)")
         if a is not None and a.strategy == "token" and not a.dynamic:
             raise ValueError("per-token activation quantization is dynamic: set dynamic: true")
         return self

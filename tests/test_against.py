@@ -210,3 +210,20 @@ def test_every_protocol_row_of_the_side_by_side_translates(tmp_path):
     md = "# compress bench: `x`\n\nintro\n\n## Side by side: compress and llm-compressor\n\n| a |\n\n## Run history\n\n| old |\n"
     section = against_section(md, "minilm")
     assert section.startswith("## all-MiniLM-L6-v2") and "### Side by side" in section and "Run history" not in section
+
+
+@pytest.mark.parametrize("preset", ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4"])
+def test_fp4_schemes_translate_to_compressed_tensors_presets(preset):
+    """An FP4 stage reaches llm-compressor as the library's own preset of that name: block sizes,
+    scale dtypes, NVFP4 activations' calibrated global scale (dynamic `local`, static min/max)."""
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    mods, _ = llmcompressor_modifiers(recipe(f"  - gptq: {{scheme: {preset}}}\n"))
+    group = mods[0]["args"]["config_groups"]["group_0"]
+    for part in ("weights", "input_activations"):
+        theirs = PRESET_SCHEMES[preset].get(part)
+        if theirs is None:
+            assert part not in group
+            continue
+        assert ct.QuantizationArgs.model_validate(group[part]) == theirs, part

@@ -1,5 +1,9 @@
-"""FP4 weights (NVFP4 and MXFP4): the E2M1 grid, block scales, GPTQ on the FP4 grid, and packed
-checkpoints that compressed-tensors and plain transformers read back to the evaluated weights."""
+"""FP4 (NVFP4 and MXFP4): the E2M1 grid, block scales, GPTQ on the FP4 grid, packed checkpoints
+that compressed-tensors and plain transformers read back to the evaluated weights, and W4A4
+activations as compressed-tensors' own quantized forward computes them."""
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -8,6 +12,7 @@ from safetensors import safe_open
 from compress import modeling, parse_recipe, run_recipe
 from compress.errors import CompressError
 from compress.packing import pack_layer
+from compress.pipeline import evaluate_model
 from compress.quant import (FP4_E2M1_VALUES, FP8_E4M3_MAX, fake_quantize, fake_quantize_fp4, fp4_steps, nvfp4_global_scale,
                             recover_fp4_steps, round_to_fp4)
 from compress.schemes import QuantArgs, resolve_scheme
@@ -21,6 +26,7 @@ from tests.test_packed import IDS, ct_decompress, plain_transformers_logits, rel
 NV = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16)
 MX = QuantArgs(num_bits=4, type="float", strategy="group", group_size=32)
 GRID = torch.tensor(FP4_E2M1_VALUES)
+HELD = "calibration/heldout-tinyshakespeare.txt"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,3 +238,85 @@ def test_fp4_layer_changed_after_quantization_is_not_packed():
 def test_stages_without_an_fp4_grid_refuse_it(stage, words):
     with pytest.raises(Exception, match=words):
         parse_recipe(f"model: default\ncalibration: {{dataset: calibration/default.txt}}\nstages:\n  - {stage}: {{scheme: NVFP4A16}}\n", "test")
+
+
+# ---------------------------------------------------------------------------------------------
+# W4A4: FP4 activations (NVFP4, MXFP4)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_activations_match_compressed_tensors_fake_quantization(fmt):
+    """The inputs compress evaluates with are the ones compressed-tensors' own quantized forward
+    computes (block scales from each token's values; NVFP4 under the calibrated global scale)."""
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    from compress.quant import nvfp4_input_global_scale
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 256) * torch.logspace(-2, 1, 256)
+    nv = fmt == "nvfp4"
+    dtype = torch.float8_e4m3fn if nv else torch.uint8
+    args = ct.QuantizationArgs(num_bits=4, type="float", symmetric=True, strategy="tensor_group" if nv else "group",
+                               group_size=16 if nv else 32, dynamic="local" if nv else True, scale_dtype=dtype, zp_dtype=dtype)
+    g = nvfp4_input_global_scale(float(x.abs().max())) if nv else None
+    g_tensor = torch.tensor([g]) if nv else None
+    scale, zero = compute_dynamic_scales_and_zp(x, args, module=None, global_scale=g_tensor)
+    theirs = ct_fake_quantize(x=x, scale=scale, zero_point=zero, args=args, global_scale=g_tensor)
+    assert torch.equal(fake_quantize_fp4(x, args.group_size, g), theirs)
+
+
+def w4a4_recipe(scheme: str) -> object:
+    return parse_recipe("model: default\ncalibration: {dataset: calibration/default.txt, num_samples: 8, seq_len: 64}\n"
+                        f"stages:\n  - rtn: {{scheme: {scheme}}}\n"
+                        "evaluation: {datasets: [calibration/heldout-tinyshakespeare.txt], max_windows: 8, seq_len: 128}\n", "test")
+
+
+def test_nvfp4_w4a4_checkpoint_records_input_global_scales_and_reloads_as_evaluated(tmp_path):
+    out = tmp_path / "w4a4"
+    report = run_recipe(w4a4_recipe("NVFP4"), output=str(out), device="cpu")
+    raw = json.loads((out / "config.json").read_text())["quantization_config"]
+    (group,) = raw["config_groups"].values()
+    assert group["input_activations"]["dynamic"] == "local" and group["input_activations"]["strategy"] == "tensor_group"
+    layers = report["layers"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        g = {n: float(f.get_tensor(f"{n}.input_global_scale")) for n in layers}
+    for name, rec in layers.items():
+        lo, hi = rec["activation_range"]
+        assert g[name] == pytest.approx(448 * 6 / max(-lo, hi), rel=1e-6)
+    p = "model.layers.2."
+    assert len({g[p + f"self_attn.{x}_proj"] for x in "qkv"}) == 1  # one input, one scale
+    in_run = report["evaluation"][HELD]["token_perplexity"]
+    # weights alone (the same weights, W4A16) evaluate differently: the activations are simulated
+    a16 = run_recipe(w4a4_recipe("NVFP4A16"), output=str(tmp_path / "a16"), device="cpu")
+    assert a16["evaluation"][HELD]["token_perplexity"] != pytest.approx(in_run, rel=1e-6)
+    # compress's own checkpoint, and the same files as another tool's (no compress.json: the
+    # activation scheme and input_global_scale come from config.json and the tensors)
+    for path in (out, _without_compress_json(out, tmp_path / "other")):
+        again = evaluate_model(str(path), [HELD], device="cpu", seq_len=128, max_windows=8)
+        assert again["results"][HELD]["token_perplexity"] == pytest.approx(in_run, rel=1e-9)
+
+
+def _without_compress_json(out, copy):
+    shutil.copytree(out, copy)
+    (copy / "compress.json").unlink()
+    return copy
+
+
+def test_mxfp4_w4a4_is_dynamic_and_needs_no_calibrated_scale(tmp_path):
+    out = tmp_path / "mx"
+    report = run_recipe(parse_recipe("model: default\nstages:\n  - rtn: {scheme: MXFP4}\n", "test"), output=str(out), device="cpu")
+    assert report["format"]["compressed_tensors_format"] == "mxfp4-pack-quantized"
+    raw = json.loads((out / "config.json").read_text())["quantization_config"]
+    (group,) = raw["config_groups"].values()
+    assert group["input_activations"]["dynamic"] is True and group["input_activations"]["group_size"] == 32
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert not any(k.rsplit(".", 1)[1].startswith("input_") for k in f.keys())
+
+
+def test_fp4_activation_schemes_refuse_the_wrong_dynamics():
+    with pytest.raises(ValueError, match="set dynamic: false"):
+        resolve_scheme("NVFP4", None, {"dynamic": True})
+    with pytest.raises(ValueError, match="set dynamic: true"):
+        resolve_scheme("MXFP4", None, {"dynamic": False})
