@@ -320,3 +320,68 @@ def test_fp4_activation_schemes_refuse_the_wrong_dynamics():
         resolve_scheme("NVFP4", None, {"dynamic": True})
     with pytest.raises(ValueError, match="set dynamic: true"):
         resolve_scheme("MXFP4", None, {"dynamic": False})
+
+
+# ---------------------------------------------------------------------------------------------
+# Every supported family, and mixture-of-experts blocks
+
+
+def _tiny(make, path):
+    from transformers import AutoTokenizer
+
+    torch.manual_seed(0)
+    make().save_pretrained(path)
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(path)
+    return path
+
+
+def _fused_scales_agree(layers: dict) -> None:
+    for group in fused_groups(list(layers)):
+        assert len({layers[n]["global_scale"] for n in group}) == 1, group
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "gpt2", "bert"])
+def test_nvfp4_w4a4_gptq_on_every_family(family, tmp_path):
+    from tests.test_model_families import FAMILIES
+
+    path = _tiny(FAMILIES[family], tmp_path / family)
+    packing = "false" if family == "bert" else "true"  # BERT calibrates on padded single lines
+    recipe = parse_recipe(f"model: {path}\ncalibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 64, "
+                          f"packing: {packing}, min_chars: 20}}\nstages:\n  - gptq: {{scheme: NVFP4}}\n", "test")
+    report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+    layers = report["layers"]
+    solved = {n: r for n, r in layers.items() if r["gptq_loss"] is not None}
+    assert len(solved) >= 8 and all(r["gptq_loss"] < r["rtn_loss"] for r in solved.values())
+    assert all("activation_range" in r for r in solved.values())
+    _fused_scales_agree(layers)
+    if family == "gpt2":  # Conv1D: the format has no transposed layer, so dense, and said why
+        assert report["format"]["format"] == "dense" and "Conv1D" in report["format"]["reason"]
+    else:
+        assert report["format"]["compressed_tensors_format"] == "nvfp4-pack-quantized"
+
+
+def test_nvfp4_gptq_on_mixture_of_experts(tmp_path):
+    """Experts that see too few tokens fall back to round-to-nearest at their fused group's
+    global scale; each expert's gate and up (one w13 matrix in vLLM) share it."""
+    from tests.test_moe import MOE
+
+    path = _tiny(MOE["mixtral"], tmp_path / "mixtral")
+    recipe = parse_recipe(f"model: {path}\ncalibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}\n"
+                          "stages:\n  - gptq: {scheme: NVFP4A16, min_tokens: 260}\n", "test")
+    layers = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")["layers"]
+    experts = {n: r for n, r in layers.items() if ".experts." in n}
+    assert any(r["gptq_loss"] is None for r in experts.values()) and any(r["gptq_loss"] is not None for r in experts.values())
+    _fused_scales_agree(layers)
+    assert any(len(g) == 2 and g[0].endswith("gate_proj") for g in fused_groups(list(experts)))
+
+
+def test_actorder_packs_with_static_groups_and_falls_back_to_dense_without(tmp_path):
+    """The FP4 formats have no column index: act-order GPTQ packs only when its blocks keep one
+    scale (static_groups); otherwise `auto` writes dense and says which layer."""
+    formats = {}
+    for static in (True, False):
+        recipe = parse_recipe("model: default\ncalibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\n"
+                              f"stages:\n  - gptq: {{scheme: NVFP4A16, actorder: true, static_groups: {str(static).lower()}}}\n", "test")
+        formats[static] = run_recipe(recipe, output=str(tmp_path / str(static)), device="cpu")["format"]
+    assert formats[True]["compressed_tensors_format"] == "nvfp4-pack-quantized"
+    assert formats[False]["format"] == "dense" and "not on an FP4 grid" in formats[False]["reason"]
