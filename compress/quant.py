@@ -53,6 +53,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -545,13 +546,18 @@ NVFP4_GROUP, MXFP4_GROUP = 16, 32
 _E4M3_SMALLEST = 2.0**-9  # e4m3's smallest subnormal
 
 
+@lru_cache(maxsize=None)
+def _fp4_values(device: torch.device) -> torch.Tensor:
+    return torch.tensor(FP4_E2M1_VALUES, device=device)  # once per device: GPTQ rounds column by column
+
+
 def round_to_fp4(x: torch.Tensor) -> torch.Tensor:
     """Each element to the nearest E2M1 value, saturating at ±6; float32 out."""
     a = x.float().abs()
     index = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
     for edge, tie_up in _FP4_MIDPOINTS:
         index += (a >= edge) if tie_up else (a > edge)
-    values = torch.tensor(FP4_E2M1_VALUES, device=a.device)[index.long()]
+    values = _fp4_values(a.device)[index.long()]
     return torch.where(x < 0, -values, values)
 
 

@@ -16,6 +16,7 @@ from compress.pipeline import evaluate_model
 from compress.quant import (FP4_E2M1_VALUES, FP8_E4M3_MAX, fake_quantize, fake_quantize_fp4, fp4_steps, nvfp4_global_scale,
                             recover_fp4_steps, round_to_fp4)
 from compress.schemes import QuantArgs, resolve_scheme
+from compress.stages.awq import clip_search, output_error
 from compress.stages.gptq import gptq_quantize, gptq_quantize_stacked, hessian_loss
 from compress.stages.rtn import quantize_weight
 from compress.targets import fused_groups
@@ -234,10 +235,9 @@ def test_fp4_layer_changed_after_quantization_is_not_packed():
         pack_layer("proj", layer, rec)
 
 
-@pytest.mark.parametrize("stage, words", [("awq", "FP4: gptq or rtn"), ("qat", "float weights")])
-def test_stages_without_an_fp4_grid_refuse_it(stage, words):
-    with pytest.raises(Exception, match=words):
-        parse_recipe(f"model: default\ncalibration: {{dataset: calibration/default.txt}}\nstages:\n  - {stage}: {{scheme: NVFP4A16}}\n", "test")
+def test_qat_refuses_fp4_weights():
+    with pytest.raises(Exception, match="float weights"):
+        parse_recipe("model: default\ncalibration: {dataset: calibration/default.txt}\nstages:\n  - qat: {scheme: NVFP4A16}\n", "test")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,3 +385,41 @@ def test_actorder_packs_with_static_groups_and_falls_back_to_dense_without(tmp_p
         formats[static] = run_recipe(recipe, output=str(tmp_path / str(static)), device="cpu")["format"]
     assert formats[True]["compressed_tensors_format"] == "nvfp4-pack-quantized"
     assert formats[False]["format"] == "dense" and "not on an FP4 grid" in formats[False]["reason"]
+
+
+# ---------------------------------------------------------------------------------------------
+# AWQ on the FP4 grid
+
+
+@pytest.mark.parametrize("args", [NV, MX])
+def test_awq_clip_search_on_fp4_never_loses_to_round_to_nearest(args):
+    from tests.test_smoothing import outlier_layer
+
+    X, W = outlier_layer(tokens=256)
+    g = nvfp4_global_scale(W.abs().amax()) if args.fp4_format == "nvfp4" else None
+    Q, ratio = clip_search(X, W, args, global_scale=g)
+    rtn = quantize_weight(W, args, g)
+    assert output_error(X, W, Q) < output_error(X, W, rtn) and ratio < 1
+    assert recover_fp4_steps(Q, args.group_size, g)[1] == 0  # still storable, at the same global scale
+
+
+def test_awq_nvfp4_then_gptq_nvfp4(tmp_path):
+    """AWQ's scale search and clipping on NVFP4, packed; and AWQ's scales then GPTQ on NVFP4,
+    the combination llm-compressor users run."""
+    from tests.test_smoothing import SMOOTHING_FAMILIES, save
+
+    torch.manual_seed(0)
+    save(SMOOTHING_FAMILIES["llama-mha"]().eval(), tmp_path / "in")
+    calib = "calibration: {dataset: calibration/default.txt, num_samples: 8, seq_len: 64}\n"
+    report = run_recipe(parse_recipe(f"model: {tmp_path / 'in'}\n{calib}stages:\n  - awq: {{scheme: NVFP4A16, grid: 5}}\n", "test"),
+                        output=str(tmp_path / "awq"), device="cpu")
+    layers = report["layers"]
+    assert report["format"]["compressed_tensors_format"] == "nvfp4-pack-quantized"
+    _fused_scales_agree(layers)
+    searched = [r for r in layers.values() if "awq_alpha" in r]
+    assert searched and all(r["awq_block_error"] <= r["awq_rtn_block_error"] for r in searched)
+    assert report["stages"][0]["summary"]["mean_output_error"] < report["stages"][0]["summary"]["mean_rtn_output_error"]
+    chained = run_recipe(parse_recipe(f"model: {tmp_path / 'in'}\n{calib}stages:\n  - awq: {{scheme: NVFP4A16, grid: 5, quantize: false}}\n"
+                                      "  - gptq: {scheme: NVFP4A16}\n", "test"), output=str(tmp_path / "chain"), device="cpu")
+    assert chained["format"]["compressed_tensors_format"] == "nvfp4-pack-quantized"
+    assert all(r["stage"] == "gptq" and r["gptq_loss"] < r["rtn_loss"] for r in chained["layers"].values())

@@ -26,7 +26,7 @@ to r · max (r from 1 down to 1 - max_shrink) and keep the r whose group output 
 Sample recipe stage:
 
     - awq:
-        scheme: W4A16
+        scheme: W4A16          # or NVFP4A16 / MXFP4A16: the same search on the FP4 grid
         weights: {group_size: 64}
         grid: 20
 """
@@ -42,9 +42,10 @@ from pydantic import Field, PrivateAttr, model_validator
 from compress.engine import calibration_batches, resolve_batch_size, token_rows
 from compress.mappings import Mapping, apply_scales, mappings_for
 from compress.modeling import get_weight, set_weight
-from compress.quant import absmax_qparams, dequantize, fake_quantize, quantize, relative_error, zeropoint_qparams
+from compress.quant import absmax_qparams, dequantize, fp4_qparams, quantize, relative_error, zeropoint_qparams
 from compress.schemes import QuantArgs
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext
+from compress.stages.rtn import global_scales, quantize_weight
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -84,10 +85,12 @@ def _group_view(t: torch.Tensor, group: int) -> torch.Tensor:
     return t.reshape(*t.shape[:-1], -1, group)
 
 
-def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 20, max_shrink: float = 0.5) -> tuple[torch.Tensor, float]:
+def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 20, max_shrink: float = 0.5,
+                global_scale: float | None = None) -> tuple[torch.Tensor, float]:
     """Quantize W [out, in] with per (row, group) ranges shrunk to the ratio that minimises each
-    group's output error on X [tokens, in]; returns the dequantized weight and the mean ratio."""
-    group = args.group_size if args.strategy == "group" else W.shape[1]
+    group's output error on X [tokens, in]; returns the dequantized weight and the mean ratio.
+    FP4 blocks take NVFP4's `global_scale`."""
+    group = args.group_size if args.strategy in ("group", "tensor_group") else W.shape[1]
     Wg = _group_view(W, group)                    # [out, n_groups, group]
     Xg = _group_view(X, group).permute(1, 0, 2)   # [n_groups, tokens, group]
     if args.symmetric:
@@ -97,7 +100,9 @@ def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 2
         lo0, hi0 = Wg.amin(-1, keepdim=True), Wg.amax(-1, keepdim=True)
 
     def quantized(ratio: torch.Tensor) -> torch.Tensor:
-        if args.symmetric:
+        if args.fp4_format:
+            qp = fp4_qparams(hi0 * ratio, global_scale)
+        elif args.symmetric:
             qp = absmax_qparams(hi0 * ratio, args.num_bits, args.full_range)
         else:
             qp = zeropoint_qparams(lo0 * ratio, hi0 * ratio, args.num_bits)
@@ -164,8 +169,9 @@ class AWQ(EngineOptions, QuantizationStage):
 
     @model_validator(mode="after")
     def _integer_weights(self) -> "AWQ":
-        if self.resolved_scheme().weights.type != "int":
-            raise ValueError("AWQ quantizes to an integer grid: use an int weights scheme (FP4: gptq or rtn)")
+        w = self.resolved_scheme().weights
+        if w.type != "int" and not w.fp4_format:
+            raise ValueError("AWQ quantizes to an integer or FP4 grid: FP8 weights need rtn")
         return self
 
     def observe(self, name: str, module: torch.nn.Module) -> InputSampler:
@@ -180,6 +186,7 @@ class AWQ(EngineOptions, QuantizationStage):
         n_batches = max(1, -(-self.max_tokens // tokens_per_batch))  # enough batches for max_tokens
         references: dict = {}  # the float outputs of each inspected module (None: the block)
         originals = {n: get_weight(m) for n, m in layers.items()}  # for the round-to-nearest comparison
+        original_scales = global_scales(layers, args)  # NVFP4's, of the unscaled weights
         for mapping in self._mappings:
             names = [prefix + b for b in mapping.balance]
             if not all(n in layers for n in names):
@@ -203,9 +210,9 @@ class AWQ(EngineOptions, QuantizationStage):
             candidates = {None: torch.ones_like(mean_abs), **dict(candidate_scales(mean_abs, self.grid, w_mean))}
             for alpha, s in candidates.items():
                 apply_scales(prev, balance, s)
-                for layer in balance:
-                    W = get_weight(layer)
-                    set_weight(layer, fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range))
+                scales = global_scales(dict(zip(names, balance)), args)  # NVFP4: of the scaled weights
+                for name, layer in zip(names, balance):
+                    set_weight(layer, quantize_weight(get_weight(layer), args, scales.get(name)))
                 out = runner.outputs(n_batches, mapping.inspect)
                 errors[alpha] = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
                 restore()
@@ -220,19 +227,23 @@ class AWQ(EngineOptions, QuantizationStage):
                          f"err {errors[alpha]:.3g} (rtn {errors[None]:.3g})", 0, 1)
         if not self.quantize:
             return
+        scales = global_scales(layers, args)  # NVFP4: one per fused group, of the scaled weights
         for name, module in layers.items():
             X = observers[name].inputs()
             if name in input_scale:
                 X = X / input_scale[name]
             W = get_weight(module).to(X.device)
             if self.clip and args.strategy != "tensor":
-                Q, ratio = clip_search(X, W, args, self.clip_grid, self.max_shrink)
+                Q, ratio = clip_search(X, W, args, self.clip_grid, self.max_shrink, scales.get(name))
             else:
-                Q, ratio = fake_quantize(W, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range), 1.0
+                Q, ratio = quantize_weight(W, args, scales.get(name)), 1.0
             X0, W0 = observers[name].inputs(), originals[name].to(X.device)
-            rtn = fake_quantize(W0, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
+            rtn = quantize_weight(W0, args, original_scales.get(name))
             set_weight(module, Q)
             record = ctx.layers.setdefault(name, {})
+            record.pop("global_scale", None)
+            if name in scales:
+                record["global_scale"] = scales[name]
             record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
                            "relative_error": relative_error(W, Q), "clip_ratio": ratio,
                            "output_error": output_error(X, W, Q) / X.shape[0],
