@@ -1,5 +1,6 @@
 """Activation fake-quantization: the inputs of quantized layers rounded at run time, so that the
-evaluated model really computes with A8 (or FP8) inputs.
+evaluated model really computes with A8 (or FP8, FP4) inputs; and the KV cache, keys and values
+rounded to FP8 as an attention layer stores them.
 
 Dynamic (per-token) ranges come from each input; static (per-tensor) ranges are observed on the
 calibration set first and then frozen. The hooks are plain forward pre-hooks; the ranges are saved
@@ -7,6 +8,8 @@ with the checkpoint so that `compress eval` reattaches them when it loads the mo
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -83,6 +86,19 @@ def detach(module: torch.nn.Module) -> None:
         delattr(module, HOOK_ATTR)
 
 
+def reattach(model: torch.nn.Module, layers: dict, kv_cache: dict | None = None) -> None:
+    """Attach again what a run's records say (compress.json, the stage cache): each layer's input
+    quantization with its static range, and the KV cache's."""
+    modules = dict(model.named_modules())
+    for name, rec in layers.items():
+        if "input_activations" in rec and name in modules:
+            rng = rec.get("activation_range")
+            attach(modules[name], QuantArgs(**rec["input_activations"]), tuple(rng) if rng else None)
+    for name, (key_max, value_max) in (kv_cache or {}).get("ranges", {}).items():
+        if name in modules:
+            attach_kv(modules[name], key_max, value_max)
+
+
 @torch.no_grad()
 def observe_ranges(
     model: torch.nn.Module, modules: dict[str, torch.nn.Module], samples: list[dict], device: torch.device
@@ -116,3 +132,104 @@ def observe_ranges(
         for h in handles:
             h.remove()
     return {n: (r[0], r[1]) for n, r in ranges.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The KV cache: keys (after RoPE) and values as an attention layer stores them
+
+
+KV_HOOK_ATTR = "_compress_kv_hook"
+KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}  # FP8 e4m3
+
+
+def attention_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The attention layers whose keys and values a KV cache holds: the `...Attention` modules
+    that hand them to `past_key_values.update()`, as every transformers decoder does."""
+    return {name: m for name, m in model.named_modules()
+            if type(m).__name__.endswith("Attention") and "past_key_values" in inspect.signature(m.forward).parameters}
+
+
+class _CacheStandIn:
+    """Takes the place of an attention layer's `past_key_values` for one forward: its update()
+    receives exactly the keys and values a cache would store, passes them through `process`
+    (observe, or round to FP8), then on to the real cache if there is one."""
+
+    def __init__(self, process, cache):
+        self.process, self.cache = process, cache
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        key_states, value_states = self.process(key_states, value_states)
+        if self.cache is not None:
+            return self.cache.update(key_states, value_states, *args, **kwargs)
+        return key_states, value_states
+
+    def __getattr__(self, name: str):
+        cache = self.__dict__.get("cache")
+        if cache is None:
+            raise AttributeError(name)
+        return getattr(cache, name)
+
+
+def _kv_pre_hook(process):
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+        bound.arguments["past_key_values"] = _CacheStandIn(process, bound.arguments.get("past_key_values"))
+        return bound.args, bound.kwargs
+    return hook
+
+
+def _fp8_static(x: torch.Tensor, absmax: float) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    return fake_quantize_fp8(flat, "tensor", torch.tensor(absmax, device=x.device)).to(x.dtype).reshape(x.shape)
+
+
+def attach_kv(module: torch.nn.Module, key_absmax: float, value_absmax: float) -> None:
+    """Round the layer's keys and values to FP8 e4m3 with per-tensor static scales absmax / 448
+    (what vLLM's fp8 KV cache computes with, from `k_scale` and `v_scale`)."""
+    detach_kv(module)
+    handle = module.register_forward_pre_hook(
+        _kv_pre_hook(lambda k, v: (_fp8_static(k, key_absmax), _fp8_static(v, value_absmax))), with_kwargs=True)
+    setattr(module, KV_HOOK_ATTR, handle)
+
+
+def detach_kv(module: torch.nn.Module) -> None:
+    handle = getattr(module, KV_HOOK_ATTR, None)
+    if handle is not None:
+        handle.remove()
+        delattr(module, KV_HOOK_ATTR)
+
+
+@torch.no_grad()
+def observe_kv(model: torch.nn.Module, modules: dict[str, torch.nn.Module], samples: list[dict],
+               device: torch.device) -> dict[str, tuple[float, float]]:
+    """max |key| and max |value| each attention layer stores, over all calibration samples
+    (padding excluded)."""
+    seen: dict[str, list[float]] = {name: [0.0, 0.0] for name in modules}
+    mask_holder: dict[str, torch.Tensor | None] = {"mask": None}
+
+    def observer(name: str):
+        def process(key: torch.Tensor, value: torch.Tensor):
+            for i, x in enumerate((key, value)):
+                mask = mask_holder["mask"]
+                # [batch, heads, tokens, head_dim]: padded positions are left out
+                x = x.detach().float().transpose(1, 2)
+                if mask is not None and x.shape[:2] == mask.shape:
+                    x = x[mask.bool()]
+                top = float(x.abs().max()) if x.numel() else 0.0
+                if top != top or top == float("inf"):
+                    raise CompressError(f"layer {name}: non-finite keys or values (NaN/Inf, or float16 overflow)",
+                                        "check the model's weights, or load it in float32 (--dtype float32)")
+                seen[name][i] = max(seen[name][i], top)
+            return key, value
+        return process
+
+    handles = [m.register_forward_pre_hook(_kv_pre_hook(observer(n)), with_kwargs=True) for n, m in modules.items()]
+    try:
+        for sample in samples:
+            batch = {k: v.to(device) for k, v in sample.items()}
+            mask_holder["mask"] = batch.get("attention_mask")
+            model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: (k, v) for n, (k, v) in seen.items()}

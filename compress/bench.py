@@ -105,6 +105,9 @@ def _rows() -> list[Row]:
         Row("ref-llama", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}),
         Row("ref-llama", "W8A8 int8 static per-tensor", W8A8_STATIC),
         Row("ref-llama", "FP8_DYNAMIC", {"scheme": "FP8_DYNAMIC"}),
+        # the same, then the FP8 KV cache (calibrated key and value scales): what the cache adds
+        Row("ref-llama", "FP8_DYNAMIC", {}, method="FP8 KV cache", stage_name="kv_cache",
+            before=({"rtn": {"scheme": "FP8_DYNAMIC"}},)),
         # FP4 weights in the two block formats (E2M1 codes; e4m3 block scales under a global scale,
         # or power-of-two block scales), then the same with GPTQ
         Row("ref-llama", "NVFP4 g16", {"scheme": "NVFP4A16"}),

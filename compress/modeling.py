@@ -177,14 +177,9 @@ def _reattach_activation_quant(model: torch.nn.Module, path: str) -> None:
     if not meta_file.is_file():
         return
     from compress import activations
-    from compress.schemes import QuantArgs
 
     meta = json.loads(meta_file.read_text())
-    modules = dict(model.named_modules())
-    for name, rec in meta.get("layers", {}).items():
-        if "input_activations" in rec and name in modules:
-            rng = rec.get("activation_range")
-            activations.attach(modules[name], QuantArgs(**rec["input_activations"]), tuple(rng) if rng else None)
+    activations.reattach(model, meta.get("layers", {}), meta.get("kv_cache"))
 
 
 def get_weight(module: torch.nn.Module) -> torch.Tensor:

@@ -268,9 +268,10 @@ def quantization_config(layers: dict, formats: dict[str, str], ignore: list[str]
                               quantization_status=QuantizationStatus.COMPRESSED)
 
 
-def pack_model(net: torch.nn.Module, layers: dict) -> tuple[dict, object]:
+def pack_model(net: torch.nn.Module, layers: dict, kv_cache: dict | None = None) -> tuple[dict, object]:
     """(state dict in the format, QuantizationConfig); nothing is written. Raises NotPackable
-    when a layer cannot be reproduced exactly."""
+    when a layer cannot be reproduced exactly. `kv_cache` (the kv_cache stage's scheme and
+    ranges) adds each attention layer's k_scale and v_scale, and kv_cache_scheme."""
     _ct()
     modules = dict(net.named_modules())
     state = dict(net.state_dict())
@@ -285,7 +286,15 @@ def pack_model(net: torch.nn.Module, layers: dict) -> tuple[dict, object]:
         formats[name] = fmt
     linear = [n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)]
     ignore = [n for n in linear if n not in formats]
-    return state, quantization_config(layers, formats, ignore)
+    qconfig = quantization_config(layers, formats, ignore)
+    if kv_cache:
+        from compress.quant import FP8_E4M3_MAX
+
+        for name, (key_max, value_max) in kv_cache["ranges"].items():
+            for part, top in (("k_scale", key_max), ("v_scale", value_max)):
+                state[f"{name}.{part}"] = torch.tensor([top / FP8_E4M3_MAX if top > 0 else 1.0], dtype=torch.float32)
+        qconfig.kv_cache_scheme = ct_args(kv_cache["scheme"], activations=True)
+    return state, qconfig
 
 
 def save_packed(net: torch.nn.Module, layers: dict, directory: Path, packed: tuple | None = None) -> dict:
@@ -416,9 +425,10 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
             if f"{name}.bias" in tensors:
                 state[f"{name}.bias"] = tensors[f"{name}.bias"].to(dtype)
             done.add(name)
+    kv_scales = {k: v for k, v in tensors.items() if k.endswith((".k_scale", ".v_scale"))}  # the KV cache's, not weights
     for key, value in tensors.items():
         prefix = key.rsplit(".", 1)[0]
-        if prefix not in done:
+        if prefix not in done and key not in kv_scales:
             state[key] = value
     expected_keys = model.state_dict().keys()
     for key, value in list(state.items()):
@@ -434,7 +444,29 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
         raise CompressError(f"{path} ({files}): unexpected tensor {result.unexpected_keys[0]}", "the checkpoint does not match its config.json")
     if not (path / "compress.json").is_file():  # another tool's checkpoint: its activation scheme is in the config
         attach_activation_quant(model, qconfig, tensors, path)
+        attach_kv_cache(model, qconfig, kv_scales, path)
     return model
+
+
+def attach_kv_cache(model: torch.nn.Module, qconfig, kv_scales: dict[str, torch.Tensor], path: Path) -> None:
+    """Round keys and values as another tool's checkpoint says (kv_cache_scheme, and each attention
+    layer's k_scale and v_scale): FP8 per-tensor static is what compress simulates."""
+    a = qconfig.kv_cache_scheme
+    if a is None:
+        return
+    from compress import activations
+    from compress.quant import FP8_E4M3_MAX
+
+    kind, strategy = getattr(a.type, "value", a.type), getattr(a.strategy, "value", a.strategy)
+    if kind != "float" or a.num_bits != 8 or strategy != "tensor" or a.dynamic is not False:
+        raise CompressError(f"{path}: kv_cache_scheme {kind}{a.num_bits} {strategy} (dynamic {a.dynamic}) is not one compress simulates",
+                            "compress evaluates FP8 KV caches with per-tensor static scales")
+    for name, module in activations.attention_modules(model).items():
+        k, v = kv_scales.get(f"{name}.k_scale"), kv_scales.get(f"{name}.v_scale")
+        if k is None or v is None:
+            raise CompressError(f"{path}: tensor {name}.{'k_scale' if k is None else 'v_scale'} is missing (kv_cache_scheme needs it)",
+                                "the checkpoint may be truncated or corrupted: write it again")
+        activations.attach_kv(module, float(k.float().reshape(-1)[0]) * FP8_E4M3_MAX, float(v.float().reshape(-1)[0]) * FP8_E4M3_MAX)
 
 
 def attach_activation_quant(model: torch.nn.Module, qconfig, tensors: dict[str, torch.Tensor], path: Path) -> None:

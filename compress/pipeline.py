@@ -196,13 +196,15 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         if ctx.offload is None:
             _measure_sparsity(net, ctx.layers)
         report["layers"] = ctx.layers
+        if ctx.kv_cache is not None:
+            report["kv_cache"] = ctx.kv_cache
 
         progress("saving", 0, 1)
         decision = packing.decide(net, ctx.layers, requested, offloaded=ctx.offload is not None)
         packed = None
         if decision.format == "packed":
             try:
-                packed = packing.pack_model(net, ctx.layers)
+                packed = packing.pack_model(net, ctx.layers, ctx.kv_cache)
             except packing.NotPackable as exc:
                 if requested == "packed":
                     raise
@@ -228,7 +230,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         write_json(tmp / "compress.json", {
             "format": "compressed-tensors/1" if decision.format == "packed" else "compress-dequantized/1",
             "format_reason": decision.reason, "source_model": source, "stages": [n for n, _ in recipe.stages],
-            "recipe": effective, "layers": ctx.layers})
+            "recipe": effective, "layers": ctx.layers, **({"kv_cache": ctx.kv_cache} if ctx.kv_cache else {})})
         report["output"] = size_summary(net, ctx.layers, tmp)
         if ctx.offload is None:
             report["output"].update(packing.quantized_size(tmp, net, ctx.layers))

@@ -96,7 +96,10 @@ class StageCache:
             torch.set_rng_state(rng)
             ctx.layers.clear()
             ctx.layers.update(state["layers"])
-            _reattach_activation_quant(net, ctx.layers)
+            ctx.kv_cache = state.get("kv_cache")
+            from compress import activations
+
+            activations.reattach(net, ctx.layers, ctx.kv_cache)
             for i in range(last + 1):
                 earlier = self._read_entry(i)
                 # an earlier entry may have been pruned by hand; the restored one carries the
@@ -117,7 +120,7 @@ class StageCache:
             return  # the same key: the same result, already stored
         try:
             text = json.dumps({"format": ENTRY_FORMAT, "index": index, "name": self.names[index], "key": self.keys[index],
-                               "report": report, "layers": ctx.layers}, allow_nan=True)
+                               "report": report, "layers": ctx.layers, "kv_cache": ctx.kv_cache}, allow_nan=True)
         except TypeError as exc:  # a record that JSON cannot hold would not come back as it was
             self.skipped[index] = f"records are not JSON: {exc}"
             return
@@ -183,17 +186,6 @@ _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"
 
 def _st_dtype(dtype: torch.dtype) -> str:
     return _ST_DTYPES.get(dtype, str(dtype))
-
-
-def _reattach_activation_quant(net: torch.nn.Module, layers: dict) -> None:
-    from compress import activations
-    from compress.schemes import QuantArgs
-
-    modules = dict(net.named_modules())
-    for name, rec in layers.items():
-        if "input_activations" in rec and name in modules:
-            rng = rec.get("activation_range")
-            activations.attach(modules[name], QuantArgs(**rec["input_activations"]), tuple(rng) if rng else None)
 
 
 def prepare(cache_dir: str | Path | None, recipe) -> Path:

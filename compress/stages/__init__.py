@@ -6,6 +6,7 @@ A new algorithm is one new file in this package plus one line here.
 from compress.stages.awq import AWQ
 from compress.stages.distill import Distill
 from compress.stages.gptq import GPTQ
+from compress.stages.kv_cache import KVCache
 from compress.stages.magnitude import Magnitude
 from compress.stages.qat import QAT
 from compress.stages.rtn import RoundToNearest
@@ -25,4 +26,5 @@ STAGES = {
     "structured": Structured,
     "distill": Distill,
     "qat": QAT,
+    "kv_cache": KVCache,
 }

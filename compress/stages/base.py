@@ -25,6 +25,8 @@ class StageContext:
     progress: Callable[[str, int, int], None] = lambda *_: None
     # Per-layer records (scheme, error, activation range...) for report.json and compress.json.
     layers: dict[str, dict] = field(default_factory=dict)
+    # The kv_cache stage's {"scheme": ..., "ranges": {attention layer: [max |K|, max |V|]}}.
+    kv_cache: Optional[dict] = None
     # compress.offload.DiskOffload when the recipe says `offload: disk`: blocks live on disk.
     offload: Any = None
     # What training stages need besides: the input model (the default teacher) and its hash,
