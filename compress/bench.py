@@ -135,6 +135,7 @@ def _rows() -> list[Row]:
         # (α 0.5, then the same rtn stage as the plain W8A8 row of that label).
         Row("ref-llama", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **AWQ_ROW),
         Row("ref-llama", "W4 zero-point g64", {"scheme": "W4A16_ASYM", "weights": {"group_size": 64}}, **AWQ_ROW),
+        Row("ref-llama", "NVFP4 g16", {"scheme": "NVFP4A16"}, **AWQ_ROW),
         Row("ref-llama", "W8A8 int8 static per-tensor", W8A8_STATIC, **SQ_ROW),
         Row("ref-llama", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}, **SQ_ROW),
         *_pruning_rows("ref-llama"),
