@@ -508,6 +508,10 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
               f"({src.get('architecture')}, {src.get('parameters') or 0:,} params, {src.get('dtype')})")
     out.print(f"source weights sha256: {src.get('weights_sha256')}")
     out.print(f"format: {info['format']}" + (f" ({escape(info['format_reason'])})" if info.get("format_reason") else ""))
+    if info.get("kv_cache"):
+        kv = info["kv_cache"]["ranges"]
+        out.print(f"KV cache: fp8 e4m3, per-tensor static key and value scales for {len(kv)} attention layers "
+                  f"({'k_scale and v_scale in the checkpoint' if info['format'] == 'packed' else 'in compress.json only'})")
     # No vertical rules: eight columns leave more room for the full layer names.
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     pruned = any(r["sparsity"] is not None for r in info["layers"].values())

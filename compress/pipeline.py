@@ -479,6 +479,7 @@ def inspect_checkpoint(path: str | Path) -> dict:
         "stages": meta.get("stages", []),
         "recipe": recipe,
         "layers": rows,
+        "kv_cache": meta.get("kv_cache"),
         "sizes": {"source_bytes": src.get("bytes"), "bytes_on_disk": sum(tensor_sizes.values()),
                   "quantized_layers_bytes_on_disk": q_disk, "quantized_layers_float16_bytes": q_fp16,
                   "quantized_layers_ratio_to_float16": q_disk / q_fp16 if q_fp16 else None},

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, DynamicCache
 from compress import activations, modeling, parse_recipe, run_recipe
 from compress.calibration import build_calibration
 from compress.cli import main
-from compress.pipeline import evaluate_model
+from compress.pipeline import evaluate_model, inspect_checkpoint
 from compress.quant import FP8_E4M3_MAX
 
 from tests.test_packed import IDS, plain_transformers_logits, relative_difference
@@ -93,6 +93,13 @@ def test_reloads_evaluate_as_the_run_did(w4_kv, tmp_path):
     for path in (out, other):
         again = evaluate_model(str(path), [HELD], device="cpu", seq_len=128, max_windows=6)
         assert again["results"][HELD]["token_perplexity"] == pytest.approx(report["evaluation"][HELD]["token_perplexity"], rel=1e-9)
+
+
+def test_inspect_names_the_kv_cache(w4_kv, capsys):
+    out, report = w4_kv
+    assert main(["inspect", str(out)]) == 0
+    assert "KV cache: fp8 e4m3" in capsys.readouterr().out
+    assert inspect_checkpoint(out)["summary"]["kv_cache"] == report["kv_cache"]
 
 
 def test_generation_with_a_real_cache_stores_rounded_keys(w4_kv):
