@@ -141,6 +141,14 @@ def llmcompressor_modifiers(recipe) -> tuple[list[dict], list[str]]:
                 notes.append("sparsegpt mask_selection row: llm-compressor chooses over each block's rows together")
         elif name == "wanda":
             mods.append({"class": "WandaPruningModifier", "args": _pruning_args(name, cfg)})
+        elif name == "kv_cache":
+            # llm-compressor calibrates the cache within a quantization modifier (kv_cache_scheme)
+            if not mods or mods[-1]["class"] not in ("QuantizationModifier", "GPTQModifier"):
+                raise Untranslatable("kv_cache: llm-compressor calibrates the KV cache only within a quantization "
+                                     "modifier; put kv_cache right after an rtn or gptq stage")
+            from compress.activations import KV_SCHEME
+
+            mods[-1]["args"]["kv_cache_scheme"] = dict(KV_SCHEME)
         else:
             raise Untranslatable(f"{name}: llm-compressor has no one-shot {name} stage")
     return mods, notes

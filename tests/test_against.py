@@ -227,3 +227,12 @@ def test_fp4_schemes_translate_to_compressed_tensors_presets(preset):
             assert part not in group
             continue
         assert ct.QuantizationArgs.model_validate(group[part]) == theirs, part
+
+
+def test_kv_cache_translates_into_the_quantization_modifier_before_it():
+    mods, _ = llmcompressor_modifiers(recipe("  - rtn: {scheme: FP8_DYNAMIC}\n  - kv_cache: {}\n"))
+    assert [m["class"] for m in mods] == ["QuantizationModifier"]
+    assert mods[0]["args"]["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
+                                                  "dynamic": False}
+    with pytest.raises(Untranslatable, match="right after an rtn or gptq stage"):
+        llmcompressor_modifiers(recipe("  - kv_cache: {}\n"))
