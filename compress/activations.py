@@ -80,10 +80,14 @@ def attach(module: torch.nn.Module, args: QuantArgs, static_range: tuple[float, 
 
 
 def detach(module: torch.nn.Module) -> None:
-    handle = getattr(module, HOOK_ATTR, None)
+    _remove_hook(module, HOOK_ATTR)
+
+
+def _remove_hook(module: torch.nn.Module, attr: str) -> None:
+    handle = getattr(module, attr, None)
     if handle is not None:
         handle.remove()
-        delattr(module, HOOK_ATTR)
+        delattr(module, attr)
 
 
 def reattach(model: torch.nn.Module, layers: dict, kv_cache: dict | None = None) -> None:
@@ -122,7 +126,13 @@ def observe_ranges(
 
         return hook
 
-    handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in modules.items()]
+    _run_hooked(model, [m.register_forward_pre_hook(make_hook(n)) for n, m in modules.items()], samples, device, mask_holder)
+    return {n: (r[0], r[1]) for n, r in ranges.items()}
+
+
+def _run_hooked(model: torch.nn.Module, handles: list, samples: list[dict], device: torch.device, mask_holder: dict) -> None:
+    """Every calibration sample through the model, each batch's attention mask in `mask_holder`
+    for the hooks to leave padding out; the hooks are removed afterwards, whatever happens."""
     try:
         for sample in samples:
             batch = {k: v.to(device) for k, v in sample.items()}
@@ -131,7 +141,6 @@ def observe_ranges(
     finally:
         for h in handles:
             h.remove()
-    return {n: (r[0], r[1]) for n, r in ranges.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,10 +202,7 @@ def attach_kv(module: torch.nn.Module, key_absmax: float, value_absmax: float) -
 
 
 def detach_kv(module: torch.nn.Module) -> None:
-    handle = getattr(module, KV_HOOK_ATTR, None)
-    if handle is not None:
-        handle.remove()
-        delattr(module, KV_HOOK_ATTR)
+    _remove_hook(module, KV_HOOK_ATTR)
 
 
 @torch.no_grad()
@@ -224,12 +230,5 @@ def observe_kv(model: torch.nn.Module, modules: dict[str, torch.nn.Module], samp
         return process
 
     handles = [m.register_forward_pre_hook(_kv_pre_hook(observer(n)), with_kwargs=True) for n, m in modules.items()]
-    try:
-        for sample in samples:
-            batch = {k: v.to(device) for k, v in sample.items()}
-            mask_holder["mask"] = batch.get("attention_mask")
-            model(**batch)
-    finally:
-        for h in handles:
-            h.remove()
+    _run_hooked(model, handles, samples, device, mask_holder)
     return {n: (k, v) for n, (k, v) in seen.items()}
