@@ -50,7 +50,7 @@ class ActivationFakeQuant:
             g = None
             if a.fp4_format == "nvfp4":
                 g = nvfp4_input_global_scale(max(abs(self.static_range[0]), abs(self.static_range[1])))
-            out = fake_quantize_fp4(flat, a.group_size, g)
+            out = fake_quantize_fp4(flat, a.group_size, g, activations=True)
         elif a.type == "float":
             absmax = None
             if not a.dynamic and self.static_qparams is not None:
@@ -151,15 +151,25 @@ KV_HOOK_ATTR = "_compress_kv_hook"
 KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}  # FP8 e4m3
 
 
+# What transformers' attention layers call the cache they hand their keys and values to (update()):
+# most today, older releases, and GPT-NeoX, GPT-J, Falcon and Bloom.
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _cache_argument(module: torch.nn.Module) -> str | None:
+    parameters = inspect.signature(module.forward).parameters
+    return next((name for name in CACHE_ARGUMENTS if name in parameters), None)
+
+
 def attention_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The attention layers whose keys and values a KV cache holds: the `...Attention` modules
-    that hand them to `past_key_values.update()`, as every transformers decoder does."""
+    that take a cache argument (CACHE_ARGUMENTS) and hand it their keys and values."""
     return {name: m for name, m in model.named_modules()
-            if type(m).__name__.endswith("Attention") and "past_key_values" in inspect.signature(m.forward).parameters}
+            if type(m).__name__.endswith("Attention") and _cache_argument(m) is not None}
 
 
 class _CacheStandIn:
-    """Takes the place of an attention layer's `past_key_values` for one forward: its update()
+    """Takes the place of an attention layer's cache argument (`past_key_values`) for one forward: its update()
     receives exactly the keys and values a cache would store, passes them through `process`
     (observe, or round to FP8), then on to the real cache if there is one."""
 
@@ -181,8 +191,9 @@ class _CacheStandIn:
 
 def _kv_pre_hook(process):
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+        name = _cache_argument(module)
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
-        bound.arguments["past_key_values"] = _CacheStandIn(process, bound.arguments.get("past_key_values"))
+        bound.arguments[name] = _CacheStandIn(process, bound.arguments.get(name))
         return bound.args, bound.kwargs
     return hook
 
@@ -198,11 +209,20 @@ def attach_kv(module: torch.nn.Module, key_absmax: float, value_absmax: float) -
     detach_kv(module)
     handle = module.register_forward_pre_hook(
         _kv_pre_hook(lambda k, v: (_fp8_static(k, key_absmax), _fp8_static(v, value_absmax))), with_kwargs=True)
+    handle.kv_ranges = (key_absmax, value_absmax)
     setattr(module, KV_HOOK_ATTR, handle)
 
 
 def detach_kv(module: torch.nn.Module) -> None:
     _remove_hook(module, KV_HOOK_ATTR)
+
+
+def attached_kv(model: torch.nn.Module) -> dict | None:
+    """The KV cache rounding attached to `model` (a compress or other tool's checkpoint loaded with
+    it), as the kv_cache stage records it; None when there is none. A later run on such a model
+    evaluates with it, so it writes it out too."""
+    ranges = {name: list(getattr(m, KV_HOOK_ATTR).kv_ranges) for name, m in model.named_modules() if hasattr(m, KV_HOOK_ATTR)}
+    return {"scheme": dict(KV_SCHEME), "ranges": ranges} if ranges else None
 
 
 @torch.no_grad()

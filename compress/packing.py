@@ -119,17 +119,24 @@ def not_packable(problems: list[str]) -> CompressError:
                          "pass --format dense, or change the recipe so that every quantized layer can be packed")
 
 
-def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloaded: bool = False) -> Decision:
-    """`auto`: packed when every quantized layer can be expressed, else dense; `packed` insists."""
+def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloaded: bool = False,
+           kv_cache: dict | None = None) -> Decision:
+    """`auto`: packed when every quantized layer can be expressed, else dense; `packed` insists.
+    A KV cache alone (no quantized layer) is written in the format too: its scales need it."""
     quantized = [n for n, r in layers.items() if "weights" in r]
+    kv_note = " (the KV cache's scales are in compress.json only)" if kv_cache else ""
     if requested == "dense":
-        return Decision("dense", "asked for (--format dense or format: dense): dequantized weights in the model's dtype")
+        return Decision("dense", "asked for (--format dense or format: dense): dequantized weights in the model's dtype" + kv_note)
+    if not quantized and kv_cache and not offloaded:
+        _ct()
+        return Decision("packed", "compressed-tensors: no layer is quantized; the KV cache's k_scale and v_scale, "
+                                  "and kv_cache_scheme in quantization_config")
     if not quantized:
-        return Decision("dense", "no layer is quantized: nothing to pack (sparsity is stored densely)")
+        return Decision("dense", "no layer is quantized: nothing to pack (sparsity is stored densely)" + kv_note)
     if offloaded:
         if requested == "packed":
             raise OFFLOADED_NOT_PACKABLE
-        return Decision("dense", "offload: disk writes the dense checkpoint block by block")
+        return Decision("dense", "offload: disk writes the dense checkpoint block by block" + kv_note)
     problems = expressible(net, layers)
     if not problems:
         try:
@@ -166,7 +173,7 @@ def _activation_qparams(rec: dict) -> dict[str, torch.Tensor]:
     from compress.quant import FP8_E4M3_MAX, absmax_qparams, zeropoint_qparams
 
     lo, hi = float(rng[0]), float(rng[1])
-    if a["type"] == "float" and a["num_bits"] == 4:  # NVFP4 (MXFP4 activations are dynamic)
+    if a["type"] == "float" and a["num_bits"] == 4 and a["strategy"] == "tensor_group":  # NVFP4; MXFP4's are all dynamic
         from compress.quant import nvfp4_input_global_scale
 
         return {"input_global_scale": torch.tensor([nvfp4_input_global_scale(max(abs(lo), abs(hi)))], dtype=torch.float32)}
@@ -263,7 +270,7 @@ def quantization_config(layers: dict, formats: dict[str, str], ignore: list[str]
         scheme.format = formats[names[0]]
         config_groups[f"group_{i}"] = scheme
     distinct = set(formats.values())
-    fmt = distinct.pop() if len(distinct) == 1 else "mixed-precision"
+    fmt = distinct.pop() if len(distinct) == 1 else ("mixed-precision" if distinct else "dense")  # dense: a KV cache alone
     return QuantizationConfig(config_groups=config_groups, format=fmt, ignore=ignore if single else [],
                               quantization_status=QuantizationStatus.COMPRESSED)
 

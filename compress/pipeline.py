@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import yaml
 
-from compress import modeling, packing, tasks as lm_tasks
+from compress import activations, modeling, packing, tasks as lm_tasks
 from compress.calibration import build_calibration, is_local_spec, read_texts, resolve_data_path
 from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
@@ -176,6 +176,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     ctx = StageContext(device=dev, devices=devices, calibration=calibration, seed=seed, progress=progress, tokenizer=tokenizer,
                        source_model=model_ref, source_hash=source["weights_sha256"], resume=resume or bool(cache_dir),
                        work_dir=dest.parent / f".{dest.name}.work")
+    ctx.kv_cache = activations.attached_kv(net)  # an input with an FP8 KV cache keeps it, as it is evaluated
     cache = None
     if cache_root is not None:
         cache = stagecache.open_cache(cache_root, recipe, modeling.local_dir(model_ref), source, calibration, seed, devices)
@@ -200,7 +201,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             report["kv_cache"] = ctx.kv_cache
 
         progress("saving", 0, 1)
-        decision = packing.decide(net, ctx.layers, requested, offloaded=ctx.offload is not None)
+        decision = packing.decide(net, ctx.layers, requested, offloaded=ctx.offload is not None, kv_cache=ctx.kv_cache)
         packed = None
         if decision.format == "packed":
             try:
@@ -208,7 +209,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             except packing.NotPackable as exc:
                 if requested == "packed":
                     raise
-                decision = packing.Decision("dense", f"the packed format cannot reproduce it exactly: {exc.message}")
+                decision = packing.Decision("dense", f"the packed format cannot reproduce it exactly: {exc.message}"
+                                            + (" (the KV cache's scales are in compress.json only)" if ctx.kv_cache else ""))
         report["format"] = {"format": decision.format, "reason": decision.reason}
         if ctx.offload is not None:
             ctx.offload.finish()

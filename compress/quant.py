@@ -572,24 +572,29 @@ def nvfp4_global_scale(absmax: torch.Tensor | float) -> float:
     if not m > 0 or not torch.isfinite(torch.tensor(m)):
         return 1.0
     _, exponent = torch.frexp(torch.tensor(FP8_E4M3_MAX * FP4_E2M1_MAX / m, dtype=torch.float64))
-    return float(2.0 ** (int(exponent) - 1))  # floor(log2(448 · 6 / m)); frexp's mantissa is in [0.5, 1)
+    # floor(log2(448 · 6 / m)) (frexp's mantissa is in [0.5, 1)), capped where float32 ends: a range
+    # below ~1e-35 would otherwise give an infinite g
+    return float(2.0 ** min(int(exponent) - 1, 126))
 
 
-def fp4_steps(block_absmax: torch.Tensor, global_scale: float | None) -> torch.Tensor:
+def fp4_steps(block_absmax: torch.Tensor, global_scale, underflow_to_zero: bool = False) -> torch.Tensor:
     """Each block's step (the value of E2M1's 1.0) from its largest magnitude.
 
     NVFP4 (`global_scale` g given): the e4m3 value nearest max|block| · g / 6, over g: the block's
-    extreme lands on ±6 (a scale that rounded down saturates it by at most 1/16).
-    MXFP4 (None): the smallest power of two at which the extreme stays below 7, so saturation costs
-    it less than one step, the error it would have at the next power up, while every other element
-    keeps the finer grid. (The OCP spec's 2^(floor(log2 max) - 2) saturates by up to two steps.)
-    An all-zero block gets a step that holds it exactly, like any other."""
+    extreme lands on ±6 (a scale that rounded down saturates it by at most 1/16). A block whose
+    scale underflows e4m3 (max|block| · g / 6 < 2^-10: all zero, or tiny beside the tensor's
+    largest) gets e4m3's smallest value, 2^-9, which stores its values as well as any; with
+    `underflow_to_zero` (activations) it gets 0.125 instead, which rounds it to zero, as
+    compressed-tensors' quantized forward does, so the simulated inputs are the ones it computes.
+    MXFP4 (None): the smallest power of two at which the extreme stays strictly below 7 steps, so
+    saturation costs it less than one step, the error it would have at the next power up, while
+    every other element keeps the finer grid (compressed-tensors' rule; the OCP spec's
+    2^(floor(log2 max) - 2) saturates by up to two steps). An all-zero block gets step 1."""
     m = block_absmax.float()
     if global_scale is not None:
         s8 = (m * global_scale / FP4_E2M1_MAX).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
-        return torch.where(s8 > 0, s8, torch.full_like(s8, _E4M3_SMALLEST)) / global_scale
-    mantissa, exponent = torch.frexp(m / 7)
-    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # ceil(log2(m / 7)), exactly
+        return torch.where(s8 > 0, s8, torch.full_like(s8, 0.125 if underflow_to_zero else _E4M3_SMALLEST)) / global_scale
+    _, exponent = torch.frexp(m / 7)  # m / 7 = mantissa · 2^exponent, mantissa in [0.5, 1): 2^exponent > m / 7
     exponent = exponent.clamp(-127, 127).float()
     return torch.where(m > 0, torch.exp2(exponent), torch.ones_like(m))
 
@@ -601,19 +606,21 @@ def nvfp4_input_global_scale(absmax: float) -> float:
     return FP8_E4M3_MAX * FP4_E2M1_MAX / absmax if absmax > 0 else 1.0
 
 
-def fp4_qparams(block_absmax: torch.Tensor, global_scale: float | None) -> QParams:
+def fp4_qparams(block_absmax: torch.Tensor, global_scale, underflow_to_zero: bool = False) -> QParams:
     """Steps (shaped as `block_absmax`) as QParams on the FP4 grid, for quantize/dequantize."""
-    step = fp4_steps(block_absmax, global_scale)
+    step = fp4_steps(block_absmax, global_scale, underflow_to_zero)
     return QParams(step, torch.zeros_like(step), -int(FP4_E2M1_MAX), int(FP4_E2M1_MAX), fp4=True)
 
 
-def fake_quantize_fp4(x: torch.Tensor, group_size: int, global_scale: float | None = None) -> torch.Tensor:
+def fake_quantize_fp4(x: torch.Tensor, group_size: int, global_scale: float | None = None,
+                      activations: bool = False) -> torch.Tensor:
     """x [rows, cols] rounded to FP4 in blocks of `group_size` consecutive columns (NVFP4 with a
-    `global_scale`, MXFP4 without); float32 out. NaN/Inf elements stay as they are."""
+    `global_scale`, MXFP4 without); float32 out. NaN/Inf elements stay as they are. `activations`:
+    NVFP4 blocks whose scale underflows become zero (fp4_steps)."""
     original = x
     x, finite = _finite_or_zero(x.float())
     grouped, pad = _grouped(x, group_size)
-    qp = fp4_qparams(grouped.abs().amax(-1, keepdim=True), global_scale)
+    qp = fp4_qparams(grouped.abs().amax(-1, keepdim=True), global_scale, underflow_to_zero=activations)
     out = dequantize(quantize(grouped, qp), qp).reshape(x.shape[0], -1)
     out = out[:, : x.shape[1]] if pad else out
     return out if finite is None else torch.where(finite, out, original.float())

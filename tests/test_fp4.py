@@ -255,7 +255,9 @@ def test_fp4_activations_match_compressed_tensors_fake_quantization(fmt):
     from compress.quant import nvfp4_input_global_scale
 
     torch.manual_seed(0)
-    x = torch.randn(64, 256) * torch.logspace(-2, 1, 256)
+    x = (torch.randn(64, 256) * torch.logspace(-2, 1, 256)).to(torch.bfloat16).float()  # as a bf16 model's inputs
+    x[0, :32] = torch.tensor([1.75] + [0.3] * 31)  # a block whose largest is 7 · 2^-2: MXFP4's step edge
+    x[1, 0], x[1, 16:32] = 1000.0, 0.002  # beside an outlier, a block whose NVFP4 scale underflows e4m3
     nv = fmt == "nvfp4"
     dtype = torch.float8_e4m3fn if nv else torch.uint8
     args = ct.QuantizationArgs(num_bits=4, type="float", symmetric=True, strategy="tensor_group" if nv else "group",
@@ -264,7 +266,7 @@ def test_fp4_activations_match_compressed_tensors_fake_quantization(fmt):
     g_tensor = torch.tensor([g]) if nv else None
     scale, zero = compute_dynamic_scales_and_zp(x, args, module=None, global_scale=g_tensor)
     theirs = ct_fake_quantize(x=x, scale=scale, zero_point=zero, args=args, global_scale=g_tensor)
-    assert torch.equal(fake_quantize_fp4(x, args.group_size, g), theirs)
+    assert torch.equal(fake_quantize_fp4(x, args.group_size, g, activations=True), theirs)
 
 
 def w4a4_recipe(scheme: str) -> object:
@@ -423,3 +425,44 @@ def test_awq_nvfp4_then_gptq_nvfp4(tmp_path):
                                       "  - gptq: {scheme: NVFP4A16}\n", "test"), output=str(tmp_path / "chain"), device="cpu")
     assert chained["format"]["compressed_tensors_format"] == "nvfp4-pack-quantized"
     assert all(r["stage"] == "gptq" and r["gptq_loss"] < r["rtn_loss"] for r in chained["layers"].values())
+
+
+
+def test_fp4_edge_blocks_nan_and_packed_size():
+    # MXFP4: a block whose largest is exactly 7 steps takes the next power up (strictly below 7)
+    assert float(fp4_steps(torch.tensor([1.75]), None)) == 0.5
+    assert float(fp4_steps(torch.tensor([1.74]), None)) == 0.25
+    # NVFP4 weights: a block far below the tensor's largest keeps nonzero codes (e4m3's smallest
+    # scale stores them), still exactly recoverable; as activations it rounds to zero
+    W = torch.zeros(2, 32)
+    W[0, 0], W[1, 16:] = 1000.0, torch.linspace(0.001, 0.002, 16)
+    g = nvfp4_global_scale(W.abs().amax())
+    Q = fake_quantize_fp4(W, 16, g)
+    assert (Q[1, 16:] != 0).sum() >= 8 and recover_fp4_steps(Q, 16, g)[1] == 0
+    assert (fake_quantize_fp4(W, 16, g, activations=True)[1, 16:] == 0).all()
+    # NaN and Inf stay where they are; the rest of their block is rounded from the finite values
+    x = torch.randn(2, 32)
+    x[0, 3], x[1, 7] = float("nan"), float("inf")
+    out = fake_quantize_fp4(x, 16, 1.0)
+    assert torch.isnan(out[0, 3]) and torch.isinf(out[1, 7]) and torch.isfinite(out[0, :3]).all()
+    finite = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+    assert torch.equal(out[0, 16:], fake_quantize_fp4(finite, 16, 1.0)[0, 16:])
+    # packed size: 4-bit codes, an 8-bit scale per block, NVFP4's 32-bit global scale
+    from compress.schemes import packed_weight_bits
+
+    assert packed_weight_bits(64, 256, NV) == 64 * 256 * 4 + 64 * 16 * 8 + 32
+    assert packed_weight_bits(64, 256, MX) == 64 * 256 * 4 + 64 * 8 * 8
+
+
+def test_fused_global_scale_comes_from_the_groups_largest_weight():
+    from compress.stages.rtn import global_scales
+
+    torch.manual_seed(0)
+    attn = torch.nn.ModuleDict({n: torch.nn.Linear(32, 32, bias=False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    with torch.no_grad():
+        attn["k_proj"].weight[3, 4] = 50.0  # the group's largest sits in k
+    layers = {f"self_attn.{n}": m for n, m in attn.items()}
+    scales = global_scales(layers, NV)
+    assert scales["self_attn.q_proj"] == scales["self_attn.k_proj"] == scales["self_attn.v_proj"] == nvfp4_global_scale(50.0)
+    assert scales["self_attn.o_proj"] == nvfp4_global_scale(attn["o_proj"].weight.detach().abs().amax())
+    assert global_scales(layers, MX) == {}

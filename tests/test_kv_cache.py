@@ -155,3 +155,80 @@ def test_every_decoder_family_calibrates_and_reloads(family, tmp_path):
     assert len(ranges) == 2 and all(k > 0 and v > 0 for k, v in ranges.values())
     again = evaluate_model(str(tmp_path / "out"), [HELD], device="cpu", seq_len=128, max_windows=6)
     assert again["results"][HELD]["token_perplexity"] == pytest.approx(report["evaluation"][HELD]["token_perplexity"], rel=1e-9)
+
+
+def test_padding_is_left_out_of_the_scales(tmp_path):
+    """One padded batch observes the same maxima as each sequence alone: padded positions'
+    keys and values (which a cache would never serve) do not count."""
+    model, tokenizer, _ = modeling.load_model("default", dtype="float32")
+    modules = activations.attention_modules(model)
+    lengths = (9, 20, 14)
+    ids = [torch.arange(n) * 53 % 2000 + 5 for n in lengths]
+    alone = {name: [0.0, 0.0] for name in modules}
+    for seq in ids:
+        seen = activations.observe_kv(model, modules, [{"input_ids": seq[None]}], torch.device("cpu"))
+        for name, (k, v) in seen.items():
+            alone[name] = [max(alone[name][0], k), max(alone[name][1], v)]
+    def padded_with(pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = torch.full((len(ids), max(lengths)), pad, dtype=torch.long)
+        mask = torch.zeros_like(batch)
+        for i, seq in enumerate(ids):
+            batch[i, : len(seq)], mask[i, : len(seq)] = seq, 1
+        return batch, mask
+
+    def differs(seen: dict) -> bool:
+        return any(seen[n] != pytest.approx(alone[n], rel=1e-5) for n in modules)
+
+    # a padding token whose keys or values, if counted, would change some layer's maxima
+    pad = next(t for t in range(7, 2048, 61)
+               if differs(activations.observe_kv(model, modules, [{"input_ids": padded_with(t)[0]}], torch.device("cpu"))))
+    batch, mask = padded_with(pad)
+    padded = activations.observe_kv(model, modules, [{"input_ids": batch, "attention_mask": mask}], torch.device("cpu"))
+    assert not differs(padded)
+
+
+def test_kv_cache_alone_is_written_in_the_format(tmp_path):
+    """No weight quantized: the checkpoint still carries the scales (config_groups empty,
+    kv_cache_scheme set), and plain transformers computes our logits from it."""
+    out = tmp_path / "kv-only"
+    report = run_recipe(parse_recipe(f"model: default\n{CALIBRATION}stages:\n  - kv_cache: {{}}\n", "test"),
+                        output=str(out), device="cpu", dtype="float32")
+    assert report["format"]["format"] == "packed" and "k_scale" in report["format"]["reason"]
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qconfig["config_groups"] == {} and qconfig["kv_cache_scheme"]["num_bits"] == 8
+    model, _, _ = modeling.load_model(str(out))
+    assert relative_difference(logits(model), plain_transformers_logits(out, tmp_path)) <= 1e-6
+    dense = run_recipe(parse_recipe(f"model: default\n{CALIBRATION}stages:\n  - kv_cache: {{}}\nformat: dense\n", "test"),
+                       output=str(tmp_path / "dense"), device="cpu")
+    assert "compress.json only" in dense["format"]["reason"]
+
+
+def test_a_later_run_on_a_kv_cache_checkpoint_keeps_it(w4_kv, tmp_path):
+    """The input's KV rounding is attached when it loads, so the next run evaluates with it: it
+    writes the same scales out, and its output reloads to the same numbers."""
+    out, first = w4_kv
+    report = run_recipe(parse_recipe(f"model: {out}\nstages:\n  - rtn: {{scheme: W8A16}}\n"
+                                     f"evaluation: {{datasets: [{HELD}], seq_len: 128, max_windows: 6}}\n", "test"),
+                        output=str(tmp_path / "next"), device="cpu")
+    assert report["kv_cache"]["ranges"].keys() == first["kv_cache"]["ranges"].keys()
+    for name, kv in first["kv_cache"]["ranges"].items():
+        assert report["kv_cache"]["ranges"][name] == pytest.approx(kv)
+    again = evaluate_model(str(tmp_path / "next"), [HELD], device="cpu", seq_len=128, max_windows=6)
+    assert again["results"][HELD]["token_perplexity"] == pytest.approx(report["evaluation"][HELD]["token_perplexity"], rel=1e-9)
+
+
+def test_attention_that_names_its_cache_layer_past(tmp_path):
+    """GPT-NeoX (like GPT-J, Falcon and Bloom) calls the cache argument `layer_past`."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path / "neox"
+    GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                     vocab_size=2048)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(path)
+    recipe = kv_recipe("rtn: {scheme: W8A16}", model=str(path))
+    recipe.format = "dense"  # compress's packed reader does not know GPT-NeoX's output layer name (embed_out)
+    report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+    assert len(report["kv_cache"]["ranges"]) == 2
+    again = evaluate_model(str(tmp_path / "out"), [HELD], device="cpu", seq_len=128, max_windows=6)
+    assert again["results"][HELD]["token_perplexity"] == pytest.approx(report["evaluation"][HELD]["token_perplexity"], rel=1e-9)

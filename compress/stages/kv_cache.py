@@ -35,10 +35,14 @@ class KVCache(Stage):
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         from compress.modeling import is_causal_lm
 
-        modules = activations.attention_modules(model) if is_causal_lm(model.config) else {}
-        if not modules:
-            raise CompressError("kv_cache: the model has no attention layer that keeps a KV cache (an encoder has none)",
+        if not is_causal_lm(model.config):
+            raise CompressError(f"kv_cache: {type(model).__name__} is an encoder, which keeps no KV cache",
                                 "drop the kv_cache stage for this model")
+        modules = activations.attention_modules(model)
+        if not modules:
+            raise CompressError(f"kv_cache: no attention layer of {type(model).__name__} takes a cache argument "
+                                f"({', '.join(activations.CACHE_ARGUMENTS)}) to hand its keys and values to",
+                                "drop the kv_cache stage, or upgrade transformers if this model's attention is older")
         if ctx.offload is not None:
             raise CompressError("kv_cache: calibrating the cache runs the whole model at once, which offload: disk avoids",
                                 "drop offload: disk, or drop the kv_cache stage")
