@@ -205,7 +205,8 @@ def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: d
     if err["type"] == "extra_forbidden":
         valid = _fields_at(loc, stage_classes)
         close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-        hint = f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(valid)}"
+        hint = (f"did you mean '{close[0]}'?" if close else f"valid keys here: {', '.join(valid)}" if valid
+                else "valid keys here: none (write {})")
         return f"{path}{line}: unknown key '{key}'; {hint}", None
     if err["type"] == "missing":
         return f"{path}{line}: missing required key '{key}'", _description_at(loc, stage_classes) or f"add '{loc[-1]}'"

@@ -177,7 +177,8 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
             # Switching strategy away from group must drop the preset's group size.
             if override.get("strategy", "group") not in ("group", "tensor_group") and "group_size" not in override:
                 fields.pop("group_size", None)
-            if "group_size" in override and "strategy" not in override and override["group_size"] is not None:
+            if ("group_size" in override and "strategy" not in override and override["group_size"] is not None
+                    and fields.get("strategy") != "tensor_group"):  # NVFP4's blocks stay NVFP4's
                 fields["strategy"] = "group"
             fields.update(override)
         if fields:

@@ -747,6 +747,11 @@ CASES = [
     Case("pattern-does-not-tile-layer", _pattern_does_not_tile, ["model.layers.0.self_attn.q_proj", "multiple of M = 7"]),
     Case("sparsity-overrides-match-nothing", _overrides_match_nothing, ["sparsity_overrides", "mlp.nothing", "match"]),
     Case("joint-quantization-with-activations", _joint_quant_activations, ["r.yaml", "quantize", "weights only"]),
+    Case("nvfp4-group-size-not-16", lambda tmp: quantize(tmp, "stages:\n  - rtn:\n      scheme: NVFP4A16\n"
+                                                          "      weights: {group_size: 32}\n"),
+         ["r.yaml:4", "NVFP4", "blocks of 16", "group_size: 16"]),
+    Case("kv-cache-given-keys", lambda tmp: quantize(tmp, calib_recipe("calibration/default.txt").replace(
+        GOOD_STAGE, "stages:\n  - kv_cache:\n      bits: 4\n")), ["r.yaml:7", "kv_cache.bits", "valid keys here: none"]),
     # click usage errors
     # click usage errors
     Case("unknown-option", _unknown_option, ["--recipee", "--recipe"]),
