@@ -75,7 +75,9 @@ class ActivationFakeQuant:
 def attach(module: torch.nn.Module, args: QuantArgs, static_range: tuple[float, float] | None = None,
            static_qparams: QParams | None = None) -> None:
     detach(module)
-    handle = module.register_forward_pre_hook(ActivationFakeQuant(args, static_range, static_qparams))
+    hook = ActivationFakeQuant(args, static_range, static_qparams)
+    handle = module.register_forward_pre_hook(hook)
+    handle.fake_quant = hook
     setattr(module, HOOK_ATTR, handle)
 
 
@@ -88,6 +90,23 @@ def _remove_hook(module: torch.nn.Module, attr: str) -> None:
     if handle is not None:
         handle.remove()
         delattr(module, attr)
+
+
+def attached_inputs(model: torch.nn.Module) -> dict[str, dict]:
+    """The input quantization attached to `model`'s layers by compress (a compress checkpoint
+    loaded with it), as the stages record it: a later run on such a model evaluates with it, so it
+    records it too. (Hooks holding another tool's scales rather than a range are left out: compress
+    would write them back differently.)"""
+    records = {}
+    for name, module in model.named_modules():
+        handle = getattr(module, HOOK_ATTR, None)
+        hook = getattr(handle, "fake_quant", None)
+        if hook is None or hook.static_qparams is not None:
+            continue
+        records[name] = {"input_activations": hook.args.model_dump(mode="json")}
+        if hook.static_range is not None:
+            records[name]["activation_range"] = list(hook.static_range)
+    return records
 
 
 def reattach(model: torch.nn.Module, layers: dict, kv_cache: dict | None = None) -> None:

@@ -309,10 +309,11 @@ def save_packed(net: torch.nn.Module, layers: dict, directory: Path, packed: tup
     from compressed_tensors.compressors import ModelCompressor
 
     state, qconfig = packed or pack_model(net, layers)
-    net.save_pretrained(directory, state_dict=state)
-    ModelCompressor(quantization_config=qconfig).update_config(str(directory))
+    # counted first: save_pretrained may consume the dict (it does for a model read from a packed checkpoint)
     scales = [v for k, v in state.items() if k.endswith(".weight_scale")]
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in scales})
+    net.save_pretrained(directory, state_dict=state)
+    ModelCompressor(quantization_config=qconfig).update_config(str(directory))
     return {"compressed_tensors_format": qconfig.format, "packed_layers": len(scales), "scale_dtype": "/".join(dtypes)}
 
 

@@ -176,7 +176,11 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     ctx = StageContext(device=dev, devices=devices, calibration=calibration, seed=seed, progress=progress, tokenizer=tokenizer,
                        source_model=model_ref, source_hash=source["weights_sha256"], resume=resume or bool(cache_dir),
                        work_dir=dest.parent / f".{dest.name}.work")
-    ctx.kv_cache = activations.attached_kv(net)  # an input with an FP8 KV cache keeps it, as it is evaluated
+    # An input written by compress with quantized activations or an FP8 KV cache keeps them, as it
+    # is evaluated: the records start from what its load attached.
+    ctx.kv_cache = activations.attached_kv(net)
+    for name, record in activations.attached_inputs(net).items():
+        ctx.layers.setdefault(name, {}).update(record)
     cache = None
     if cache_root is not None:
         cache = stagecache.open_cache(cache_root, recipe, modeling.local_dir(model_ref), source, calibration, seed, devices)

@@ -412,3 +412,21 @@ def test_damaged_checkpoint_is_named(w4g64, tmp_path, capsys):
     save_file(tensors, f, metadata={"format": "pt"})
     rc, _, err = run(capsys, "eval", "--model", bad, "--data", HELDOUT, "--max-windows", 2)
     assert rc == 2 and "model.layers.1.mlp.up_proj.weight_scale" in err and "model.safetensors" in err
+
+
+def test_a_later_run_keeps_the_inputs_static_activation_quantization(tmp_path):
+    """A run on a checkpoint whose layers quantize their inputs evaluates with that quantization
+    (load attaches it), so it records and writes it too: the output reloads to the numbers the run
+    reported, and its config still says A8. Its report counts the packed layers as in any run."""
+    first = quantize(tmp_path, "a8", "{scheme: W8A8, input_activations: {strategy: tensor, dynamic: false}}",
+                     extra="calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\n")[1]
+    out, report = quantize(tmp_path, "then-w4", "{scheme: W4A16}", model=str(tmp_path / "a8"),
+                           extra=f"evaluation: {{datasets: [{HELDOUT}], seq_len: 128, max_windows: 6}}\n")
+    assert report["format"]["packed_layers"] == 28
+    for name, rec in report["layers"].items():
+        assert rec["weights"]["num_bits"] == 4
+        assert rec["activation_range"] == first["layers"][name]["activation_range"]
+    (group,) = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    assert group["input_activations"]["num_bits"] == 8 and group["input_activations"]["dynamic"] is False
+    again = evaluate_model(str(out), [HELDOUT], device="cpu", seq_len=128, max_windows=6)
+    assert again["results"][HELDOUT]["token_perplexity"] == pytest.approx(report["evaluation"][HELDOUT]["token_perplexity"], rel=1e-9)
