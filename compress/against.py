@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from compress.errors import CompressError
+from compress.schemes import fp4_format
 
 RUNNER = Path(__file__).with_name("llmcompressor_runner.py")
 TOOLS = ("llmcompressor",)
@@ -65,8 +66,8 @@ def _config_groups(cfg) -> dict:
             args.pop("full_range", None)  # compressed-tensors' symmetric grid is always the full one
             if args.get("strategy") not in ("group", "tensor_group"):
                 args.pop("group_size", None)
-            if args["type"] == "float" and args["num_bits"] == 4:  # as compressed-tensors' NVFP4 / MXFP4 presets
-                nv = args["strategy"] == "tensor_group"
+            if fp4_format(args):  # as compressed-tensors' NVFP4 / MXFP4 presets
+                nv = fp4_format(args) == "nvfp4"
                 args["scale_dtype"] = args["zp_dtype"] = "torch.float8_e4m3fn" if nv else "torch.uint8"
                 if part == "input_activations" and nv:
                     args.update(dynamic="local", observer="static_minmax")

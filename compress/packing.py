@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from compress.errors import CompressError, first_line
+from compress.schemes import fp4_format
 
 FORMAT_PACKED = "compressed-tensors"
 FORMAT_DENSE = "dense"
@@ -57,8 +58,8 @@ def ct_args(args: dict, activations: bool = False):
 
     extra = {}
     dynamic = bool(args.get("dynamic", False))
-    if args["type"] == "float" and args["num_bits"] == 4:  # the block scales' storage type names the format
-        nv = args["strategy"] == "tensor_group"
+    if fp4_format(args):  # the block scales' storage type names the format
+        nv = fp4_format(args) == "nvfp4"
         dtype = torch.float8_e4m3fn if nv else torch.uint8  # NVFP4 e4m3; MXFP4 e8m0
         extra = {"scale_dtype": dtype, "zp_dtype": dtype}
         if activations and nv:
@@ -119,12 +120,15 @@ def not_packable(problems: list[str]) -> CompressError:
                          "pass --format dense, or change the recipe so that every quantized layer can be packed")
 
 
+KV_IN_META_ONLY = " (the KV cache's scales are in compress.json only)"  # a dense output's reason says so
+
+
 def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloaded: bool = False,
            kv_cache: dict | None = None) -> Decision:
     """`auto`: packed when every quantized layer can be expressed, else dense; `packed` insists.
     A KV cache alone (no quantized layer) is written in the format too: its scales need it."""
     quantized = [n for n, r in layers.items() if "weights" in r]
-    kv_note = " (the KV cache's scales are in compress.json only)" if kv_cache else ""
+    kv_note = KV_IN_META_ONLY if kv_cache else ""
     if requested == "dense":
         return Decision("dense", "asked for (--format dense or format: dense): dequantized weights in the model's dtype" + kv_note)
     if not quantized and kv_cache and not offloaded:
@@ -173,7 +177,7 @@ def _activation_qparams(rec: dict) -> dict[str, torch.Tensor]:
     from compress.quant import FP8_E4M3_MAX, absmax_qparams, zeropoint_qparams
 
     lo, hi = float(rng[0]), float(rng[1])
-    if a["type"] == "float" and a["num_bits"] == 4 and a["strategy"] == "tensor_group":  # NVFP4; MXFP4's are all dynamic
+    if fp4_format(a) == "nvfp4":  # MXFP4's are all dynamic
         from compress.quant import nvfp4_input_global_scale
 
         return {"input_global_scale": torch.tensor([nvfp4_input_global_scale(max(abs(lo), abs(hi)))], dtype=torch.float32)}
@@ -193,7 +197,7 @@ def _fp4_scales(name: str, weight: torch.Tensor, rec: dict) -> dict[str, torch.T
     from compress.quant import nvfp4_global_scale, recover_fp4_steps
 
     w = rec["weights"]
-    nv = w["strategy"] == "tensor_group"
+    nv = fp4_format(w) == "nvfp4"
     g = rec.get("global_scale") if nv else None
     if nv and g is None:  # a stage that did not record one: the weight's own, as quantize_weight takes it
         g = nvfp4_global_scale(weight.float().abs().amax())
@@ -214,7 +218,7 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
 
     w = rec["weights"]
     weight = module.weight.detach().cpu()
-    if w["type"] == "float" and w["num_bits"] == 4:
+    if fp4_format(w):
         return _pack(name, module, rec, weight, _fp4_scales(name, weight, rec))
     scale, zero_point, failed = recover_qparams(weight, w["num_bits"], w["symmetric"], w["strategy"], w.get("group_size"),
                                                 float8=w["type"] == "float")

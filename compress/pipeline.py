@@ -214,7 +214,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                 if requested == "packed":
                     raise
                 decision = packing.Decision("dense", f"the packed format cannot reproduce it exactly: {exc.message}"
-                                            + (" (the KV cache's scales are in compress.json only)" if ctx.kv_cache else ""))
+                                            + (packing.KV_IN_META_ONLY if ctx.kv_cache else ""))
         report["format"] = {"format": decision.format, "reason": decision.reason}
         if ctx.offload is not None:
             ctx.offload.finish()

@@ -70,9 +70,7 @@ class QuantArgs(BaseModel):
     @property
     def fp4_format(self) -> str | None:
         """"nvfp4" or "mxfp4" for FP4 weights or activations, else None."""
-        if self.type != "float" or self.num_bits != 4:
-            return None
-        return "nvfp4" if self.strategy == "tensor_group" else "mxfp4"
+        return fp4_format(self.model_dump())
 
     def describe(self) -> str:
         if self.fp4_format:
@@ -89,13 +87,21 @@ def symmetry_label(symmetric: bool, full_range: bool = False) -> str:
     return ("sym full" if full_range else "sym") if symmetric else "asym"
 
 
+def fp4_format(args: dict) -> str | None:
+    """"nvfp4" or "mxfp4" for QuantArgs fields (as a layer record holds them) of an FP4 grid, else
+    None: the strategy tells the block formats apart (tensor_group is NVFP4's)."""
+    if args.get("type") != "float" or args.get("num_bits") != 4:
+        return None
+    return "nvfp4" if args.get("strategy") == "tensor_group" else "mxfp4"
+
+
 def weights_label(w: dict | None) -> str:
     """A layer record's weights (QuantArgs as dumped) for report tables: `int4 group g64 sym`,
     `float8 channel sym`, `nvfp4 g16`; `-` for none."""
     if not w:
         return "-"
-    if w.get("type") == "float" and w.get("num_bits") == 4:
-        return f"{'nvfp4' if w.get('strategy') == 'tensor_group' else 'mxfp4'} g{w.get('group_size')}"
+    if fp4_format(w):
+        return f"{fp4_format(w)} g{w.get('group_size')}"
     group = f" g{w['group_size']}" if w.get("group_size") else ""
     return f"{w.get('type', 'int')}{w.get('num_bits')} {w.get('strategy')}{group} {symmetry_label(w.get('symmetric'), w.get('full_range', False))}"
 
