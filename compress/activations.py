@@ -171,8 +171,8 @@ KV_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "ten
 
 
 # What transformers' attention layers call the cache they hand their keys and values to (update()):
-# most today, older releases, and GPT-NeoX, GPT-J, Falcon and Bloom.
-CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
+# transformers 5.24 on, 4.56 to 5.23, older releases, and GPT-NeoX, GPT-J, Falcon and Bloom.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 def _cache_argument(module: torch.nn.Module) -> str | None:
@@ -188,7 +188,7 @@ def attention_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 
 class _CacheStandIn:
-    """Takes the place of an attention layer's cache argument (`past_key_values`) for one forward: its update()
+    """Takes the place of an attention layer's cache argument (`cache`, `past_key_values`) for one forward: its update()
     receives exactly the keys and values a cache would store, passes them through `process`
     (observe, or round to FP8), then on to the real cache if there is one."""
 

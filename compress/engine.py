@@ -31,6 +31,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from compress.activations import CACHE_ARGUMENTS
 from compress.errors import CompressError
 
 # Where each family keeps its list of blocks (transformer layers), by config.model_type.
@@ -265,7 +266,7 @@ def capture_first_block_inputs(model, path: str, blocks: torch.nn.ModuleList, ba
 
         def forward(self, hidden, *args, **kwargs):
             kwargs.update(dict(zip(params[1:], args)))
-            for cache_key in ("past_key_values", "past_key_value", "layer_past"):
+            for cache_key in CACHE_ARGUMENTS:
                 if cache_key in kwargs:
                     kwargs[cache_key] = None
             if "use_cache" in kwargs:

@@ -11,6 +11,7 @@ teacher's weights hash and the generation settings, and reused by the next run.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 from pathlib import Path
@@ -121,6 +122,8 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
     device = next(teacher.parameters()).device
     was_training = teacher.training
     teacher.eval()
+    # transformers 5.24 renamed the cache argument and output `cache`; earlier releases call it past_key_values
+    cache_key = "cache" if "cache" in inspect.signature(teacher.forward).parameters else "past_key_values"
     chunks = []
     for i in range(0, cfg.num_sequences, cfg.batch_size):
         n = min(cfg.batch_size, cfg.num_sequences - i)
@@ -129,8 +132,8 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
         past = None
         step_ids = ids
         for _ in range(seq_len - 1):
-            out = teacher(input_ids=step_ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
+            out = teacher(input_ids=step_ids, use_cache=True, **{cache_key: past})
+            past = getattr(out, cache_key)
             logits = out.logits[:, -1].float() / cfg.temperature
             top, idx = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1)
             choice = torch.multinomial(top.softmax(-1).cpu(), 1, generator=gen).to(device)
