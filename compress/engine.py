@@ -106,6 +106,22 @@ class BlockRunner:
     def __len__(self) -> int:
         return len(self.records)
 
+    def forward(self, j: int, hidden: torch.Tensor | None = None, parameters: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The block's output [batch, seq, features] on cached batch j (or on `hidden`, another
+        stream of inputs with batch j's shapes and keywords), with `parameters` (names inside the
+        block -> tensors) standing in for the block's own for this call only. Gradients flow when
+        the caller enables them, e.g. to learn quantization parameters through the block (AutoRound)."""
+        x = self.store.get(j) if hidden is None else hidden
+        kwargs = _move(self.records[j].kwargs, self.device)
+        if parameters is None:
+            return _block_output(self.block(x, **kwargs))
+        return _block_output(torch.func.functional_call(self.block, parameters, (x,), kwargs, strict=False))
+
+    def mask(self, j: int) -> torch.Tensor | None:
+        """Batch j's [batch, seq] mask of the tokens that count (None: all of them)."""
+        mask = self.records[j].mask
+        return None if mask is None else mask.to(self.device).bool()
+
     @torch.no_grad()
     def outputs(self, limit: int | None = None, module: str | None = None) -> list[torch.Tensor]:
         """The block's outputs on the first `limit` cached batches, as [tokens, features] with the

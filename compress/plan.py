@@ -105,7 +105,10 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     largest = max((a["shape"][0] * a["shape"][1] for a in assignments.values()), default=0)
     cal = recipe.calibration
     hidden = getattr(config, "hidden_size", 0) or 0
-    act_bytes = (cal.num_samples * cal.seq_len * hidden * 4) if cal else 0
+    # Stages that keep more than the engine's one stream of block inputs (AutoRound: the float
+    # model's path and its targets too) say how many with `activation_copies`.
+    copies = max((getattr(stage, "activation_copies", 1) for _, stage in recipe.stages), default=1)
+    act_bytes = (cal.num_samples * cal.seq_len * hidden * 4 * copies) if cal else 0
     eval_bytes = params * 4 * 2 if recipe.evaluation and recipe.evaluation.datasets else 0
     train_bytes = _training_bytes(recipe, params, model_bytes)
     return {

@@ -3,6 +3,7 @@
 A new algorithm is one new file in this package plus one line here.
 """
 
+from compress.stages.autoround import AutoRound
 from compress.stages.awq import AWQ
 from compress.stages.distill import Distill
 from compress.stages.gptq import GPTQ
@@ -19,6 +20,7 @@ STAGES = {
     "rtn": RoundToNearest,
     "gptq": GPTQ,
     "awq": AWQ,
+    "autoround": AutoRound,
     "smoothquant": SmoothQuant,
     "magnitude": Magnitude,
     "wanda": Wanda,

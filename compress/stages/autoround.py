@@ -1,0 +1,300 @@
+"""AutoRound, or SignRound (Cheng et al. 2024, "Optimize Weight Rounding via Signed Gradient
+Descent for the Quantization of LLMs"): learn, for every weight, whether to round it up or down,
+and for every group how far to clip its range, so that each transformer block computes with its
+quantized weights what it computed in float on the calibration set.
+
+    W̃ = s · (clamp(round(W / s + z + V), qmin, qmax) - z)
+        V ∈ [-0.5, 0.5]      one rounding offset per weight; 0 is round-to-nearest
+        s, z                 from the group's range shrunk to [β · min W, α · max W],
+                             α, β ∈ [0.5, 1]; 1 is the full min/max range
+    loss = mean over tokens of || Y - block_W̃(X) ||²
+        X: the block's inputs in the compressed model (carrying the earlier blocks' error)
+        Y: the float model's output of this block (`reference: float_model`, AutoRound's default),
+           or the float block's output on X itself (`reference: same_inputs`)
+    for t in 1..iters, on a random mini-batch of calibration samples:
+        V -= lr_t · sign(∂loss/∂V);   α, β -= minmax_lr_t · sign(∂loss/∂α, ∂loss/∂β)
+        lr_t falls linearly from lr to 0; round() passes gradients straight through
+        keep the V, α, β of the step with the least loss
+    write W̃ with those, in the same integer format as round-to-nearest and GPTQ
+
+Only V, α and β are learned; the float weights never change, so the result is a rounding of the
+original weights, stored and loaded like any other. Signed steps make the learning rate mean
+something: after `iters` steps of lr = 1 / iters the offsets can cross the whole [-0.5, 0.5].
+
+One safeguard beyond the paper: after tuning, the block's loss over the whole calibration set is
+compared with round-to-nearest's, and a block whose learned rounding does worse (a mini-batch's
+best is not the set's) keeps round-to-nearest; the report says so.
+
+Sample recipe stage:
+
+    - autoround:
+        scheme: W4A16           # integer weights, any group size, symmetric or not
+        weights: {group_size: 64}
+        iters: 200
+        samples_per_step: 8
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal, Optional
+
+import torch
+from pydantic import Field, PrivateAttr, model_validator
+
+from compress.engine import ActivationStore
+from compress.errors import CompressError
+from compress.modeling import get_weight, set_weight
+from compress.quant import _grouped, absmax_qparams, relative_error, round_ste, zeropoint_qparams
+from compress.schemes import QuantArgs
+from compress.sparsity import pruned_zeros
+from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
+from compress.stages.rtn import quantize_weight
+
+# ---------------------------------------------------------------------------------------------
+# The math: plain functions on tensors
+
+V_BOUND = 0.5  # a weight may round to either neighbour on the grid, never further
+MIN_CLIP = 0.5  # a group's range may shrink to half, as far as AWQ's clipping search goes
+
+
+def group_width(args: QuantArgs, columns: int) -> int:
+    """Columns per scale: the group size, or the whole row per channel."""
+    return args.group_size if args.strategy == "group" else columns
+
+
+def rounded_weight(W: torch.Tensor, V: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, args: QuantArgs,
+                   keep_zero: torch.Tensor | None = None) -> torch.Tensor:
+    """W̃ for W [out, in] with offsets V [out, in] and clipping factors alpha, beta [out, groups, 1]
+    (on the group's max and min); differentiable in V, alpha and beta (round() straight through).
+    With V = 0 and alpha = beta = 1 this is round-to-nearest exactly. `keep_zero`: pruned weights
+    that stay zero."""
+    rows, cols = W.shape
+    width = group_width(args, cols)
+    Wg, pad = _grouped(W, width)                     # [out, groups, width]
+    Vg, _ = _grouped(V, width)
+    lo, hi = Wg.amin(-1, keepdim=True) * beta, Wg.amax(-1, keepdim=True) * alpha
+    if args.symmetric:
+        qp = absmax_qparams(torch.maximum(-lo, hi), args.num_bits, args.full_range)
+    else:
+        qp = zeropoint_qparams(lo, hi, args.num_bits)
+    codes = torch.clamp(round_ste(Wg / qp.scale + qp.zero_point + Vg), qp.qmin, qp.qmax)
+    out = ((codes - qp.zero_point) * qp.scale).reshape(rows, -1)[:, :cols]
+    return out if keep_zero is None else out.masked_fill(keep_zero, 0.0)
+
+
+def sign_step(parameters: list[torch.Tensor], lr: float, low: float, high: float) -> None:
+    """One signed gradient step on each tensor, then back into [low, high]."""
+    with torch.no_grad():
+        for p in parameters:
+            if p.grad is not None:
+                p.sub_(lr * torch.sign(p.grad)).clamp_(low, high)
+                p.grad = None
+
+
+def block_loss(output: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean squared error per token (summed over features), padding excluded."""
+    err = (output.float() - target.float()).pow(2).sum(-1)
+    return err[mask].mean() if mask is not None else err.mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+class AutoRound(EngineOptions, QuantizationStage):
+    """Rounding and clipping learned by signed gradient descent on each block's output."""
+
+    iters: int = Field(200, ge=1, description="signed gradient steps per block")
+    lr: Optional[float] = Field(None, gt=0, description="step size for the rounding offsets; default 1 / iters")
+    minmax_lr: Optional[float] = Field(None, gt=0, description="step size for the clipping factors; default lr")
+    samples_per_step: int = Field(8, ge=1, description="calibration samples in each step's mini-batch")
+    reference: Literal["float_model", "same_inputs"] = Field(
+        "float_model", description="target of each block: the float model's own output of the block (AutoRound's "
+        "default), or the float block's output on the compressed model's inputs")
+    minmax: bool = Field(True, description="learn the clipping factors too (false: rounding offsets only)")
+    preserve_sparsity: Optional[bool] = Field(
+        None, description="keep exactly-zero weights at zero (a pruning mask); default: in layers where at least 10 % of weights are zero")
+    # besides the engine's inputs: the float path's inputs and each block's targets (compress plan)
+    activation_copies: ClassVar[int] = 3
+    _float_inputs: Optional[ActivationStore] = PrivateAttr(None)  # the float model's inputs to the next block
+    _blocks: list = PrivateAttr(default_factory=list)  # per block: its loss, round-to-nearest's, whether RTN was kept
+
+    @model_validator(mode="after")
+    def _integer_weights_only(self) -> "AutoRound":
+        scheme = self.resolved_scheme()
+        if scheme.weights.type != "int":
+            raise ValueError("AutoRound learns rounding on an integer grid: FP8 and FP4 weights need rtn or gptq")
+        if scheme.weights.strategy == "tensor":
+            raise ValueError("AutoRound learns per-group or per-channel clipping: use strategy group or channel")
+        if scheme.input_activations is not None:
+            raise ValueError("AutoRound tunes weights only: use a weight-only scheme (W4A16, W8A16, ...), "
+                             "or gptq / rtn for activation quantization")
+        return self
+
+    def observe(self, name: str, module: torch.nn.Module) -> None:
+        return None  # no per-layer statistics: the block's own outputs are the objective
+
+    def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict, observers: dict,
+                       ctx: StageContext, runner) -> None:
+        args = self.resolved_scheme().weights
+        names = {name: name[len(prefix):] + ".weight" for name in layers}  # parameter names inside the block
+        weights = {}
+        for name, module in layers.items():
+            weights[name] = get_weight(module).to(ctx.device)
+            check_weight(name, weights[name])
+        keep_zero = {n: pruned_zeros(W, self.preserve_sparsity) for n, W in weights.items()}
+        targets = self._targets(index, runner)
+        native = {n: (type(layers[n]).__name__ == "Conv1D", layers[n].weight.dtype) for n in layers}
+
+        V = {n: torch.zeros_like(W, requires_grad=True) for n, W in weights.items()}
+        shape = {n: (W.shape[0], math.ceil(W.shape[1] / group_width(args, W.shape[1])), 1) for n, W in weights.items()}
+        alpha = {n: torch.ones(shape[n], device=ctx.device, requires_grad=self.minmax) for n in weights}
+        beta = {n: torch.ones(shape[n], device=ctx.device, requires_grad=self.minmax) for n in weights}
+
+        def parameters() -> dict[str, torch.Tensor]:
+            out = {}
+            for n, W in weights.items():
+                q = rounded_weight(W, V[n], alpha[n], beta[n], args, keep_zero[n])
+                transposed, dtype = native[n]
+                out[names[n]] = (q.t() if transposed else q).to(dtype)
+            return out
+
+        def loss_on(j: int) -> torch.Tensor:
+            return block_loss(runner.forward(j, parameters=parameters()), targets.get(j), runner.mask(j))
+
+        rtn_loss = self._full_loss(runner, loss_on)
+        lr = self.lr or 1.0 / self.iters
+        minmax_lr = self.minmax_lr or lr
+        per_batch = max(1, runner.store.get(0).shape[0])
+        batches_per_step = min(len(runner), max(1, math.ceil(self.samples_per_step / per_batch)))
+        generator = torch.Generator().manual_seed(ctx.seed * 1_000_003 + index)
+        order: list[int] = []
+        best_loss, best = float("inf"), None
+        frozen = [p for p in block.parameters() if p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)  # only V, α and β learn
+        try:
+            with torch.enable_grad():
+                for step in range(self.iters):
+                    if len(order) < batches_per_step:  # a new pass over the calibration set, reshuffled
+                        order += torch.randperm(len(runner), generator=generator).tolist()
+                    chosen, order = order[:batches_per_step], order[batches_per_step:]
+                    loss = sum(loss_on(j) for j in chosen) / len(chosen)
+                    value = float(loss.detach())
+                    if value < best_loss:  # the parameters this loss was computed with
+                        best_loss = value
+                        best = ({n: v.detach().clone() for n, v in V.items()}, {n: a.detach().clone() for n, a in alpha.items()},
+                                {n: b.detach().clone() for n, b in beta.items()})
+                    loss.backward()
+                    decay = 1 - step / self.iters
+                    sign_step(list(V.values()), lr * decay, -V_BOUND, V_BOUND)
+                    if self.minmax:
+                        sign_step([*alpha.values(), *beta.values()], minmax_lr * decay, MIN_CLIP, 1.0)
+                    ctx.progress(f"block {index + 1}: autoround loss {value:.4g} (rtn {rtn_loss:.4g})", step + 1, self.iters)
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+
+        if best is not None:  # None: no step gave a finite loss
+            with torch.no_grad():
+                for n in weights:
+                    V[n].copy_(best[0][n]), alpha[n].copy_(best[1][n]), beta[n].copy_(best[2][n])
+        tuned_loss = self._full_loss(runner, loss_on) if best is not None else math.inf
+        kept_rtn = not tuned_loss <= rtn_loss
+        final_loss = rtn_loss if kept_rtn else tuned_loss
+        with torch.no_grad():
+            for n, W in weights.items():
+                Q = quantize_weight(W, args) if kept_rtn else rounded_weight(W, V[n], alpha[n], beta[n], args)
+                if keep_zero[n] is not None:
+                    Q = Q.masked_fill(keep_zero[n], 0.0)
+                self._record(ctx, n, layers[n], W, Q, args, {
+                    "autoround_loss": final_loss, "rtn_loss": rtn_loss,
+                    "tuned_loss": tuned_loss if math.isfinite(tuned_loss) else None,
+                    "kept_rtn": kept_rtn, "iters": self.iters,
+                    # how many rounding decisions the offsets overturned, at the learned clipping
+                    "rounding_flipped": 0.0 if kept_rtn else float((Q != rounded_weight(W, torch.zeros_like(W), alpha[n], beta[n], args,
+                                                                                        keep_zero[n])).float().mean()),
+                    "clip_alpha_mean": float(alpha[n].mean()), "clip_beta_mean": float(beta[n].mean()),
+                    **({"sparsity_preserved": float(keep_zero[n].float().mean())} if keep_zero[n] is not None else {})})
+        self._blocks.append({"block": index, "loss": final_loss, "rtn_loss": rtn_loss, "kept_rtn": kept_rtn,
+                             "layers": list(layers)})
+        ctx.progress(f"block {index + 1}: autoround loss {final_loss:.4g} (rtn {rtn_loss:.4g})"
+                     + (": kept round-to-nearest" if kept_rtn else ""), self.iters, self.iters)
+        targets.close()
+
+    def _targets(self, index: int, runner) -> ActivationStore:
+        """Each batch's float output of this block: on the float model's own path (advanced here,
+        block by block) or on the compressed model's inputs."""
+        store = ActivationStore(runner.device, runner.store.keep_on_device, runner.store.budget)
+        with torch.no_grad():
+            if self.reference == "same_inputs":
+                for j in range(len(runner)):
+                    store.append(runner.forward(j))
+                return store
+            if index == 0 or self._float_inputs is None:  # the first block's inputs are the float model's too
+                self._close_float_inputs()
+                self._float_inputs = ActivationStore(runner.device, runner.store.keep_on_device, runner.store.budget)
+                for j in range(len(runner)):
+                    self._float_inputs.append(runner.store.get(j))
+            for j in range(len(runner)):
+                store.append(runner.forward(j, hidden=self._float_inputs.get(j)))
+            # the float path's next inputs are these outputs: keep a copy, as `store` is closed after the block
+            self._close_float_inputs()
+            self._float_inputs = ActivationStore(runner.device, runner.store.keep_on_device, runner.store.budget)
+            for j in range(len(runner)):
+                self._float_inputs.append(store.get(j))
+        return store
+
+    def _close_float_inputs(self) -> None:
+        if self._float_inputs is not None:
+            self._float_inputs.close()
+            self._float_inputs = None
+
+    @staticmethod
+    def _full_loss(runner, loss_on) -> float:
+        """The block's loss over every calibration batch, weighted by its tokens."""
+        total, tokens = 0.0, 0
+        with torch.no_grad():
+            for j in range(len(runner)):
+                mask = runner.mask(j)
+                n = int(mask.sum()) if mask is not None else math.prod(runner.store.get(j).shape[:2])
+                total += float(loss_on(j)) * n
+                tokens += n
+        return total / max(tokens, 1)
+
+    def _record(self, ctx: StageContext, name: str, module: torch.nn.Module, W: torch.Tensor, Q: torch.Tensor,
+                args: QuantArgs, info: dict) -> None:
+        set_weight(module, Q)
+        record = ctx.layers.setdefault(name, {})
+        record.pop("global_scale", None)  # from an earlier stage
+        record.update({"stage": "autoround", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
+                       "relative_error": relative_error(W, Q), **info})
+
+    def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
+        selected = self.select(model, "autoround")
+        self._blocks = []
+        try:
+            summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
+        finally:
+            self._close_float_inputs()
+        args = self.resolved_scheme().weights
+        # Layers outside the transformer blocks (a BERT pooler, a targeted lm_head) have no block
+        # output to learn from: round-to-nearest, and the report says so.
+        tuned_layers = {n for b in self._blocks for n in b["layers"]}
+        for name, module in selected.items():
+            if name not in tuned_layers:
+                W = get_weight(module)
+                check_weight(name, W)
+                self._record(ctx, name, module, W, quantize_weight(W, args), args, {
+                    "autoround_loss": None, "rtn_loss": None, "note": "outside the transformer blocks: round-to-nearest"})
+        blocks = self._blocks
+        summary.update({
+            "layers": len(selected), "rtn_fallback": len(selected) - len(tuned_layers),
+            "scheme": self.resolved_scheme().describe(), "iters": self.iters,
+            "block_losses": [[b["loss"], b["rtn_loss"]] for b in blocks],
+            "mean_block_loss": sum(b["loss"] for b in blocks) / max(len(blocks), 1),
+            "mean_rtn_block_loss": sum(b["rtn_loss"] for b in blocks) / max(len(blocks), 1),
+            "blocks_kept_rtn": sum(1 for b in blocks if b["kept_rtn"]),
+        })
+        return summary
