@@ -138,6 +138,11 @@ def _rows() -> list[Row]:
         Row("ref-llama", "NVFP4 g16", {"scheme": "NVFP4A16"}, **AWQ_ROW),
         Row("ref-llama", "W8A8 int8 static per-tensor", W8A8_STATIC, **SQ_ROW),
         Row("ref-llama", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}, **SQ_ROW),
+        # AutoRound (stage defaults: 200 signed steps per block, mini-batches of 8 samples,
+        # clipping learned, the float model's block outputs as targets)
+        Row("ref-llama", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **AUTOROUND_ROW),
+        Row("ref-llama", "W3 absmax g64", {"scheme": "W4A16", "weights": {"num_bits": 3, "group_size": 64}}, **AUTOROUND_ROW),
+        Row("ref-llama", "W4 zero-point g64", {"scheme": "W4A16_ASYM", "weights": {"group_size": 64}}, **AUTOROUND_ROW),
         *_pruning_rows("ref-llama"),
         Row("ref-llama", "MLP channels 25 %", {"structure": "mlp-channels", "ratio": 0.25}, method="structured",
             stage_name="structured", reference="dense"),
@@ -165,6 +170,7 @@ def _rows() -> list[Row]:
         Row("minilm", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}, **GPTQ_ROW),
         Row("minilm", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **GPTQ_ROW),
         Row("minilm", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}, **AWQ_ROW),
+        Row("minilm", "W4 absmax per-channel", {"scheme": "W4A16", "weights": {"strategy": "channel"}}, **AUTOROUND_ROW),
         Row("minilm", "W8A8 int8 static per-tensor", W8A8_STATIC, **SQ_ROW),
         Row("minilm", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}, **SQ_ROW),
         *_pruning_rows("minilm"),
@@ -184,7 +190,7 @@ KD_RECOVERY_BAR = 0.5  # share of the structured pruning's perplexity increase t
 MIXED_RECIPE = "recipes/mixed-w3avg-g64.yaml"
 MIXED_LABEL = "W4/W3/W2 g64 from analyze (W3 g64 storage)"
 MIXED_REFERENCE = "W3 absmax g64"  # the uniform RTN row it must beat at equal or fewer bits
-COMPARED = ["GPTQ", "AWQ", "SmoothQuant", "Wanda", "SparseGPT"]  # methods with a "vs" section, in this order
+COMPARED = ["GPTQ", "AWQ", "AutoRound", "SmoothQuant", "Wanda", "SparseGPT"]  # methods with a "vs" section, in this order
 PRUNE_LABELS = {"50 % unstructured": {"sparsity": 0.5}, "2:4": {"pattern": "2:4"}}
 
 
@@ -197,6 +203,7 @@ def _pruning_rows(family: str) -> list[Row]:
         rows.append(Row(family, label, dict(body), method="SparseGPT", stage_name="sparsegpt", reference="magnitude"))
     return rows
 AWQ_ROW = {"method": "AWQ", "stage_name": "awq"}
+AUTOROUND_ROW = {"method": "AutoRound", "stage_name": "autoround"}
 SQ_ROW = {"method": "SmoothQuant", "stage_name": "rtn", "before": ({"smoothquant": {"alpha": 0.5}},)}
 W8A8_STATIC = {"scheme": "W8A8", "input_activations": {"strategy": "tensor", "dynamic": False}}
 
@@ -1014,6 +1021,10 @@ METHOD_NOTES = {
     "GPTQ": "GPTQ runs with the stage's defaults (`block_size: 128`, `dampening_frac: 0.01`, no act-order).",
     "AWQ": "AWQ runs with the stage's defaults (20-point α grid scored on each mapping's attention/MLP output, "
            "duo scaling, per-group clipping search over 11 ratios down to 0.5, 4096 calibration tokens per layer for the searches).",
+    "AutoRound": "AutoRound runs with the stage's defaults (200 signed gradient steps per block, learning rate 1/200 "
+                 "falling linearly to 0, mini-batches of 8 calibration samples, per-group clipping learned, each block's "
+                 "target the float model's own output of it; a block whose tuned loss over the whole calibration set is "
+                 "above round-to-nearest's keeps round-to-nearest).",
     "Wanda": "Wanda (|W| · ‖x‖ per input channel, compared within each output row) with the stage's defaults.",
     "SparseGPT": "SparseGPT with the stage's defaults (`block_size: 128`, `dampening_frac: 0.01`, mask chosen per block of 128 columns).",
     "SmoothQuant": "SmoothQuant rows run `smoothquant: {alpha: 0.5}` and then exactly the plain row's `rtn` W8A8 stage "
@@ -1575,7 +1586,7 @@ def write_outputs(results: list[dict], meta: dict, output: Path, title: str = "c
 
 AGAINST_POINTER = ("The same rows run by compress and by llm-compressor, side by side (quality, time and memory ratios): "
                    "BENCHMARKS-llmcompressor.md, written by `make bench-against`.")
-AGAINST_METHODS = ("GPTQ", "AWQ", "SmoothQuant", "Wanda", "SparseGPT")  # methods llm-compressor runs one-shot
+AGAINST_METHODS = ("GPTQ", "AWQ", "AutoRound", "SmoothQuant", "Wanda", "SparseGPT")  # methods llm-compressor runs one-shot
 
 
 def against_rows(family: str) -> list[Row]:
