@@ -160,10 +160,10 @@ class AutoRound(EngineOptions, QuantizationStage):
                 out[names[n]] = (q.t() if transposed else q).to(dtype)
             return out
 
-        def loss_on(j: int) -> torch.Tensor:
-            return block_loss(runner.forward(j, parameters=parameters()), targets.get(j), runner.mask(j))
+        def loss_on(j: int, quantized: dict[str, torch.Tensor]) -> torch.Tensor:
+            return block_loss(runner.forward(j, parameters=quantized), targets.get(j), runner.mask(j))
 
-        rtn_loss = self._full_loss(runner, loss_on)
+        rtn_loss = self._full_loss(runner, loss_on, parameters)
         lr = self.lr or 1.0 / self.iters
         minmax_lr = self.minmax_lr or lr
         per_batch = max(1, runner.store.get(0).shape[0])
@@ -180,7 +180,8 @@ class AutoRound(EngineOptions, QuantizationStage):
                     if len(order) < batches_per_step:  # a new pass over the calibration set, reshuffled
                         order += torch.randperm(len(runner), generator=generator).tolist()
                     chosen, order = order[:batches_per_step], order[batches_per_step:]
-                    loss = sum(loss_on(j) for j in chosen) / len(chosen)
+                    quantized = parameters()  # once per step: every batch of the step uses the same W̃
+                    loss = sum(loss_on(j, quantized) for j in chosen) / len(chosen)
                     value = float(loss.detach())
                     if value < best_loss:  # the parameters this loss was computed with
                         best_loss = value
@@ -200,7 +201,7 @@ class AutoRound(EngineOptions, QuantizationStage):
             with torch.no_grad():
                 for n in weights:
                     V[n].copy_(best[0][n]), alpha[n].copy_(best[1][n]), beta[n].copy_(best[2][n])
-        tuned_loss = self._full_loss(runner, loss_on) if best is not None else math.inf
+        tuned_loss = self._full_loss(runner, loss_on, parameters) if best is not None else math.inf
         kept_rtn = not tuned_loss <= rtn_loss
         final_loss = rtn_loss if kept_rtn else tuned_loss
         with torch.no_grad():
@@ -252,14 +253,15 @@ class AutoRound(EngineOptions, QuantizationStage):
             self._float_inputs = None
 
     @staticmethod
-    def _full_loss(runner, loss_on) -> float:
+    def _full_loss(runner, loss_on, parameters) -> float:
         """The block's loss over every calibration batch, weighted by its tokens."""
         total, tokens = 0.0, 0
         with torch.no_grad():
+            quantized = parameters()
             for j in range(len(runner)):
                 mask = runner.mask(j)
                 n = int(mask.sum()) if mask is not None else math.prod(runner.store.get(j).shape[:2])
-                total += float(loss_on(j)) * n
+                total += float(loss_on(j, quantized)) * n
                 tokens += n
         return total / max(tokens, 1)
 
