@@ -76,7 +76,9 @@ def test_signed_descent_beats_round_to_nearest_on_a_layer(args):
         sign_step([V], lr, -V_BOUND, V_BOUND)
         sign_step([alpha, beta], lr, MIN_CLIP, 1.0)
     assert best < 0.8 * rtn
-    assert V.abs().max() <= V_BOUND and alpha.min() >= MIN_CLIP and beta.max() <= 1.0
+    assert V.abs().max() <= V_BOUND
+    for clip in (alpha, beta):
+        assert MIN_CLIP <= clip.min() and clip.max() <= 1.0
 
 
 def autoround_recipe(path, extra="", samples=16, packing=True, scheme="W4A16", group_size=32):
@@ -147,12 +149,14 @@ def test_packed_checkpoint_reloads_and_plain_transformers_computes_our_logits(bu
 
 
 def test_pruned_weights_stay_zero(tiny_models, tmp_path):  # noqa: F811
+    """Asymmetric: with a zero point off the middle, an offset could round a zero weight to the
+    next level (symmetric grids keep 0 at 0 by themselves)."""
     recipe = parse_recipe(f"""
 model: {tiny_models['llama']}
 calibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}
 stages:
   - magnitude: {{sparsity: 0.5}}
-  - autoround: {{scheme: W4A16, weights: {{group_size: 32}}, iters: 20, samples_per_step: 4}}
+  - autoround: {{scheme: W4A16_ASYM, weights: {{group_size: 32}}, iters: 20, samples_per_step: 4}}
 format: dense
 """, "test")
     report = run_recipe(recipe, output=str(tmp_path / "o"), device="cpu")
@@ -161,7 +165,7 @@ format: dense
         if r.get("autoround_loss") is not None:
             assert r["sparsity_preserved"] == pytest.approx(0.5, abs=0.01), name
             W = model.get_submodule(name).weight
-            assert float((W == 0).float().mean()) >= 0.5 - 0.01, name
+            assert float((W == 0).float().mean()) >= r["sparsity_preserved"], name  # every pruned weight still zero
 
 
 def test_reference_same_inputs_and_no_clipping(tiny_models, tmp_path):  # noqa: F811
@@ -228,3 +232,17 @@ def test_offload_to_disk_gives_the_same_model(tmp_path):
         with torch.no_grad():
             logits.append(model(input_ids=IDS).logits)
     assert torch.equal(*logits)
+
+
+def test_a_block_left_out_restarts_the_float_path_after_it(tmp_path):
+    """With block 1's layers ignored the stage never sees block 1, so it has no float-model inputs
+    for block 2: it restarts the float path there from the compressed model's inputs (and says so)
+    rather than run block 2 on block 1's inputs."""
+    recipe = parse_recipe("model: default\ncalibration: {dataset: calibration/default.txt, num_samples: 8, seq_len: 64}\n"
+                          "stages:\n  - autoround: {scheme: W4A16, weights: {group_size: 32}, iters: 10, "
+                          "ignore: [lm_head, 're:model\\.layers\\.1\\..*']}\n", "test")
+    report = run_recipe(recipe, output=str(tmp_path / "o"), device="cpu")
+    summary = report["stages"][0]["summary"]
+    assert summary["float_path_restarts"] == [2] and len(summary["block_losses"]) == 3
+    for loss, rtn in summary["block_losses"]:
+        assert loss <= rtn
