@@ -129,8 +129,7 @@ class BlockRunner:
         the block), that sub-module's outputs instead, the forward stopping as soon as it has run."""
         n = len(self.records) if limit is None else min(limit, len(self.records))
         if module is None:
-            return [token_rows((_block_output(self.block(self.store.get(j), **_move(self.records[j].kwargs, self.device))),),
-                               self.records[j].mask) for j in range(n)]
+            return [token_rows((self.forward(j),), self.records[j].mask) for j in range(n)]
         captured: list[torch.Tensor] = []
         current = [0]  # the batch being run, for its padding mask
 

@@ -140,6 +140,16 @@ def zeropoint_qparams(xmin: torch.Tensor, xmax: torch.Tensor, bits: int) -> QPar
     return QParams(scale, zero_point, qmin, qmax)
 
 
+def range_qparams(lo: torch.Tensor, hi: torch.Tensor, args, global_scale=None) -> QParams:
+    """The grid of `args` (a QuantArgs: FP4, absmax or zero-point) for slices whose ranges are
+    [lo, hi], e.g. a range shrunk by a clipping search. `global_scale`: NVFP4's."""
+    if args.fp4_format:
+        return fp4_qparams(torch.maximum(-lo, hi), global_scale)
+    if args.symmetric:
+        return absmax_qparams(torch.maximum(-lo, hi), args.num_bits, args.full_range)
+    return zeropoint_qparams(lo, hi, args.num_bits)
+
+
 def quantize(x: torch.Tensor, qp: QParams) -> torch.Tensor:
     """Integer codes (as float32 holding integers) for x; E2M1 values for an FP4 grid."""
     if qp.fp4:

@@ -55,7 +55,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from compress.engine import ActivationStore, BlockRunner
 from compress.modeling import get_weight, set_weight
-from compress.quant import _grouped, absmax_qparams, relative_error, round_ste, zeropoint_qparams
+from compress.quant import _grouped, range_qparams, relative_error, round_ste
 from compress.schemes import QuantArgs
 from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
@@ -84,10 +84,7 @@ def rounded_weight(W: torch.Tensor, V: torch.Tensor, alpha: torch.Tensor, beta: 
     Wg, pad = _grouped(W, width)                     # [out, groups, width]
     Vg, _ = _grouped(V, width)
     lo, hi = Wg.amin(-1, keepdim=True) * beta, Wg.amax(-1, keepdim=True) * alpha
-    if args.symmetric:
-        qp = absmax_qparams(torch.maximum(-lo, hi), args.num_bits, args.full_range)
-    else:
-        qp = zeropoint_qparams(lo, hi, args.num_bits)
+    qp = range_qparams(lo, hi, args)
     codes = torch.clamp(round_ste(Wg / qp.scale + qp.zero_point + Vg), qp.qmin, qp.qmax)
     out = ((codes - qp.zero_point) * qp.scale).reshape(rows, -1)[:, :cols]
     return out if keep_zero is None else out.masked_fill(keep_zero, 0.0)

@@ -42,7 +42,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from compress.engine import calibration_batches, resolve_batch_size, token_rows
 from compress.mappings import Mapping, apply_scales, mappings_for
 from compress.modeling import get_weight, set_weight
-from compress.quant import absmax_qparams, dequantize, fp4_qparams, quantize, relative_error, zeropoint_qparams
+from compress.quant import dequantize, quantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext
 from compress.stages.rtn import global_scales, quantize_weight
@@ -100,12 +100,7 @@ def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 2
         lo0, hi0 = Wg.amin(-1, keepdim=True), Wg.amax(-1, keepdim=True)
 
     def quantized(ratio: torch.Tensor) -> torch.Tensor:
-        if args.fp4_format:
-            qp = fp4_qparams(hi0 * ratio, global_scale)
-        elif args.symmetric:
-            qp = absmax_qparams(hi0 * ratio, args.num_bits, args.full_range)
-        else:
-            qp = zeropoint_qparams(lo0 * ratio, hi0 * ratio, args.num_bits)
+        qp = range_qparams(lo0 * ratio, hi0 * ratio, args, global_scale)
         return dequantize(quantize(Wg, qp), qp)
 
     best_err = torch.full(hi0.shape, float("inf"), device=W.device)

@@ -43,7 +43,7 @@ from compress import activations
 from compress.engine import solve_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
-from compress.quant import QParams, absmax_qparams, compute_qparams, dequantize, fp4_qparams, quantize, relative_error, zeropoint_qparams
+from compress.quant import QParams, compute_qparams, dequantize, quantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
 from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
@@ -79,15 +79,6 @@ def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_damp: float = 10.
     raise FloatingPointError(f"Hessian is not positive definite even with damping {frac / 10:g}")
 
 
-def _row_qparams(lo: torch.Tensor, hi: torch.Tensor, args: QuantArgs, global_scale) -> QParams:
-    """Parameters for rows whose ranges are [lo, hi] ([rows, 1] each)."""
-    if args.fp4_format:
-        return fp4_qparams(torch.maximum(-lo, hi), global_scale)
-    if args.symmetric:
-        return absmax_qparams(torch.maximum(-lo, hi), args.num_bits, args.full_range)
-    return zeropoint_qparams(lo, hi, args.num_bits)
-
-
 def _column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | None = None,
                     shrink_grid: int = 0, max_shrink: float = 0.2, global_scale=None) -> QParams:
     """Per-row (or per-tensor) parameters for the columns of W. With `shrink_grid`, each row's range
@@ -97,7 +88,7 @@ def _column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | Non
     if args.strategy == "tensor":
         return compute_qparams(W, args.num_bits, args.symmetric, "tensor", full_range=args.full_range)
     lo, hi = W.amin(1, keepdim=True), W.amax(1, keepdim=True)
-    qp = _row_qparams(lo, hi, args, global_scale)
+    qp = range_qparams(lo, hi, args, global_scale)
     if not shrink_grid:
         return qp
     weight = torch.ones(W.shape[1], device=W.device) if weight is None else weight
@@ -105,7 +96,7 @@ def _column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | Non
     best = qp
     for i in range(1, shrink_grid + 1):
         r = 1 - max_shrink * i / shrink_grid
-        cand = _row_qparams(lo * r, hi * r, args, global_scale)
+        cand = range_qparams(lo * r, hi * r, args, global_scale)
         err = ((W - dequantize(quantize(W, cand), cand)).pow(2) * weight).sum(1, keepdim=True)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
