@@ -53,7 +53,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -93,7 +92,10 @@ def storable_scale(scale: torch.Tensor) -> torch.Tensor:
 
 def _finite_or_zero(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x with NaN/Inf replaced by 0 (which every range holds already), and where they were; None
-    when all is finite (the common case costs one reduction)."""
+    when all is finite. The common case costs one sum: a NaN or Inf makes it non-finite, and a
+    sum that overflows only sends finite values the long way round."""
+    if bool(torch.isfinite(x.sum())):
+        return x, None
     finite = torch.isfinite(x)
     if bool(finite.all()):
         return x, None
@@ -549,26 +551,23 @@ def scales_as(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
 
 FP4_E2M1_MAX = 6.0
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# The midpoints between neighbouring values, and whether a tie there goes up: to the value whose
-# mantissa bit is 0 (round half to even, as IEEE casts, the OCP spec and compressed-tensors do).
-_FP4_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 NVFP4_GROUP, MXFP4_GROUP = 16, 32
 _E4M3_SMALLEST = 2.0**-9  # e4m3's smallest subnormal
 
 
-@lru_cache(maxsize=None)
-def _fp4_values(device: torch.device) -> torch.Tensor:
-    return torch.tensor(FP4_E2M1_VALUES, device=device)  # once per device: GPTQ rounds column by column
-
-
 def round_to_fp4(x: torch.Tensor) -> torch.Tensor:
-    """Each element to the nearest E2M1 value, saturating at ±6; float32 out."""
-    a = x.float().abs()
-    index = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
-    for edge, tie_up in _FP4_MIDPOINTS:
-        index += (a >= edge) if tie_up else (a > edge)
-    values = _fp4_values(a.device)[index.long()]
-    return torch.where(x < 0, -values, values)
+    """Each element to the nearest E2M1 value, saturating at ±6, keeping x's sign; NaN gives 0;
+    float32 out.
+
+    E2M1's magnitudes are a fixed-point grid per binade (step 0.5 below 2, 1 below 4, 2 up to 6), so
+    rounding a/step to an integer rounds to the nearest value, and torch.round's half-to-even is
+    exactly the round-half-to-even of the format (a tie goes to the value whose mantissa bit is 0:
+    0.25 → 0, 0.75 → 1, 5 → 4). Arithmetic rather than a table lookup: GPTQ rounds column by column
+    and W4A4 rounds every activation, so this runs often."""
+    x = x.float()
+    a = x.abs().clamp_(max=FP4_E2M1_MAX)
+    step = (a >= 2).float().add_(1).mul_((a >= 4).float().add_(1)).mul_(0.5)
+    return torch.copysign(torch.round(a / step).mul_(step), x).nan_to_num_(nan=0.0)
 
 
 def nvfp4_global_scale(absmax: torch.Tensor | float) -> float:
