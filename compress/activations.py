@@ -10,6 +10,7 @@ with the checkpoint so that `compress eval` reattaches them when it loads the mo
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -19,6 +20,12 @@ from compress.quant import (FP8_E4M3_MAX, QParams, absmax_qparams, compute_qpara
 from compress.schemes import QuantArgs
 
 HOOK_ATTR = "_compress_activation_hook"
+
+
+def _forget_last(reference: weakref.ref) -> None:
+    last = ActivationFakeQuant._last
+    if last is not None and last[0] is reference:
+        ActivationFakeQuant._last = None
 
 
 class ActivationFakeQuant:
@@ -34,12 +41,27 @@ class ActivationFakeQuant:
         self.static_qparams = static_qparams
         if not args.dynamic and static_range is None and static_qparams is None:
             raise ValueError("static activation quantization needs a range observed on calibration data")
+        # what makes two hooks round alike (static_qparams, another tool's scales, by identity)
+        self._key = (args.model_dump_json(), static_range, id(static_qparams) if static_qparams is not None else None)
+
+    # Layers fed the same tensor (q/k/v, gate/up) under the same scheme and range round it to the
+    # same values: the last rounding is kept, so the fed tensor is rounded once, as an engine that
+    # fuses those layers into one matrix product does. The input is held weakly, and the entry
+    # goes with it.
+    _last: tuple | None = None  # (weak reference to the input, its version, hook key, rounded input)
 
     def __call__(self, module: torch.nn.Module, inputs: tuple) -> tuple:
+        x = inputs[0]
+        last = ActivationFakeQuant._last
+        if last is not None and last[0]() is x and last[1] == x._version and last[2] == self._key \
+                and last[4] == last[3]._version:
+            return (last[3], *inputs[1:])
         # activation scales stay float32 (as saved, and as evaluated), also when a stage's
         # calibration forward runs under a half-precision model's weight-scale rounding
         with scales_stored_as(torch.float32):
-            return self._fake_quantize(inputs)
+            out = self._fake_quantize(inputs)
+        ActivationFakeQuant._last = (weakref.ref(x, _forget_last), x._version, self._key, out[0], out[0]._version)
+        return out
 
     def _fake_quantize(self, inputs: tuple) -> tuple:
         x = inputs[0]

@@ -42,6 +42,7 @@ def test_round_to_fp4_nearest_value_ties_to_even_saturating():
     assert round_to_fp4(ties).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
     assert round_to_fp4(-ties).tolist() == [-0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0]
     assert round_to_fp4(torch.tensor([5.01, 6.9, 1e6, -50.0])).tolist() == [6.0, 6.0, 6.0, -6.0]
+    assert round_to_fp4(torch.tensor([float("inf"), -float("inf"), float("nan")])).tolist() == [6.0, -6.0, 0.0]
     # off the midpoints, the nearest value, by brute force over the grid
     x = torch.randn(10_000) * 3
     x = x[(x.abs().unsqueeze(1) - ties).abs().min(1).values > 1e-4]
@@ -53,6 +54,39 @@ def test_round_to_fp4_agrees_with_compressed_tensors():
     cast = pytest.importorskip("compressed_tensors.quantization.utils.fp4_utils").cast_to_fp4
     x = torch.cat([torch.linspace(-7, 7, 56 * 8 + 1), torch.randn(5000) * 2])  # every midpoint, exactly
     assert torch.equal(round_to_fp4(x), cast(x.clone()))
+
+
+def test_layers_fed_one_tensor_round_it_once_to_what_each_would_alone(monkeypatch):
+    """q/k/v (gate/up) read one tensor: an equal hook reuses the rounding the first one made; a
+    hook with another range, or an input changed in place, rounds anew."""
+    from compress import activations
+    from compress.schemes import PRESETS, QuantArgs
+    from compress.quant import nvfp4_input_global_scale
+
+    args = QuantArgs(**PRESETS["NVFP4"]["input_activations"])
+    torch.manual_seed(0)
+    q, k, v = (torch.nn.Linear(64, 32) for _ in range(3))
+    x = torch.randn(8, 64) * 3
+    for layer, rng in ((q, (-9.0, 9.0)), (k, (-9.0, 9.0)), (v, (-4.0, 4.0))):
+        activations.attach(layer, args, rng)
+    rounded = []
+    real = activations.ActivationFakeQuant._fake_quantize
+
+    def counting(self, inputs):
+        rounded.append(self.static_range)
+        return real(self, inputs)
+
+    monkeypatch.setattr(activations.ActivationFakeQuant, "_fake_quantize", counting)
+    with torch.no_grad():
+        outs = [layer(x) for layer in (q, k, v)]
+        assert rounded == [(-9.0, 9.0), (-4.0, 4.0)]  # k reused q's rounding; v's range differs
+        for layer, out, g in ((q, outs[0], 9.0), (k, outs[1], 9.0), (v, outs[2], 4.0)):
+            alone = fake_quantize_fp4(x, 16, nvfp4_input_global_scale(g), activations=True)
+            assert torch.equal(out, torch.nn.functional.linear(alone, layer.weight, layer.bias))
+        x.mul_(2)  # same tensor, new values
+        assert torch.equal(k(x), torch.nn.functional.linear(
+            fake_quantize_fp4(x, 16, nvfp4_input_global_scale(9.0), activations=True), k.weight, k.bias))
+        assert len(rounded) == 3
 
 
 def test_nvfp4_global_scale_is_the_largest_power_of_two_that_fits_e4m3():
