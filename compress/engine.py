@@ -294,7 +294,10 @@ def capture_first_block_inputs(model, path: str, blocks: torch.nn.ModuleList, ba
         try:
             model.to(device)
             for batch in batches:
-                current["mask"] = batch.get("attention_mask")
+                mask = batch.get("attention_mask")
+                # a batch without padding needs no mask (every token counts), and observers skip
+                # selecting its rows: a boolean gather per hooked layer per batch
+                current["mask"] = mask if mask is not None and not bool(mask.all()) else None
                 try:
                     model(**{k: v.to(device) for k, v in batch.items()})
                 except _StopForward:
