@@ -163,6 +163,32 @@ def test_extra_damping_is_recorded_in_the_layer_record_and_summary_count():
     assert torch.isfinite(layer.weight).all()
 
 
+def test_layers_reading_one_tensor_share_its_product_and_get_identical_hessians():
+    """q/k/v read one tensor, o another: q/k/v end with bit-identical sums (stacked solving relies
+    on it) equal to Σ x xᵀ of their inputs, from one product per batch after the first; o's sum is
+    its own, and a layer whose input differs from the leader's in one batch adds its own."""
+    from compress.stages.gptq import HessianObserver
+
+    torch.manual_seed(0)
+    q, k, v, o = (torch.nn.Linear(32, 8) for _ in range(4))
+    obs = {n: HessianObserver(m) for n, m in zip("qkvo", (q, k, v, o))}
+    batches = [torch.randn(2, 5, 32) for _ in range(4)]
+    odd = torch.randn(2, 5, 32)  # batch 2: v reads another tensor
+    for j, x in enumerate(batches):
+        for n in "qkv":
+            obs[n].add((odd if n == "v" and j == 2 else x,), None, None)
+        if j == 1:  # from the second batch on, q keeps its product for k and v
+            assert HessianObserver._recent[4] is not None and HessianObserver._recent[5] is obs["q"]
+        obs["o"].add((x * 2,), None, None)
+    assert torch.equal(obs["q"].sum, obs["k"].sum) and obs["q"].shared and not obs["o"].shared
+    expect = sum(x.reshape(-1, 32).t() @ x.reshape(-1, 32) for x in batches)
+    torch.testing.assert_close(obs["q"].sum, expect)
+    torch.testing.assert_close(obs["o"].sum, 4 * expect)
+    vx = [odd if j == 2 else x for j, x in enumerate(batches)]
+    torch.testing.assert_close(obs["v"].sum, sum(x.reshape(-1, 32).t() @ x.reshape(-1, 32) for x in vx))
+    assert obs["q"].tokens == obs["v"].tokens == 40
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     out = {}

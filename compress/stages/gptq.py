@@ -34,6 +34,7 @@ zero: GPTQ then only moves the surviving weights (`preserve_sparsity`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -105,6 +106,16 @@ def _column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | Non
     return best
 
 
+def columns_ahead(W1: torch.Tensor, i: int, W: torch.Tensor, i2: int, count: int) -> torch.Tensor:
+    """The `count` columns from column i of the current block W1 on: the rest of the block, then
+    W's columns past its end (i2). Only those are copied; the whole rest of W would cost
+    O(columns² / group) per layer."""
+    ahead = W1[:, i : i + count]
+    if ahead.shape[1] < count and i2 < W.shape[1]:  # the group runs past the block
+        ahead = torch.cat([ahead, W[:, i2 : i2 + count - ahead.shape[1]]], dim=1)
+    return ahead
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size: int = 128, damp: float = 0.01,
                   actorder: bool = False, static_groups: bool = False, shrink_grid: int = 0,
                   keep_zero: torch.Tensor | None = None, global_scale=None) -> tuple[torch.Tensor, dict]:
@@ -157,7 +168,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
                     qp = group_qparams[original_col // group]
                 elif col % group == 0:
                     # Scales from the group's current (already error-compensated) values.
-                    ahead = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :group]
+                    ahead = columns_ahead(W1, i, W, i2, group)
                     qp = _column_qparams(ahead, args, torch.diag(H)[col : col + group], shrink_grid, global_scale=global_scale)
             w = W1[:, i : i + 1]
             q = dequantize(quantize(w, qp), qp)
@@ -203,9 +214,25 @@ def gptq_quantize_stacked(weights: list[torch.Tensor], H: torch.Tensor, args: Qu
 # Statistics from the calibration engine
 
 
+def _forget_recent(reference: weakref.ref) -> None:
+    recent = HessianObserver._recent
+    if recent is not None and recent[0] is reference:
+        HessianObserver._recent = None
+
+
 class HessianObserver:
     """Accumulates Σ x xᵀ (float32) and the token count over a layer's inputs, padding excluded;
-    with `track_range`, also the input range for static activation quantization."""
+    with `track_range`, also the input range for static activation quantization.
+
+    Layers that read one tensor (q/k/v; gate/up) add the same product: the observer that computes
+    it keeps it for the others, so a batch costs one matrix product per distinct input rather
+    than one per layer. Which observers lead is learned from the batch before (the first batch
+    accumulates in place, as a layer read by no other does throughout), so a layer's inputs
+    are never assumed shared, only recognised as the same tensor."""
+
+    # the last input added: (weak reference to the hooked tensor, its version, the mask, token
+    # rows, x xᵀ or None when it went straight into the sum, the observer that added it)
+    _recent: tuple | None = None
 
     def __init__(self, module: torch.nn.Module, conv1d: bool = False, track_range: bool = False):
         in_features = module.weight.shape[0 if conv1d else 1]
@@ -213,10 +240,27 @@ class HessianObserver:
         self.tokens = 0
         self.track_range = track_range
         self.lo, self.hi = float("inf"), float("-inf")
+        self.shared = False  # another layer read this layer's last input: keep the product for it
 
     def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
-        x = token_rows(inputs, mask)
-        self.sum.addmm_(x.t(), x)
+        recent = HessianObserver._recent
+        if recent is not None and recent[0]() is inputs[0] and recent[1] == inputs[0]._version and recent[2] is mask \
+                and recent[5] is not self:
+            x, product, leader = recent[3], recent[4], recent[5]
+            leader.shared = True
+            if product is not None:
+                self.sum.add_(product)
+            else:  # this batch the leader did not expect a follower
+                self.sum.addmm_(x.t(), x)
+        else:
+            x = token_rows(inputs, mask)
+            product = None
+            if self.shared:
+                product = x.t() @ x
+                self.sum.add_(product)
+            else:
+                self.sum.addmm_(x.t(), x)
+            HessianObserver._recent = (weakref.ref(inputs[0], _forget_recent), inputs[0]._version, mask, x, product, self)
         self.tokens += x.shape[0]
         if self.track_range:
             self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))

@@ -48,7 +48,7 @@ from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
 from compress.schemes import PRESETS, QuantArgs, resolve_scheme
 from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count
 from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext
-from compress.stages.gptq import HessianObserver, enough_tokens, hessian_loss, inverse_hessian_cholesky, weight_and_hessian
+from compress.stages.gptq import HessianObserver, columns_ahead, enough_tokens, hessian_loss, inverse_hessian_cholesky, weight_and_hessian
 from compress.stages.magnitude import magnitude_prune
 from compress.stages.pruning import LayerTarget, PruningStage, check_weight, count_nonzero, prune_summary, record_layer
 
@@ -112,7 +112,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
             if group is not None and col % group == 0:
                 # Scales from the group's current (already error-compensated) values, with the
                 # weights already known to be pruned left out of the range.
-                ahead = torch.cat([W1[:, i:] * keep1[:, i:], W[:, i2:]], dim=1)[:, :group]
+                ahead = columns_ahead(W1[:, i : i + group] * keep1[:, i : i + group], 0, W, i2, group)
                 qp = compute_qparams(ahead, quant.num_bits, quant.symmetric, "channel", full_range=quant.full_range)
             w = W1[:, i : i + 1]
             q = w if quant is None else dequantize(quantize(w, qp), qp)
