@@ -205,12 +205,14 @@ def run_llmcompressor(python: str, model: str, causal: bool, calibration, modifi
 
     workdir.mkdir(parents=True, exist_ok=True)
     samples = calibration.samples if calibration is not None else None
+    # The runner works in `workdir`: paths it is given must not be relative to here.
+    model = str(Path(model).resolve()) if Path(model).exists() else model
     spec = {"model": model, "causal": causal, "seed": seed, "threads": torch.get_num_threads(),
             "output": str((workdir / "checkpoint").resolve()), "modifiers": modifiers,
             "calibration": None if samples is None else {
                 "input_ids": [s["input_ids"][0].tolist() for s in samples],
                 "attention_mask": [s.get("attention_mask", torch.ones_like(s["input_ids"]))[0].tolist() for s in samples]}}
-    spec_path = workdir / "spec.json"
+    spec_path = (workdir / "spec.json").resolve()
     spec_path.write_text(json.dumps(spec))
     (workdir / "result.json").unlink(missing_ok=True)
     log = workdir / "llmcompressor.log"

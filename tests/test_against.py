@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,6 +155,25 @@ def test_against_needs_llmcompressor_installed(ref_llama, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "llm-compressor is not installed" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()  # checked before any work
+
+
+def test_llmcompressor_runs_with_relative_output_and_model_paths(tmp_path, monkeypatch):
+    """The runner works inside its own directory: `compress bench --output out/vs --model
+    ../models/x` must still hand it paths it can open (it got neither the spec nor the model)."""
+    from compress.against import run_llmcompressor
+
+    fake = tmp_path / "fake-python"  # stands in for the other environment's interpreter and runner
+    fake.write_text(f"#!{sys.executable}\nimport json, pathlib, sys\n"
+                    "spec = json.loads(pathlib.Path(sys.argv[-1]).read_text())\n"
+                    "assert pathlib.Path(spec['model'], 'config.json').is_file(), spec['model']\n"
+                    "pathlib.Path('result.json').write_text(json.dumps({'wall_s': 0.5}))\n")
+    fake.chmod(0o755)
+    (tmp_path / "models" / "x").mkdir(parents=True)
+    (tmp_path / "models" / "x" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    result = run_llmcompressor(str(fake), "models/x", True, None, [], Path("out/vs/against/row"))
+    assert "error" not in result, result
+    assert result["wall_s"] == 0.5 and (tmp_path / "out/vs/against/row/result.json").is_file()
 
 
 def test_side_by_side_table_states_ratios():
