@@ -22,6 +22,12 @@ from compress.schemes import QuantArgs
 HOOK_ATTR = "_compress_activation_hook"
 
 
+def tensor_version(t: torch.Tensor) -> int | None:
+    """t's in-place modification counter; None for a tensor made under torch.inference_mode, which
+    has none (so nothing that needs it may be reused: we cannot tell whether it changed)."""
+    return None if t.is_inference() else t._version
+
+
 def _forget_last(reference: weakref.ref) -> None:
     last = ActivationFakeQuant._last
     if last is not None and last[0] is reference:
@@ -48,19 +54,20 @@ class ActivationFakeQuant:
     # same values: the last rounding is kept, so the fed tensor is rounded once, as an engine that
     # fuses those layers into one matrix product does. The input is held weakly, and the entry
     # goes with it.
-    _last: tuple | None = None  # (weak reference to the input, its version, hook key, rounded input)
+    _last: tuple | None = None  # (weak ref to the input, its version, hook key, rounded input, its version)
 
     def __call__(self, module: torch.nn.Module, inputs: tuple) -> tuple:
         x = inputs[0]
-        last = ActivationFakeQuant._last
-        if last is not None and last[0]() is x and last[1] == x._version and last[2] == self._key \
-                and last[4] == last[3]._version:
+        version, last = tensor_version(x), ActivationFakeQuant._last
+        if version is not None and last is not None and last[0]() is x and last[1] == version \
+                and last[2] == self._key and last[4] == tensor_version(last[3]):
             return (last[3], *inputs[1:])
         # activation scales stay float32 (as saved, and as evaluated), also when a stage's
         # calibration forward runs under a half-precision model's weight-scale rounding
         with scales_stored_as(torch.float32):
             out = self._fake_quantize(inputs)
-        ActivationFakeQuant._last = (weakref.ref(x, _forget_last), x._version, self._key, out[0], out[0]._version)
+        if version is not None:
+            ActivationFakeQuant._last = (weakref.ref(x, _forget_last), version, self._key, out[0], tensor_version(out[0]))
         return out
 
     def _fake_quantize(self, inputs: tuple) -> tuple:

@@ -87,6 +87,12 @@ def test_layers_fed_one_tensor_round_it_once_to_what_each_would_alone(monkeypatc
         assert torch.equal(k(x), torch.nn.functional.linear(
             fake_quantize_fp4(x, 16, nvfp4_input_global_scale(9.0), activations=True), k.weight, k.bias))
         assert len(rounded) == 3
+    with torch.inference_mode():  # tensors without a version counter: each layer rounds for itself
+        y = torch.randn(8, 64) * 3
+        for layer, g in ((q, 9.0), (k, 9.0), (v, 4.0)):
+            alone = fake_quantize_fp4(y, 16, nvfp4_input_global_scale(g), activations=True)
+            assert torch.equal(layer(y), torch.nn.functional.linear(alone, layer.weight, layer.bias))
+        assert len(rounded) == 6
 
 
 def test_nvfp4_global_scale_is_the_largest_power_of_two_that_fits_e4m3():

@@ -187,6 +187,12 @@ def test_layers_reading_one_tensor_share_its_product_and_get_identical_hessians(
     vx = [odd if j == 2 else x for j, x in enumerate(batches)]
     torch.testing.assert_close(obs["v"].sum, sum(x.reshape(-1, 32).t() @ x.reshape(-1, 32) for x in vx))
     assert obs["q"].tokens == obs["v"].tokens == 40
+    with torch.inference_mode():  # no version counter to trust: each adds its own, and none fails
+        x = torch.randn(2, 5, 32)
+        for n in "qk":
+            obs[n].add((x,), None, None)
+    torch.testing.assert_close(obs["q"].sum, obs["k"].sum)
+    assert obs["q"].tokens == obs["k"].tokens == 50
 
 
 @pytest.fixture(scope="module")

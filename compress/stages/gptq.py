@@ -243,9 +243,9 @@ class HessianObserver:
         self.shared = False  # another layer read this layer's last input: keep the product for it
 
     def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
-        recent = HessianObserver._recent
-        if recent is not None and recent[0]() is inputs[0] and recent[1] == inputs[0]._version and recent[2] is mask \
-                and recent[5] is not self:
+        version, recent = activations.tensor_version(inputs[0]), HessianObserver._recent
+        if version is not None and recent is not None and recent[0]() is inputs[0] and recent[1] == version \
+                and recent[2] is mask and recent[5] is not self:
             x, product, leader = recent[3], recent[4], recent[5]
             leader.shared = True
             if product is not None:
@@ -260,7 +260,8 @@ class HessianObserver:
                 self.sum.add_(product)
             else:
                 self.sum.addmm_(x.t(), x)
-            HessianObserver._recent = (weakref.ref(inputs[0], _forget_recent), inputs[0]._version, mask, x, product, self)
+            if version is not None:
+                HessianObserver._recent = (weakref.ref(inputs[0], _forget_recent), version, mask, x, product, self)
         self.tokens += x.shape[0]
         if self.track_range:
             self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
