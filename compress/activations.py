@@ -29,9 +29,9 @@ def tensor_version(t: torch.Tensor) -> int | None:
 
 
 def _forget_last(reference: weakref.ref) -> None:
-    last = ActivationFakeQuant._last
-    if last is not None and last[0] is reference:
-        ActivationFakeQuant._last = None
+    cls = globals().get("ActivationFakeQuant")  # None while the interpreter tears the module down
+    if cls is not None and cls._last is not None and cls._last[0] is reference:
+        cls._last = None
 
 
 class ActivationFakeQuant:
@@ -47,27 +47,30 @@ class ActivationFakeQuant:
         self.static_qparams = static_qparams
         if not args.dynamic and static_range is None and static_qparams is None:
             raise ValueError("static activation quantization needs a range observed on calibration data")
-        # what makes two hooks round alike (static_qparams, another tool's scales, by identity)
-        self._key = (args.model_dump_json(), static_range, id(static_qparams) if static_qparams is not None else None)
+        # what makes two hooks round alike (with static_qparams, another tool's scales, the same object too)
+        self._key = (args.model_dump_json(), static_range)
 
     # Layers fed the same tensor (q/k/v, gate/up) under the same scheme and range round it to the
     # same values: the last rounding is kept, so the fed tensor is rounded once, as an engine that
     # fuses those layers into one matrix product does. The input is held weakly, and the entry
-    # goes with it.
-    _last: tuple | None = None  # (weak ref to the input, its version, hook key, rounded input, its version)
+    # goes with it. Not while gradients flow to the input: a graph is not shared across calls.
+    _last: tuple | None = None  # (weak ref to the input, its version, hook key, static_qparams, rounded input, its version)
 
     def __call__(self, module: torch.nn.Module, inputs: tuple) -> tuple:
         x = inputs[0]
         version, last = tensor_version(x), ActivationFakeQuant._last
+        if x.requires_grad and torch.is_grad_enabled():
+            version = None
         if version is not None and last is not None and last[0]() is x and last[1] == version \
-                and last[2] == self._key and last[4] == tensor_version(last[3]):
-            return (last[3], *inputs[1:])
+                and last[2] == self._key and last[3] is self.static_qparams and last[5] == tensor_version(last[4]):
+            return (last[4], *inputs[1:])
         # activation scales stay float32 (as saved, and as evaluated), also when a stage's
         # calibration forward runs under a half-precision model's weight-scale rounding
         with scales_stored_as(torch.float32):
             out = self._fake_quantize(inputs)
         if version is not None:
-            ActivationFakeQuant._last = (weakref.ref(x, _forget_last), version, self._key, out[0], tensor_version(out[0]))
+            ActivationFakeQuant._last = (weakref.ref(x, _forget_last), version, self._key, self.static_qparams, out[0],
+                                         tensor_version(out[0]))
         return out
 
     def _fake_quantize(self, inputs: tuple) -> tuple:

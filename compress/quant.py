@@ -563,8 +563,8 @@ def round_to_fp4(x: torch.Tensor) -> torch.Tensor:
     rounding a/step to an integer rounds to the nearest value, and torch.round's half-to-even is
     exactly the round-half-to-even of the format (a tie goes to the value whose mantissa bit is 0:
     0.25 → 0, 0.75 → 1, 5 → 4). Arithmetic rather than a table lookup: GPTQ rounds column by column
-    and W4A4 rounds every activation, so this runs often."""
-    x = x.float()
+    and W4A4 rounds every activation, so this runs often. No gradient: rounding has none."""
+    x = x.detach().float()
     a = x.abs().clamp_(max=FP4_E2M1_MAX)
     step = (a >= 2).float().add_(1).mul_((a >= 4).float().add_(1)).mul_(0.5)
     return torch.copysign(torch.round(a / step).mul_(step), x).nan_to_num_(nan=0.0)

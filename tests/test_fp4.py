@@ -95,6 +95,33 @@ def test_layers_fed_one_tensor_round_it_once_to_what_each_would_alone(monkeypatc
         assert len(rounded) == 6
 
 
+def test_shared_rounding_is_not_reused_with_gradients_or_across_other_scales():
+    """A graph is not shared between calls (a second backward would find it freed), and hooks
+    holding another tool's scales reuse a rounding only with the very same scales."""
+    from compress import activations
+    from compress.quant import QParams
+    from compress.schemes import PRESETS, QuantArgs
+
+    torch.manual_seed(0)
+    a8 = QuantArgs(**PRESETS["W8A8"]["input_activations"])
+    q, k = torch.nn.Linear(64, 8), torch.nn.Linear(64, 8)
+    for layer in (q, k):
+        activations.attach(layer, a8)
+    x = torch.randn(4, 64, requires_grad=True)
+    for _ in range(2):
+        (q(x).sum() + k(x).sum()).backward()
+    static = QuantArgs(**{**PRESETS["W8A8"]["input_activations"], "strategy": "tensor", "dynamic": False})
+    coarse = QParams(torch.tensor([[0.5]]), torch.zeros(1, 1), -127, 127)
+    fine = QParams(torch.tensor([[0.01]]), torch.zeros(1, 1), -127, 127)
+    activations.attach(q, static, static_qparams=coarse)
+    activations.attach(k, static, static_qparams=fine)
+    with torch.no_grad():
+        y = torch.randn(4, 64)
+        q(y)
+        expect = torch.nn.functional.linear(fake_quantize(y, 8, True, "tensor", qparams=fine), k.weight, k.bias)
+        assert torch.equal(k(y), expect)
+
+
 def test_nvfp4_global_scale_is_the_largest_power_of_two_that_fits_e4m3():
     for absmax in (1e-4, 0.0371, 0.5, 1.0, 3.0, 448 * 6.0, 1e5):
         g = nvfp4_global_scale(torch.tensor(absmax))

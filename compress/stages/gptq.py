@@ -215,9 +215,9 @@ def gptq_quantize_stacked(weights: list[torch.Tensor], H: torch.Tensor, args: Qu
 
 
 def _forget_recent(reference: weakref.ref) -> None:
-    recent = HessianObserver._recent
-    if recent is not None and recent[0] is reference:
-        HessianObserver._recent = None
+    cls = globals().get("HessianObserver")  # None while the interpreter tears the module down
+    if cls is not None and cls._recent is not None and cls._recent[0] is reference:
+        cls._recent = None
 
 
 class HessianObserver:
