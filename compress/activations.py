@@ -28,10 +28,28 @@ def tensor_version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-def _forget_last(reference: weakref.ref) -> None:
-    cls = globals().get("ActivationFakeQuant")  # None while the interpreter tears the module down
-    if cls is not None and cls._last is not None and cls._last[0] is reference:
-        cls._last = None
+class LastInput:
+    """What a hook made of the last tensor it was given, to be reused when the next call gets the
+    same tensor unchanged: the same object (held weakly; the entry goes with it) at the same
+    version, under an equal `key`. Tensors without a version counter are never remembered."""
+
+    def __init__(self):
+        self._entry: tuple | None = None  # (weak reference, version, key, value)
+
+    def get(self, x: torch.Tensor, key):
+        version, entry = tensor_version(x), self._entry
+        if version is None or entry is None or entry[0]() is not x or entry[1] != version or entry[2] != key:
+            return None
+        return entry[3]
+
+    def put(self, x: torch.Tensor, key, value) -> None:
+        version = tensor_version(x)
+        if version is not None:
+            self._entry = (weakref.ref(x, self._forget), version, key, value)
+
+    def _forget(self, reference: weakref.ref) -> None:
+        if self._entry is not None and self._entry[0] is reference:
+            self._entry = None
 
 
 class ActivationFakeQuant:
@@ -47,30 +65,28 @@ class ActivationFakeQuant:
         self.static_qparams = static_qparams
         if not args.dynamic and static_range is None and static_qparams is None:
             raise ValueError("static activation quantization needs a range observed on calibration data")
-        # what makes two hooks round alike (with static_qparams, another tool's scales, the same object too)
-        self._key = (args.model_dump_json(), static_range)
+        # What makes two hooks round alike; another tool's scales count by identity (the entry
+        # holds the object, so its id is not reused while it could match).
+        self._key = (args.model_dump_json(), static_range, id(static_qparams))
 
     # Layers fed the same tensor (q/k/v, gate/up) under the same scheme and range round it to the
     # same values: the last rounding is kept, so the fed tensor is rounded once, as an engine that
-    # fuses those layers into one matrix product does. The input is held weakly, and the entry
-    # goes with it. Not while gradients flow to the input: a graph is not shared across calls.
-    _last: tuple | None = None  # (weak ref to the input, its version, hook key, static_qparams, rounded input, its version)
+    # fuses those layers into one matrix product does. Not while gradients flow to the input: a
+    # graph is not shared across calls.
+    _last = LastInput()  # value: (static_qparams, rounded input, its version)
 
     def __call__(self, module: torch.nn.Module, inputs: tuple) -> tuple:
         x = inputs[0]
-        version, last = tensor_version(x), ActivationFakeQuant._last
-        if x.requires_grad and torch.is_grad_enabled():
-            version = None
-        if version is not None and last is not None and last[0]() is x and last[1] == version \
-                and last[2] == self._key and last[3] is self.static_qparams and last[5] == tensor_version(last[4]):
-            return (last[4], *inputs[1:])
+        reuse = not (x.requires_grad and torch.is_grad_enabled())
+        kept = self._last.get(x, self._key) if reuse else None
+        if kept is not None and kept[2] == tensor_version(kept[1]):
+            return (kept[1], *inputs[1:])
         # activation scales stay float32 (as saved, and as evaluated), also when a stage's
         # calibration forward runs under a half-precision model's weight-scale rounding
         with scales_stored_as(torch.float32):
             out = self._fake_quantize(inputs)
-        if version is not None:
-            ActivationFakeQuant._last = (weakref.ref(x, _forget_last), version, self._key, self.static_qparams, out[0],
-                                         tensor_version(out[0]))
+        if reuse:
+            self._last.put(x, self._key, (self.static_qparams, out[0], tensor_version(out[0])))
         return out
 
     def _fake_quantize(self, inputs: tuple) -> tuple:

@@ -178,7 +178,8 @@ def test_layers_reading_one_tensor_share_its_product_and_get_identical_hessians(
         for n in "qkv":
             obs[n].add((odd if n == "v" and j == 2 else x,), None, None)
         if j == 1:  # from the second batch on, q keeps its product for k and v
-            assert HessianObserver._recent[4] is not None and HessianObserver._recent[5] is obs["q"]
+            _, _, product, leader = HessianObserver._recent._entry[3]
+            assert product is not None and leader is obs["q"]
         obs["o"].add((x * 2,), None, None)
     assert torch.equal(obs["q"].sum, obs["k"].sum) and obs["q"].shared and not obs["o"].shared
     expect = sum(x.reshape(-1, 32).t() @ x.reshape(-1, 32) for x in batches)

@@ -34,7 +34,6 @@ zero: GPTQ then only moves the surviving weights (`preserve_sparsity`).
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -214,12 +213,6 @@ def gptq_quantize_stacked(weights: list[torch.Tensor], H: torch.Tensor, args: Qu
 # Statistics from the calibration engine
 
 
-def _forget_recent(reference: weakref.ref) -> None:
-    cls = globals().get("HessianObserver")  # None while the interpreter tears the module down
-    if cls is not None and cls._recent is not None and cls._recent[0] is reference:
-        cls._recent = None
-
-
 class HessianObserver:
     """Accumulates Σ x xᵀ (float32) and the token count over a layer's inputs, padding excluded;
     with `track_range`, also the input range for static activation quantization.
@@ -230,9 +223,9 @@ class HessianObserver:
     accumulates in place, as a layer read by no other does throughout), so a layer's inputs
     are never assumed shared, only recognised as the same tensor."""
 
-    # the last input added: (weak reference to the hooked tensor, its version, the mask, token
-    # rows, x xᵀ or None when it went straight into the sum, the observer that added it)
-    _recent: tuple | None = None
+    # the last input added, under its mask: (the mask, token rows, x xᵀ or None when it went
+    # straight into the sum, the observer that added it)
+    _recent = activations.LastInput()
 
     def __init__(self, module: torch.nn.Module, conv1d: bool = False, track_range: bool = False):
         in_features = module.weight.shape[0 if conv1d else 1]
@@ -243,10 +236,9 @@ class HessianObserver:
         self.shared = False  # another layer read this layer's last input: keep the product for it
 
     def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
-        version, recent = activations.tensor_version(inputs[0]), HessianObserver._recent
-        if version is not None and recent is not None and recent[0]() is inputs[0] and recent[1] == version \
-                and recent[2] is mask and recent[5] is not self:
-            x, product, leader = recent[3], recent[4], recent[5]
+        recent = self._recent.get(inputs[0], id(mask))
+        if recent is not None and recent[3] is not self:
+            _, x, product, leader = recent
             leader.shared = True
             if product is not None:
                 self.sum.add_(product)
@@ -260,8 +252,7 @@ class HessianObserver:
                 self.sum.add_(product)
             else:
                 self.sum.addmm_(x.t(), x)
-            if version is not None:
-                HessianObserver._recent = (weakref.ref(inputs[0], _forget_recent), version, mask, x, product, self)
+            self._recent.put(inputs[0], id(mask), (mask, x, product, self))  # the mask held: its id stays its own
         self.tokens += x.shape[0]
         if self.track_range:
             self.lo, self.hi = min(self.lo, float(x.min())), max(self.hi, float(x.max()))
