@@ -162,7 +162,9 @@ def quantize(x: torch.Tensor, qp: QParams) -> torch.Tensor:
 def dequantize(q: torch.Tensor, qp: QParams) -> torch.Tensor:
     # Saturates at float32's largest value: for ranges near it, the zero point's rounding can put
     # the grid's end half a step beyond, which would read back as Inf.
-    return ((q - qp.zero_point) * qp.scale).clamp(-_F32_MAX, _F32_MAX)
+    if qp.fp4:  # E2M1 codes have no zero point (and GPTQ calls this once per column)
+        return (q * qp.scale).clamp_(-_F32_MAX, _F32_MAX)
+    return ((q - qp.zero_point) * qp.scale).clamp_(-_F32_MAX, _F32_MAX)
 
 
 def _grouped(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
@@ -557,17 +559,25 @@ _E4M3_SMALLEST = 2.0**-9  # e4m3's smallest subnormal
 
 def round_to_fp4(x: torch.Tensor) -> torch.Tensor:
     """Each element to the nearest E2M1 value, saturating at ±6, keeping x's sign; NaN gives 0;
-    float32 out.
+    float32 out. No gradient: rounding has none."""
+    x = x.detach().float()
+    return _round_magnitudes_to_fp4_(x.abs()).copysign_(x).nan_to_num_(nan=0.0)
+
+
+def _round_magnitudes_to_fp4_(a: torch.Tensor) -> torch.Tensor:
+    """a (float32, >= 0) rounded in place to the nearest E2M1 magnitude, saturating at 6.
 
     E2M1's magnitudes are a fixed-point grid per binade (step 0.5 below 2, 1 below 4, 2 up to 6), so
     rounding a/step to an integer rounds to the nearest value, and torch.round's half-to-even is
     exactly the round-half-to-even of the format (a tie goes to the value whose mantissa bit is 0:
-    0.25 → 0, 0.75 → 1, 5 → 4). Arithmetic rather than a table lookup: GPTQ rounds column by column
-    and W4A4 rounds every activation, so this runs often. No gradient: rounding has none."""
-    x = x.detach().float()
-    a = x.abs().clamp_(max=FP4_E2M1_MAX)
-    step = (a >= 2).float().add_(1).mul_((a >= 4).float().add_(1)).mul_(0.5)
-    return torch.copysign(torch.round(a / step).mul_(step), x).nan_to_num_(nan=0.0)
+    0.25 → 0, 0.75 → 1, 5 → 4). The step is half the power of two at or below max(a, 1): that
+    float with its mantissa bits cleared. Dividing and multiplying by a power of two is exact.
+    GPTQ rounds column by column and W4A4 rounds every activation, so this runs often: one new
+    buffer, the rest in place (on the CPU every fresh buffer costs page faults)."""
+    a.clamp_(max=FP4_E2M1_MAX)
+    step = a.clamp(min=1.0)
+    step.view(torch.int32).bitwise_and_(0x7F800000)  # mantissa cleared: 1, 2 or 4 (NaN: Inf)
+    return a.div_(step.mul_(0.5)).round_().mul_(step)
 
 
 def nvfp4_global_scale(absmax: torch.Tensor | float) -> float:
@@ -629,8 +639,11 @@ def fake_quantize_fp4(x: torch.Tensor, group_size: int, global_scale: float | No
     original = x
     x, finite = _finite_or_zero(x.float())
     grouped, pad = _grouped(x, group_size)
-    qp = fp4_qparams(grouped.abs().amax(-1, keepdim=True), global_scale, underflow_to_zero=activations)
-    out = dequantize(quantize(grouped, qp), qp).reshape(x.shape[0], -1)
+    magnitudes = grouped.abs()
+    step = fp4_steps(magnitudes.amax(-1, keepdim=True), global_scale, underflow_to_zero=activations)
+    # dequantize(quantize(grouped)) in the one buffer: x / step has x's sign (step > 0)
+    out = _round_magnitudes_to_fp4_(magnitudes.div_(step)).mul_(step).copysign_(grouped)
+    out = out.clamp_(-_F32_MAX, _F32_MAX).reshape(x.shape[0], -1)
     out = out[:, : x.shape[1]] if pad else out
     return out if finite is None else torch.where(finite, out, original.float())
 

@@ -50,6 +50,22 @@ def test_round_to_fp4_nearest_value_ties_to_even_saturating():
     assert torch.equal(round_to_fp4(x), nearest)
 
 
+def test_round_to_fp4_is_nearest_ties_to_even_across_float32():
+    """Against brute force over the grid in float64, on every 997th float32 bit pattern (subnormals
+    to the largest finite) and each midpoint with its two float32 neighbours: the rounding reads
+    the binade off the exponent bits, so this covers every exponent."""
+    bits = torch.arange(0, 0x7F800000, 997, dtype=torch.int64).to(torch.int32)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    x = torch.cat([bits.view(torch.float32), ties, torch.nextafter(ties, torch.zeros(7)), torch.nextafter(ties, torch.full((7,), 9.0))])
+    distance = (x.double().clamp(max=7).unsqueeze(1) - GRID.double()).abs()  # beyond 6: saturates
+    nearest = distance == distance.min(1, keepdim=True).values
+    # of two equidistant values, the one with mantissa bit 0: 0, 1, 2, 4 (even positions in GRID)
+    even = torch.arange(len(GRID)) % 2 == 0
+    index = torch.where((nearest & even).any(1), (nearest & even).int().argmax(1), nearest.int().argmax(1))
+    assert torch.equal(round_to_fp4(x), GRID[index])
+    assert torch.equal(round_to_fp4(-x), -GRID[index])
+
+
 def test_round_to_fp4_agrees_with_compressed_tensors():
     cast = pytest.importorskip("compressed_tensors.quantization.utils.fp4_utils").cast_to_fp4
     x = torch.cat([torch.linspace(-7, 7, 56 * 8 + 1), torch.randn(5000) * 2])  # every midpoint, exactly
