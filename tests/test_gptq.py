@@ -163,17 +163,18 @@ def test_extra_damping_is_recorded_in_the_layer_record_and_summary_count():
     assert torch.isfinite(layer.weight).all()
 
 
-def test_layers_reading_one_tensor_share_its_product_and_get_identical_hessians():
+@pytest.mark.parametrize("width", [32, 1100])  # 1100 inputs: two panels, the upper one only summed
+def test_layers_reading_one_tensor_share_its_product_and_get_identical_hessians(width):
     """q/k/v read one tensor, o another: q/k/v end with bit-identical sums (stacked solving relies
-    on it) equal to Σ x xᵀ of their inputs, from one product per batch after the first; o's sum is
-    its own, and a layer whose input differs from the leader's in one batch adds its own."""
+    on it) giving 2 Σ x xᵀ / N of their inputs, symmetric, from one product per batch after the
+    first; o's is its own, and a layer whose input differs from the leader's in one batch adds its own."""
     from compress.stages.gptq import HessianObserver
 
     torch.manual_seed(0)
-    q, k, v, o = (torch.nn.Linear(32, 8) for _ in range(4))
+    q, k, v, o = (torch.nn.Linear(width, 8) for _ in range(4))
     obs = {n: HessianObserver(m) for n, m in zip("qkvo", (q, k, v, o))}
-    batches = [torch.randn(2, 5, 32) for _ in range(4)]
-    odd = torch.randn(2, 5, 32)  # batch 2: v reads another tensor
+    batches = [torch.randn(2, 5, width) for _ in range(4)]
+    odd = torch.randn(2, 5, width)  # batch 2: v reads another tensor
     for j, x in enumerate(batches):
         for n in "qkv":
             obs[n].add((odd if n == "v" and j == 2 else x,), None, None)
@@ -181,15 +182,19 @@ def test_layers_reading_one_tensor_share_its_product_and_get_identical_hessians(
             _, _, product, leader = HessianObserver._recent._entry[3]
             assert product is not None and leader is obs["q"]
         obs["o"].add((x * 2,), None, None)
+
+    def hessian(xs):
+        return sum(2 * x.reshape(-1, width).double().t() @ x.reshape(-1, width).double() for x in xs).float() / 40
+
     assert torch.equal(obs["q"].sum, obs["k"].sum) and obs["q"].shared and not obs["o"].shared
-    expect = sum(x.reshape(-1, 32).t() @ x.reshape(-1, 32) for x in batches)
-    torch.testing.assert_close(obs["q"].sum, expect)
-    torch.testing.assert_close(obs["o"].sum, 4 * expect)
-    vx = [odd if j == 2 else x for j, x in enumerate(batches)]
-    torch.testing.assert_close(obs["v"].sum, sum(x.reshape(-1, 32).t() @ x.reshape(-1, 32) for x in vx))
+    H = obs["q"].hessian()
+    assert torch.equal(H, H.t())
+    torch.testing.assert_close(H, hessian(batches))
+    torch.testing.assert_close(obs["o"].hessian(), 4 * hessian(batches))
+    torch.testing.assert_close(obs["v"].hessian(), hessian([odd if j == 2 else x for j, x in enumerate(batches)]))
     assert obs["q"].tokens == obs["v"].tokens == 40
     with torch.inference_mode():  # no version counter to trust: each adds its own, and none fails
-        x = torch.randn(2, 5, 32)
+        x = torch.randn(2, 5, width)
         for n in "qk":
             obs[n].add((x,), None, None)
     torch.testing.assert_close(obs["q"].sum, obs["k"].sum)

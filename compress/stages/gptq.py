@@ -59,6 +59,40 @@ def hessian_loss(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor) -> float:
     return float(((delta @ H) * delta).sum() / 2)
 
 
+# x xᵀ is symmetric, so the Hessian's sum is accumulated in row panels of about this many inputs,
+# each only from the diagonal rightwards: for k panels that is (k + 1) / 2k of the products
+# (30-35 % less time measured at 1536 and 2048 inputs on the CPU, where the down projection's
+# Hessian costs more than the block's forward). Narrower layers are one panel, the plain product.
+GRAM_PANEL = 512
+
+
+def gram_panels(n: int) -> list[tuple[int, int]]:
+    parts = max(1, n // GRAM_PANEL)
+    return [(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
+
+
+def add_gram_upper_(total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """total += xᵀ x [n, n], for x [tokens, n], on the panels from the diagonal rightwards only (what
+    lies below them is left as it is): `symmetric_from_upper` completes the sum."""
+    for lo, hi in gram_panels(x.shape[1]):
+        total[lo:hi, lo:].addmm_(x[:, lo:hi].t(), x[:, lo:])
+    return total
+
+
+def gram_upper(x: torch.Tensor) -> torch.Tensor:
+    """xᵀ x on the panels from the diagonal rightwards, zeros below them."""
+    if len(gram_panels(x.shape[1])) == 1:
+        return x.t() @ x
+    return add_gram_upper_(x.new_zeros(x.shape[1], x.shape[1]), x)
+
+
+def symmetric_from_upper_(H: torch.Tensor) -> torch.Tensor:
+    """In place: below the diagonal panels, the transpose of what lies above them."""
+    for lo, hi in gram_panels(H.shape[0])[:-1]:
+        H[hi:, lo:hi] = H[lo:hi, hi:].t()
+    return H
+
+
 def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_damp: float = 10.0) -> tuple[torch.Tensor, float, int]:
     """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H).
 
@@ -214,8 +248,9 @@ def gptq_quantize_stacked(weights: list[torch.Tensor], H: torch.Tensor, args: Qu
 
 
 class HessianObserver:
-    """Accumulates Σ x xᵀ (float32) and the token count over a layer's inputs, padding excluded;
-    with `track_range`, also the input range for static activation quantization.
+    """Accumulates Σ x xᵀ (float32; for wide layers only its upper panels, see GRAM_PANEL) and the
+    token count over a layer's inputs, padding excluded; with `track_range`, also the input range
+    for static activation quantization.
 
     Layers that read one tensor (q/k/v; gate/up) add the same product: the observer that computes
     it keeps it for the others, so a batch costs one matrix product per distinct input rather
@@ -243,15 +278,15 @@ class HessianObserver:
             if product is not None:
                 self.sum.add_(product)
             else:  # this batch the leader did not expect a follower
-                self.sum.addmm_(x.t(), x)
+                add_gram_upper_(self.sum, x)
         else:
             x = token_rows(inputs, mask)
             product = None
             if self.shared:
-                product = x.t() @ x
+                product = gram_upper(x)
                 self.sum.add_(product)
             else:
-                self.sum.addmm_(x.t(), x)
+                add_gram_upper_(self.sum, x)
             self._recent.put(inputs[0], id(mask), (mask, x, product, self))  # the mask held: its id stays its own
         self.tokens += x.shape[0]
         if self.track_range:
@@ -261,7 +296,7 @@ class HessianObserver:
         # A NaN or Inf anywhere in the inputs propagates into the sum: one check suffices.
         if not torch.isfinite(self.sum).all():
             raise FloatingPointError("non-finite calibration activations reach this layer (NaN/Inf, or float16 overflow)")
-        return 2 * self.sum / max(self.tokens, 1)
+        return symmetric_from_upper_(2 * self.sum / max(self.tokens, 1))
 
 
 def enough_tokens(layers: dict, observers: dict, min_tokens: int, ctx: StageContext, fallback) -> list[str]:
