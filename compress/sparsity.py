@@ -80,7 +80,7 @@ def unstructured_mask(scores: torch.Tensor, sparsity: float, per_row: bool = Tru
 
 def lowest_overall(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Keep-mask pruning exactly the k lowest scores of the whole tensor, rows taking what they get."""
-    mask = torch.ones_like(scores, dtype=torch.bool)
+    mask = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)  # contiguous, whatever the scores' layout
     if k:
         idx = torch.topk(scores.flatten(), k, largest=False).indices
         mask.view(-1)[idx] = False

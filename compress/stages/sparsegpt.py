@@ -48,7 +48,8 @@ from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
 from compress.schemes import PRESETS, QuantArgs, resolve_scheme
 from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count
 from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext
-from compress.stages.gptq import HessianObserver, columns_ahead, enough_tokens, hessian_loss, inverse_hessian_cholesky, weight_and_hessian
+from compress.stages.gptq import (HessianObserver, _per_column, columns_ahead, enough_tokens, hessian_loss, inverse_hessian_cholesky,
+                                  weight_and_hessian)
 from compress.stages.magnitude import magnitude_prune
 from compress.stages.pruning import LayerTarget, PruningStage, check_weight, count_nonzero, prune_summary, record_layer
 
@@ -83,19 +84,21 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
 
     qp = None
     if quant is not None and group is None:
-        qp = compute_qparams(W, quant.num_bits, quant.symmetric, "tensor" if quant.strategy == "tensor" else "channel",
-                             full_range=quant.full_range)
+        qp = _per_column(compute_qparams(W, quant.num_bits, quant.symmetric, "tensor" if quant.strategy == "tensor" else "channel",
+                                         full_range=quant.full_range))
 
     Hinv, damp_used, retries = inverse_hessian_cholesky(H, damp)
 
-    Q = torch.zeros_like(W)
+    # Over Wᵀ, whose rows are W's columns, contiguous (as in gptq_quantize); masks stay [rows, block].
+    Wt = W.t().contiguous()
+    Qt = torch.zeros_like(Wt)
     for i1 in range(0, columns, block_size):
         i2 = min(i1 + block_size, columns)
-        W1 = W[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
-        Err1 = torch.zeros_like(W1)
+        W1t = Wt[i1:i2].clone()
+        Err1t = torch.zeros_like(W1t)
         Hinv1 = Hinv[i1:i2, i1:i2]
         d = torch.diag(Hinv1)
+        W1 = W1t.t()  # a view: the block as [rows, block] for the mask choices
         if nm is None and mask_selection == "block":
             k = prune_count(target.sparsity, rows * i2) - prune_count(target.sparsity, rows * i1)
             keep1 = lowest_overall(W1.pow(2) / d.pow(2)[None, :], k)
@@ -112,17 +115,16 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
             if group is not None and col % group == 0:
                 # Scales from the group's current (already error-compensated) values, with the
                 # weights already known to be pruned left out of the range.
-                ahead = columns_ahead(W1[:, i : i + group] * keep1[:, i : i + group], 0, W, i2, group)
-                qp = compute_qparams(ahead, quant.num_bits, quant.symmetric, "channel", full_range=quant.full_range)
-            w = W1[:, i : i + 1]
+                ahead = columns_ahead(W1t[i : i + group] * keep1[:, i : i + group].t(), 0, Wt, i2, group).t()
+                qp = _per_column(compute_qparams(ahead, quant.num_bits, quant.symmetric, "channel", full_range=quant.full_range))
+            w = W1t[i]
             q = w if quant is None else dequantize(quantize(w, qp), qp)
-            q = q.masked_fill(~keep1[:, i : i + 1], 0.0)
-            Q1[:, i : i + 1] = q
-            err = (w - q) / d[i]
-            W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
-            Err1[:, i : i + 1] = err
-        Q[:, i1:i2] = Q1
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+            q = q.masked_fill(~keep1[:, i], 0.0)
+            Qt[col] = q
+            err = torch.sub(w, q, out=Err1t[i]).div_(d[i])
+            W1t[i + 1 :].addcmul_(Hinv1[i, i + 1 :, None], err, value=-1)  # W[:, j] -= err · Hinv[col, j]
+        Wt[i2:] -= Hinv[i1:i2, i2:].t() @ Err1t
+    Q = Qt.t()
     return Q, {"damp": damp_used, "damp_retries": retries, "dead_columns": int(dead.sum())}
 
 
