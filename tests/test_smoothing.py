@@ -8,7 +8,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from compress import modeling, parse_recipe, run_recipe
-from compress.quant import fake_quantize
+from compress.quant import dequantize, fake_quantize, quantize, range_qparams
 from compress.schemes import QuantArgs
 from compress.stages.awq import clip_search, output_error
 from compress.stages.smoothquant import smoothing_scales
@@ -101,6 +101,32 @@ def test_clip_search_never_loses_to_round_to_nearest(args):
     # on outlier inputs a shrunk range wins clearly (0.07 and 0.27 of RTN's error, ratios 0.85, 0.68)
     assert output_error(X, W, Q) <= 0.5 * output_error(X, W, rtn)
     assert 0.5 <= ratio < 0.95
+
+
+@pytest.mark.parametrize("args", [QuantArgs(num_bits=4, strategy="group", group_size=16),
+                                  QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False)])
+def test_clip_search_picks_each_groups_best_ratio_by_its_output_error(args):
+    """The search scores ratios by δᵀ G δ per (row, group); it must choose what the error itself,
+    Σ_t (δ · x_t)² over the tokens, ranks best among the candidates (up to float ties)."""
+    X, W = outlier_layer(tokens=300, width=96)
+    Q, _ = clip_search(X, W, args, grid=20, max_shrink=0.5)
+    g = args.group_size
+    Wg, Qg, Xg = W.reshape(48, -1, g), Q.reshape(48, -1, g), X.reshape(300, -1, g).double()
+
+    def group_errors(A):  # [rows, groups]: Σ_t (Σ_k (w - a)_k x_tk)²
+        return torch.einsum("ogk,tgk->ogt", (Wg - A).double(), Xg).pow(2).sum(-1)
+
+    lo, hi = (-Wg.abs().amax(-1, keepdim=True), Wg.abs().amax(-1, keepdim=True)) if args.symmetric else \
+        (Wg.amin(-1, keepdim=True), Wg.amax(-1, keepdim=True))
+    best = torch.full((48, W.shape[1] // g), float("inf"), dtype=torch.float64)
+    for i in range(11):  # ratios 1, 0.95, ..., 0.5
+        r = 1 - i / 20
+        qp = range_qparams(lo * r, hi * r, args)
+        best = torch.minimum(best, group_errors(dequantize(quantize(Wg, qp), qp)))
+    chosen = group_errors(Qg)
+    assert torch.all(chosen <= best * (1 + 1e-4) + 1e-9)
+    full = range_qparams(lo, hi, args)
+    assert (chosen < 0.999 * group_errors(dequantize(quantize(Wg, full), full))).any()  # not all kept at ratio 1
 
 
 def test_awq_then_gptq_in_one_recipe(tmp_path):
