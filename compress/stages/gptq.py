@@ -224,7 +224,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
             W1t[i + 1 :].addcmul_(Hinv1[i, i + 1 :, None], err, value=-1)
         Wt[i2:] -= Hinv[i1:i2, i2:].t() @ Err1t  # and over the columns after the block, in one product
 
-    Q = Qt.t()
+    Q = Qt.t().contiguous()  # [out, in] in the usual layout for callers
     if perm is not None:
         Q = Q[:, torch.argsort(perm)]
     return Q, {"damp": damp_used, "damp_retries": retries, "dead_columns": int(dead.sum())}

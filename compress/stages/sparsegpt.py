@@ -124,7 +124,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
             err = torch.sub(w, q, out=Err1t[i]).div_(d[i])
             W1t[i + 1 :].addcmul_(Hinv1[i, i + 1 :, None], err, value=-1)  # W[:, j] -= err · Hinv[col, j]
         Wt[i2:] -= Hinv[i1:i2, i2:].t() @ Err1t
-    Q = Qt.t()
+    Q = Qt.t().contiguous()
     return Q, {"damp": damp_used, "damp_retries": retries, "dead_columns": int(dead.sum())}
 
 
