@@ -136,6 +136,19 @@ def test_dead_inputs_are_zeroed():
     assert info["dead_columns"] == 1 and torch.all(Q[:, 5] == 0)
 
 
+@pytest.mark.parametrize("n", [7, 300])
+def test_inverse_hessian_cholesky_is_the_upper_factor_of_the_damped_inverse(n):
+    torch.manual_seed(0)
+    x = torch.randn(2 * n, n) + torch.randn(2 * n, 1)  # correlated inputs
+    H = 2 * x.t() @ x / x.shape[0]
+    U, damp, retries = inverse_hessian_cholesky(H, damp=0.01)
+    assert damp == 0.01 and retries == 0
+    assert torch.equal(U, U.triu()) and (torch.diag(U) > 0).all()
+    damped = H.double() + 0.01 * torch.diag(H).mean().double() * torch.eye(n, dtype=torch.float64)
+    expect = torch.linalg.cholesky(torch.linalg.inv(damped), upper=True)  # float64 reference
+    torch.testing.assert_close(U.double(), expect, rtol=1e-4, atol=1e-5 * float(expect.abs().max()))
+
+
 def test_hessian_not_positive_definite_is_damped_more():
     x = torch.randn(3, 64)
     H = 2 * x.t() @ x  # rank 3: singular
