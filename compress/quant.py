@@ -635,8 +635,8 @@ def fake_quantize_fp4(x: torch.Tensor, group_size: int, global_scale: float | No
                       activations: bool = False) -> torch.Tensor:
     """x [rows, cols] rounded to FP4 in blocks of `group_size` consecutive columns (NVFP4 with a
     `global_scale`, MXFP4 without); float32 out. NaN/Inf elements stay as they are. `activations`:
-    NVFP4 blocks whose scale underflows become zero (fp4_steps)."""
-    original = x
+    NVFP4 blocks whose scale underflows become zero (fp4_steps). No gradient: it rounds in place."""
+    x = original = x.detach()
     x, finite = _finite_or_zero(x.float())
     grouped, pad = _grouped(x, group_size)
     magnitudes = grouped.abs()

@@ -103,15 +103,18 @@ def test_clip_search_never_loses_to_round_to_nearest(args):
     assert 0.5 <= ratio < 0.95
 
 
-@pytest.mark.parametrize("args", [QuantArgs(num_bits=4, strategy="group", group_size=16),
-                                  QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False)])
-def test_clip_search_picks_each_groups_best_ratio_by_its_output_error(args):
-    """The search scores ratios by δᵀ G δ per (row, group); it must choose what the error itself,
+@pytest.mark.parametrize("args,tokens", [(QuantArgs(num_bits=4, strategy="group", group_size=16), 300),
+                                         (QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False), 300),
+                                         (QuantArgs(num_bits=4, strategy="channel"), 300),  # one group of 96 < 300 tokens
+                                         (QuantArgs(num_bits=4, strategy="channel"), 64)])  # fewer tokens than inputs
+def test_clip_search_picks_each_groups_best_ratio_by_its_output_error(args, tokens):
+    """The search scores ratios by δᵀ G δ per (row, group), or by the outputs themselves when a
+    group is wider than the tokens are many; either way it must choose what the error itself,
     Σ_t (δ · x_t)² over the tokens, ranks best among the candidates (up to float ties)."""
-    X, W = outlier_layer(tokens=300, width=96)
+    X, W = outlier_layer(tokens=tokens, width=96)
     Q, _ = clip_search(X, W, args, grid=20, max_shrink=0.5)
-    g = args.group_size
-    Wg, Qg, Xg = W.reshape(48, -1, g), Q.reshape(48, -1, g), X.reshape(300, -1, g).double()
+    g = args.group_size or 96
+    Wg, Qg, Xg = W.reshape(48, -1, g), Q.reshape(48, -1, g), X.reshape(tokens, -1, g).double()
 
     def group_errors(A):  # [rows, groups]: Σ_t (Σ_k (w - a)_k x_tk)²
         return torch.einsum("ogk,tgk->ogt", (Wg - A).double(), Xg).pow(2).sum(-1)

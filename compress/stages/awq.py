@@ -96,8 +96,9 @@ def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 2
     # A group's output error Σ_t (δ · x_t)² is δᵀ G δ with G = Σ_t x_t x_tᵀ, the group's own
     # [group, group] Gram matrix: made once, it lets each candidate cost out · in · group rather
     # than out · in · tokens, and never builds an [out, n_groups, tokens] product (gigabytes for
-    # a 7B layer and 4096 tokens).
-    gram = Xg.transpose(1, 2) @ Xg                # [n_groups, group, group]
+    # a 7B layer at 4096 tokens). Only where groups are narrower than the tokens are many: a
+    # per-channel "group" is the whole input, and its outputs are the smaller thing to square.
+    gram = Xg.transpose(1, 2) @ Xg if group < X.shape[0] else None  # [n_groups, group, group]
     if args.symmetric:
         hi0 = Wg.abs().amax(-1, keepdim=True)
         lo0 = -hi0
@@ -113,7 +114,10 @@ def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 2
     for i in range(int(max_shrink * grid) + 1):
         ratio = torch.full(hi0.shape, 1 - i / grid, device=W.device)
         delta = Wg - quantized(ratio)                                   # [out, n_groups, group]
-        err = (delta * torch.einsum("gkl,ogl->ogk", gram, delta)).sum(-1, keepdim=True)  # δᵀ G δ per group
+        if gram is not None:
+            err = (delta * torch.einsum("gkl,ogl->ogk", gram, delta)).sum(-1, keepdim=True)  # δᵀ G δ per group
+        else:
+            err = torch.einsum("ogk,gtk->ogt", delta, Xg).pow(2).sum(-1, keepdim=True)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_ratio = torch.where(better, ratio, best_ratio)

@@ -73,7 +73,7 @@ def gram_panels(n: int) -> list[tuple[int, int]]:
 
 def add_gram_upper_(total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """total += xᵀ x [n, n], for x [tokens, n], on the panels from the diagonal rightwards only (what
-    lies below them is left as it is): `symmetric_from_upper` completes the sum."""
+    lies below them is left as it is): `symmetric_from_upper_` completes the sum."""
     for lo, hi in gram_panels(x.shape[1]):
         total[lo:hi, lo:].addmm_(x[:, lo:hi].t(), x[:, lo:])
     return total
@@ -110,7 +110,9 @@ def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_damp: float = 10.
     while frac <= max_damp * (1 + 1e-9):
         L, info = torch.linalg.cholesky_ex((H + frac * mean_diag * eye).flip(0, 1))
         if info == 0:
-            return torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1), frac, attempt
+            U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+            if bool(torch.isfinite(U).all()):  # a factor too near singular to invert is retried too
+                return U, frac, attempt
         frac, attempt = frac * 10, attempt + 1
     raise FloatingPointError(f"Hessian is not positive definite even with damping {frac / 10:g}")
 
