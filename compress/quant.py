@@ -121,6 +121,11 @@ class QParams:
     qmax: int
     fp4: bool = False  # codes are the E2M1 values (round_to_fp4), not integers
 
+    def per_column(self) -> "QParams":
+        """Per-row parameters [rows, 1] (or [1, 1]) flattened to broadcast against one column
+        [rows]: what GPTQ and SparseGPT round each column with."""
+        return QParams(self.scale.reshape(-1), self.zero_point.reshape(-1), self.qmin, self.qmax, self.fp4)
+
 
 def absmax_qparams(absmax: torch.Tensor, bits: int, full_range: bool = False) -> QParams:
     """Symmetric parameters from the largest magnitude of each slice; `full_range` adds code

@@ -154,11 +154,6 @@ def columns_ahead(W1t: torch.Tensor, i: int, Wt: torch.Tensor, i2: int, count: i
     return ahead
 
 
-def _per_column(qp: QParams) -> QParams:
-    """Per-row parameters [rows, 1] (or [1, 1]) flattened to broadcast against one column [rows]."""
-    return QParams(qp.scale.reshape(-1), qp.zero_point.reshape(-1), qp.qmin, qp.qmax, qp.fp4)
-
-
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size: int = 128, damp: float = 0.01,
                   actorder: bool = False, static_groups: bool = False, shrink_grid: int = 0,
                   keep_zero: torch.Tensor | None = None, global_scale=None) -> tuple[torch.Tensor, dict]:
@@ -181,11 +176,11 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
     W[:, dead] = 0
 
     diag = torch.diag(H)
-    qp = None if group else _per_column(_column_qparams(W, args, diag, shrink_grid))
+    qp = None if group else _column_qparams(W, args, diag, shrink_grid).per_column()
     group_qparams = None
     if group and static_groups:
-        group_qparams = [_per_column(_column_qparams(W[:, g : g + group], args, diag[g : g + group], shrink_grid,
-                                                     global_scale=global_scale))
+        group_qparams = [_column_qparams(W[:, g : g + group], args, diag[g : g + group], shrink_grid,
+                                         global_scale=global_scale).per_column()
                          for g in range(0, columns, group)]
 
     perm = None
@@ -217,7 +212,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
                 elif col % group == 0:
                     # Scales from the group's current (already error-compensated) values.
                     ahead = columns_ahead(W1t, i, Wt, i2, group).t()
-                    qp = _per_column(_column_qparams(ahead, args, diag[col : col + group], shrink_grid, global_scale=global_scale))
+                    qp = _column_qparams(ahead, args, diag[col : col + group], shrink_grid, global_scale=global_scale).per_column()
             w = W1t[i]
             q = dequantize(quantize(w, qp), qp)
             if dropped is not None:

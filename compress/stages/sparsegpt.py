@@ -48,8 +48,7 @@ from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
 from compress.schemes import PRESETS, QuantArgs, resolve_scheme
 from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count
 from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext
-from compress.stages.gptq import (HessianObserver, _per_column, columns_ahead, enough_tokens, hessian_loss, inverse_hessian_cholesky,
-                                  weight_and_hessian)
+from compress.stages.gptq import HessianObserver, columns_ahead, enough_tokens, hessian_loss, inverse_hessian_cholesky, weight_and_hessian
 from compress.stages.magnitude import magnitude_prune
 from compress.stages.pruning import LayerTarget, PruningStage, check_weight, count_nonzero, prune_summary, record_layer
 
@@ -84,8 +83,8 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
 
     qp = None
     if quant is not None and group is None:
-        qp = _per_column(compute_qparams(W, quant.num_bits, quant.symmetric, "tensor" if quant.strategy == "tensor" else "channel",
-                                         full_range=quant.full_range))
+        qp = compute_qparams(W, quant.num_bits, quant.symmetric, "tensor" if quant.strategy == "tensor" else "channel",
+                             full_range=quant.full_range).per_column()
 
     Hinv, damp_used, retries = inverse_hessian_cholesky(H, damp)
 
@@ -116,7 +115,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
                 # Scales from the group's current (already error-compensated) values, with the
                 # weights already known to be pruned left out of the range.
                 ahead = columns_ahead(W1t[i : i + group] * keep1[:, i : i + group].t(), 0, Wt, i2, group).t()
-                qp = _per_column(compute_qparams(ahead, quant.num_bits, quant.symmetric, "channel", full_range=quant.full_range))
+                qp = compute_qparams(ahead, quant.num_bits, quant.symmetric, "channel", full_range=quant.full_range).per_column()
             w = W1t[i]
             q = w if quant is None else dequantize(quantize(w, qp), qp)
             q = q.masked_fill(~keep1[:, i], 0.0)
