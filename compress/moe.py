@@ -17,6 +17,14 @@ def is_fused_experts(module: nn.Module) -> bool:
     return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3 and down.dim() == 3
 
 
+def routes_tokens(model: nn.Module) -> bool:
+    """Whether the model sends each token to some of its experts (fused, unfused here, or a
+    module list named `experts` as older transformers and custom models keep them)."""
+    return any(is_fused_experts(m) or isinstance(m, UnfusedExperts) or (name.rsplit(".", 1)[-1] == "experts"
+                                                                       and isinstance(m, nn.ModuleList))
+               for name, m in model.named_modules())
+
+
 class Expert(nn.Module):
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
         super().__init__()

@@ -267,6 +267,28 @@ def test_batch_size_does_not_change_results(tiny_models, tmp_path):
     assert (a - b).abs().max() < 1e-3 * a.abs().max()
 
 
+@pytest.mark.parametrize("family", ["llama", "opt", "gpt2", "bert"])
+def test_padded_batches_give_the_results_of_one_sample_per_forward(tiny_models, family, tmp_path):
+    """Lines of different lengths padded into one forward (what `auto` now does) must quantize as
+    one line per forward does: the padding is masked in attention and dropped from every Hessian,
+    whether a layer sees [batch, seq, features] or flattened tokens (OPT's MLP)."""
+    from transformers import AutoModel
+
+    reports, outs = [], []
+    for bs in ("1", "auto"):
+        reports.append(run_recipe(gptq_recipe(tiny_models[family], f"      batch_size: {bs}", packing=False),
+                                  output=str(tmp_path / bs), device="cpu"))
+        outs.append(AutoModel.from_pretrained(tmp_path / bs).eval())
+    assert reports[0]["stages"][0]["summary"]["batches"] == 16
+    assert reports[1]["stages"][0]["summary"]["batches"] < 16  # padded: several lines per forward
+    tokens = [{n: r["tokens"] for n, r in rep["layers"].items() if r.get("tokens")} for rep in reports]
+    assert tokens[0] and tokens[0] == tokens[1]  # the same real tokens, no padding, reached every layer
+    ids = torch.randint(5, 2048, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = (m(input_ids=ids).last_hidden_state for m in outs)
+    assert (a - b).abs().max() < 1e-3 * a.abs().max()
+
+
 def test_auto_batch_size_fills_the_device_token_budget():
     from compress.engine import calibration_batches, resolve_batch_size
 
@@ -276,10 +298,13 @@ def test_auto_batch_size_fills_the_device_token_budget():
     assert resolve_batch_size("auto", torch.device("mps"), windows) == 4  # other devices: the CPU's budget
     assert resolve_batch_size("auto", torch.device("cpu"), [{"input_ids": torch.zeros(1, 4096, dtype=torch.long)}]) == 1
     assert resolve_batch_size(3, torch.device("cuda", 0), windows) == 3
-    # lines of different lengths would need padding, which flattened-token layers cannot mask: one per forward
+    # lines of different lengths are padded to the longest, as many as fit the budget at its length,
+    # except where tokens are routed to experts, which no mask lines up with: one per forward there
     lines = [{"input_ids": torch.zeros(1, n, dtype=torch.long), "attention_mask": torch.ones(1, n, dtype=torch.long)}
              for n in (12, 30, 7)]
-    assert resolve_batch_size("auto", torch.device("cuda", 0), lines) == 1
+    assert resolve_batch_size("auto", torch.device("cuda", 0), lines) == 4096 // 30
+    assert resolve_batch_size("auto", torch.device("cuda", 0), lines, routes_tokens=True) == 1
+    assert resolve_batch_size("auto", torch.device("cpu"), windows, routes_tokens=True) == 4  # equal windows need no padding
     assert resolve_batch_size("auto", torch.device("cpu"), []) == 1
     padded = calibration_batches(lines, 3)
     assert len(padded) == 1 and padded[0]["input_ids"].shape == (3, 30)

@@ -77,3 +77,23 @@ stages:
         assert not torch.equal(s.down_proj[e], o.down_proj[e])
         # int4 groups of 16: at most 16 distinct magnitudes per group row
         assert s.down_proj[e][0, :16].abs().unique().numel() <= 8
+
+
+def test_padding_never_reaches_the_experts(moe_model, tmp_path):
+    """An expert sees a gathered subset of tokens, which no padding mask lines up with: `auto` runs
+    lines of different lengths one per forward, and an explicit batch that would pad them is refused."""
+    from compress.errors import CompressError
+
+    _, path, _ = moe_model
+    recipe = """
+model: {path}
+calibration: {{dataset: calibration/default.txt, num_samples: 6, seq_len: 64, packing: false, min_chars: 20}}
+stages:
+  - gptq: {{scheme: W4A16, weights: {{group_size: 16}}, batch_size: {bs}}}
+"""
+    report = run_recipe(parse_recipe(recipe.format(path=path, bs="auto"), "test"), output=str(tmp_path / "a"), device="cpu")
+    summary = report["stages"][0]["summary"]
+    assert summary["batch_size"] == 1 and summary["batches"] == 6
+    with pytest.raises(CompressError, match="padding would reach the experts"):
+        run_recipe(parse_recipe(recipe.format(path=path, bs=3), "test"), output=str(tmp_path / "b"), device="cpu")
+    assert not (tmp_path / "b").exists()

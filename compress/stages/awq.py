@@ -41,6 +41,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from compress.engine import calibration_batches, resolve_batch_size, token_rows
 from compress.mappings import Mapping, apply_scales, mappings_for
+from compress.moe import routes_tokens
 from compress.modeling import get_weight, set_weight
 from compress.quant import dequantize, quantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
@@ -258,7 +259,8 @@ class AWQ(EngineOptions, QuantizationStage):
         selected = self.select(model, "awq")
         self._mappings = mappings_for(model, self.mappings)
         samples = ctx.calibration.samples
-        self._forwards = max(1, len(calibration_batches(samples, resolve_batch_size(self.batch_size, ctx.device, samples))))
+        self._forwards = max(1, len(calibration_batches(samples, resolve_batch_size(self.batch_size, ctx.device, samples,
+                                                                                   routes_tokens(model)))))
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
         done = [ctx.layers[n] for n in selected if "output_error" in ctx.layers.get(n, {})]
         summary.update({"layers": len(done), "scheme": self.resolved_scheme().describe(),
