@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextvars
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -44,6 +44,9 @@ BLOCK_PATHS = {
     "mixtral": "model.layers",
     "qwen2_moe": "model.layers",
     "gemma": "model.layers",
+    "gemma2": "model.layers",
+    "gemma3_text": "model.layers",
+    "qwen3_moe": "model.layers",
     "phi3": "model.layers",
     "opt": "model.decoder.layers",
     "gpt2": "transformer.h",
@@ -101,8 +104,13 @@ class BlockRunner:
     """Lets a stage run the block on its cached inputs, e.g. to score candidate scales by the
     block's output error (AWQ)."""
 
-    def __init__(self, block: torch.nn.Module, store: "ActivationStore", records: list, device: torch.device):
-        self.block, self.store, self.records, self.device = block, store, records, device
+    def __init__(self, block: torch.nn.Module, store: "ActivationStore", records: list, device: torch.device,
+                 index: int = 0):
+        self.block, self.store, self.records, self.device, self.index = block, store, records, device, index
+
+    def kwargs(self, j: int) -> dict:
+        """The keywords this block receives with batch j, on the device."""
+        return _move(self.records[j].kwargs_for(self.index), self.device)
 
     def __len__(self) -> int:
         return len(self.records)
@@ -113,7 +121,7 @@ class BlockRunner:
         block -> tensors) standing in for the block's own for this call only. Gradients flow when
         the caller enables them, e.g. to learn quantization parameters through the block (AutoRound)."""
         x = self.store.get(j) if hidden is None else hidden
-        kwargs = _move(self.records[j].kwargs, self.device)
+        kwargs = self.kwargs(j)
         if parameters is None:
             return _block_output(self.block(x, **kwargs))
         return _block_output(torch.func.functional_call(self.block, parameters, (x,), kwargs, strict=False))
@@ -143,7 +151,7 @@ class BlockRunner:
             for j in range(n):
                 current[0] = j
                 try:
-                    self.block(self.store.get(j), **_move(self.records[j].kwargs, self.device))
+                    self.block(self.store.get(j), **self.kwargs(j))
                 except _StopForward:
                     pass
         finally:
@@ -162,8 +170,15 @@ def _raise_stop(_module, _inputs, _output):
 @dataclass
 class BlockInput:
     hidden: torch.Tensor
-    kwargs: dict
+    kwargs: dict  # the keywords the first block receives
     mask: torch.Tensor | None  # [batch, seq] of the tokens that count (padding excluded)
+    # block index -> the keywords it receives otherwise than the first block: a sliding-window
+    # layer's mask beside a full-attention one, Gemma 3's local and global rotary tables
+    per_block: dict[int, dict] = field(default_factory=dict)
+
+    def kwargs_for(self, block: int) -> dict:
+        own = self.per_block.get(block)
+        return self.kwargs if own is None else {**self.kwargs, **own}
 
 
 class ActivationStore:
@@ -262,52 +277,109 @@ def _move(value: Any, device: torch.device) -> Any:
 @torch.no_grad()
 def capture_first_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches: list[dict],
                                device: torch.device, store: ActivationStore) -> list[BlockInput]:
-    """Run the model up to its first block for every batch and record what that block receives.
+    """Run the model through its block loop for every batch and record what the blocks receive.
 
-    The block list is swapped for a single catcher while the rest of the model (embeddings,
-    rotary tables, norms: everything outside the blocks) sits on the device; positional arguments
-    are bound to the block's parameter names so they can be replayed as keywords.
+    The block list is swapped for recorders while the rest of the model (embeddings, rotary
+    tables, norms: everything outside the blocks) sits on the device. The first recorder keeps the
+    hidden states and keywords; each later one passes its input on untouched and keeps only the
+    keywords that differ from the first block's (models with mixed layer types hand each type its
+    own mask or rotary tables), sharing one copy among the blocks given the same object; the last
+    one ends the forward. Positional arguments are bound to the block's parameter names so they can
+    be replayed as keywords.
     """
     import inspect
 
     first = blocks[0]
     params = list(inspect.signature(first.forward).parameters)
     records: list[BlockInput] = []
-    current = {"mask": None}
+    raw_first: dict = {}  # the first block's keywords in this batch, as the model passed them
+    shared: dict[int, tuple] = {}  # id -> (the model's object, kept alive; its CPU copy), per batch
 
-    class Catcher(torch.nn.Module):
+    def bound(args: tuple, kwargs: dict) -> dict:
+        kwargs = {**kwargs, **dict(zip(params[1:], args))}
+        for cache_key in CACHE_ARGUMENTS:
+            if cache_key in kwargs:
+                kwargs[cache_key] = None
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        return kwargs
+
+    class Recorder(torch.nn.Module):
+        def __init__(self, index: int):
+            super().__init__()
+            self.index = index
+
         def __getattr__(self, name):
             try:
                 return super().__getattr__(name)
             except AttributeError:
-                return getattr(first, name)  # e.g. Qwen2 reads decoder_layer.attention_type
+                return getattr(blocks[self.__dict__["index"]], name)  # e.g. Qwen2 reads decoder_layer.attention_type
 
         def forward(self, hidden, *args, **kwargs):
-            kwargs.update(dict(zip(params[1:], args)))
-            for cache_key in CACHE_ARGUMENTS:
-                if cache_key in kwargs:
-                    kwargs[cache_key] = None
-            if "use_cache" in kwargs:
-                kwargs["use_cache"] = False
-            store.append(hidden)
-            records.append(BlockInput(hidden=None, kwargs=_move(kwargs, "cpu"), mask=current["mask"]))  # type: ignore[arg-type]
-            raise _StopForward
+            kwargs = bound(args, kwargs)
+            if self.index == 0:
+                raw_first.clear()
+                raw_first.update(kwargs)
+                store.append(hidden)
+                records.append(BlockInput(hidden=None, kwargs=_move(kwargs, "cpu"), mask=current["mask"]))  # type: ignore[arg-type]
+            else:
+                own = {k: v for k, v in kwargs.items() if not _same_value(v, raw_first.get(k, _MISSING))}
+                if own:
+                    records[-1].per_block[self.index] = {k: shared.setdefault(id(v), (v, _move(v, "cpu")))[1]
+                                                         for k, v in own.items()}
+            if self.index == len(blocks) - 1:
+                raise _StopForward
+            return hidden
 
-    with blocks_swapped(model, path, torch.nn.ModuleList([Catcher()])):
+    current: dict = {"mask": None}
+    untraced = False
+    recorders = torch.nn.ModuleList([Recorder(i) for i in range(len(blocks))])
+    with blocks_swapped(model, path, recorders):
         try:
             model.to(device)
-            for batch in batches:
+            for n, batch in enumerate(batches, 1):
                 mask = batch.get("attention_mask")
                 # a batch without padding needs no mask (every token counts), and observers skip
                 # selecting its rows: a boolean gather per hooked layer per batch
                 current["mask"] = mask if mask is not None and not bool(mask.all()) else None
+                shared.clear()
                 try:
                     model(**{k: v.to(device) for k, v in batch.items()})
                 except _StopForward:
                     pass
+                except Exception:
+                    # A layer loop that needs more of a block's output than its hidden states (a
+                    # tuple with cache entries, in older transformers) fails past the first block:
+                    # every block then gets the first block's keywords, as the engine gave them
+                    # before it traced the loop.
+                    if len(records) < n:
+                        raise
+                    untraced = True
         finally:
             model.to("cpu")
+    if untraced:
+        for record in records:
+            record.per_block.clear()
     return records
+
+
+_MISSING = object()
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether a keyword a later block receives is the first block's: the same object, or equal."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 @contextmanager
@@ -403,7 +475,7 @@ class Engine:
                 block.to(self.device)
                 on_device = sum(p.numel() for p in model.parameters() if p.device.type == self.device.type)
                 peak_device_params = max(peak_device_params, on_device)
-                runner = BlockRunner(block, store, records, self.device)
+                runner = BlockRunner(block, store, records, self.device, i)
                 # Usually one calibration pass serves every layer of the block. Sequentially, the
                 # layers go in groups that read the same input (q/k/v, then o, gate/up, down), each
                 # group calibrated on inputs that already carry the error of the groups before it.
@@ -414,7 +486,7 @@ class Engine:
                     members = {n: layers[n] for n in group}
                     observers = {n: obs for n, m in members.items() if (obs := stage.observe(n, m)) is not None}
                     if observers:
-                        self._calibrate(block, members, observers, store, records, f"block {i + 1}/{len(blocks)}: calibrating",
+                        self._calibrate(runner, members, observers, f"block {i + 1}/{len(blocks)}: calibrating",
                                         stop_after=group[-1] if len(groups) > 1 else None)
                     if members:
                         stage.compress_block(i, block, prefix, members, observers, ctx, runner)
@@ -423,7 +495,7 @@ class Engine:
                 if i + 1 < len(blocks):
                     for j in range(len(records)):
                         self.progress(f"block {i + 1}/{len(blocks)}: propagating", j, len(records))
-                        out = _block_output(block(store.get(j), **_move(records[j].kwargs, self.device)))
+                        out = _block_output(block(store.get(j), **runner.kwargs(j)))
                         self._replace(store, j, out)
                 block.to("cpu")
                 if self.offload is not None:
@@ -439,10 +511,10 @@ class Engine:
             summary["sequential_groups"] = first_groups
         return summary
 
-    def _calibrate(self, block, layers: dict, observers: dict, store: "ActivationStore", records: list, desc: str,
-                   stop_after: str | None = None) -> None:
+    def _calibrate(self, runner: BlockRunner, layers: dict, observers: dict, desc: str, stop_after: str | None = None) -> None:
         """Every cached batch through the block with `observers` hooked on their layers; with
         `stop_after` (a layer's name) each forward ends once that layer has run."""
+        records = runner.records
         handles = [layers[n].register_forward_hook(self._hook(obs, records)) for n, obs in observers.items()]
         if stop_after is not None:
             handles.append(layers[stop_after].register_forward_hook(_raise_stop))
@@ -451,7 +523,7 @@ class Engine:
                 self.progress(desc, j, len(records))
                 self._current = j
                 try:
-                    block(store.get(j), **_move(records[j].kwargs, self.device))
+                    runner.block(runner.store.get(j), **runner.kwargs(j))
                 except _StopForward:
                     pass
         finally:

@@ -9,7 +9,7 @@ from compress.quant import fake_quantize
 from compress.schemes import QuantArgs
 from compress.stages.gptq import gptq_quantize, gptq_quantize_stacked, hessian_loss, inverse_hessian_cholesky
 
-from tests.test_model_families import FAMILIES
+from tests.test_model_families import FAMILIES, NEWER_FAMILIES
 
 
 def correlated_layer(out_features=48, in_features=96, tokens=2048, seed=0):
@@ -217,7 +217,7 @@ def test_layers_reading_one_tensor_share_its_product_and_get_identical_hessians(
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     out = {}
-    for family, make in FAMILIES.items():
+    for family, make in {**FAMILIES, **NEWER_FAMILIES}.items():
         torch.manual_seed(0)
         path = tmp_path_factory.mktemp(family)
         make().save_pretrained(path)
@@ -238,7 +238,7 @@ stages:
 """, "test")
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES) + list(NEWER_FAMILIES))
 def test_engine_every_family_every_layer_beats_rtn(tiny_models, family, tmp_path):
     # BERT calibrates on padded single lines: the engine masks the padding out of the Hessian
     report = run_recipe(gptq_recipe(tiny_models[family], packing=family != "bert"), output=str(tmp_path / "o"), device="cpu")

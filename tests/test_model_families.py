@@ -36,10 +36,42 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(params=list(FAMILIES))
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # a sliding window far shorter than the calibration windows, and local layers with their own
+    # rotary base: a full-attention block fed a local block's mask or rotary tables computes
+    # something else entirely
+    return Gemma3ForCausalLM(Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, head_dim=16,
+                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
+                                              sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                                              pad_token_id=0, eos_token_id=1, bos_token_id=2))
+
+
+def _phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    # q, k and v in one fused layer, gate and up in another
+    return Phi3ForCausalLM(Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=V, pad_token_id=0, bos_token_id=2, eos_token_id=1))
+
+
+# Newer layouts, tested where the engine or the smoothing maps treat them differently: Gemma 3
+# (norms that scale by 1 + weight, sliding-window layers beside global ones with their own rotary
+# tables) and Phi-3 (fused projections).
+NEWER_FAMILIES = {"gemma3": _gemma3, "phi3": _phi3}
+
+
+def _qwen2_sliding():
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=V, use_sliding_window=True, sliding_window=8,
+                                        max_window_layers=2))
+
+
+@pytest.fixture(params=list(FAMILIES) + list(NEWER_FAMILIES))
 def tiny_model(request, tmp_path):
     torch.manual_seed(0)
-    model = FAMILIES[request.param]().eval()
+    model = {**FAMILIES, **NEWER_FAMILIES}[request.param]().eval()
     path = tmp_path / request.param
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(path)
@@ -122,3 +154,105 @@ def test_static_activation_ranges_survive_reload(tmp_path, repo):
         q, p = reloaded(input_ids=ids).logits, plain(input_ids=ids).logits
     assert not torch.equal(q, p)  # activation fake-quant really runs
     assert (q - p).abs().max() < 0.5 * p.abs().max()
+
+
+@pytest.mark.parametrize("build", [FAMILIES["llama"], FAMILIES["bert"], _gemma3, _qwen2_sliding],
+                         ids=["llama", "bert", "gemma3-sliding", "qwen2-sliding"])
+def test_engine_feeds_every_block_what_the_model_feeds_it(build):
+    """The engine captures the first block's inputs once and replays every later block itself. A
+    block whose keywords differ from the first's (a sliding-window layer's mask, Gemma 3's local
+    and global rotary tables) must get its own, or every statistic from it on is of another model."""
+    from compress.engine import Engine
+
+    torch.manual_seed(0)
+    model = build().eval()
+    ids = torch.randint(5, V, (2, 40), generator=torch.Generator().manual_seed(1))
+    samples = [{"input_ids": ids[i : i + 1]} for i in range(2)]
+    targets = {n: m for n, m in select_modules(model, ["Linear"], ["lm_head"]).items()
+               if n.endswith(("q_proj", "attention.self.query"))}
+    assert len(targets) == model.config.num_hidden_layers
+
+    expected: dict[str, list] = {}
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: expected.setdefault(n, []).append(args[0].clone()))
+               for n, m in targets.items()]
+    with torch.no_grad():
+        for s in samples:
+            model(**s)
+    for h in handles:
+        h.remove()
+
+    seen: dict[str, list] = {}
+
+    class Record:  # a stage that only watches
+        def observe(self, name, module):
+            class Observer:
+                def add(self, inputs, output, mask):
+                    seen.setdefault(name, []).append(inputs[0].detach().clone())
+            return Observer()
+
+        def compress_block(self, *args):
+            pass
+
+    Engine(torch.device("cpu"), batch_size=1).run(model, samples, Record(), targets, None)
+    for name in targets:
+        for got, want in zip(seen[name], expected[name], strict=True):
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), name
+
+
+def test_engine_replays_the_first_blocks_keywords_where_the_layer_loop_cannot_be_traced():
+    """A layer loop that unpacks a tuple from each block (older transformers) cannot run on
+    pass-through recorders; the engine then gives every block the first block's keywords, and
+    still feeds each block what the model does when those are all the same."""
+    from types import SimpleNamespace
+
+    from compress.engine import Engine
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, hidden, scale=None):
+            return hidden + self.proj(hidden) * scale, None
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(model_type="toy")
+            self.embed = torch.nn.Embedding(16, 8)
+            self.layers = torch.nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, input_ids):
+            hidden = self.embed(input_ids)
+            for layer in self.layers:
+                hidden, _ = layer(hidden, scale=torch.tensor(0.5))
+            return hidden
+
+    torch.manual_seed(0)
+    model = Toy().eval()
+    samples = [{"input_ids": torch.randint(0, 16, (1, 5))} for _ in range(2)]
+    expected: dict[str, list] = {}
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: expected.setdefault(n, []).append(args[0].clone()))
+               for n, m in model.named_modules() if n.endswith("proj")]
+    with torch.no_grad():
+        for s in samples:
+            model(**s)
+    for h in handles:
+        h.remove()
+    seen: dict[str, list] = {}
+
+    class Record:
+        def observe(self, name, module):
+            class Observer:
+                def add(self, inputs, output, mask):
+                    seen.setdefault(name, []).append(inputs[0].detach().clone())
+            return Observer()
+
+        def compress_block(self, *args):
+            pass
+
+    targets = {n: m for n, m in model.named_modules() if n.endswith("proj")}
+    Engine(torch.device("cpu"), batch_size=1, blocks_path="layers").run(model, samples, Record(), targets, None)
+    for name in targets:
+        for got, want in zip(seen[name], expected[name], strict=True):
+            assert torch.allclose(got, want, atol=1e-6), name
