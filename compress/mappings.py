@@ -3,8 +3,9 @@ input channel scale s can be moved between them without changing the model's fun
 
     prev(x) / s  feeding  W · diag(s)        (W' x' = W diag(s) (x / s) = W x)
 
-`prev` is a norm (its weight, and bias, divided by s) or a linear layer (its output rows and bias
-divided by s). Through an elementwise function this is exact only when it is positively
+`prev` is a norm (its weight, and bias, divided by s; for a norm that scales by 1 + weight, as
+Gemma's do, 1 + weight is what gets divided) or a linear layer (its output rows and bias divided
+by s). Through an elementwise function this is exact only when it is positively
 homogeneous (ReLU: OPT's fc1 -> fc2), never through GELU or SiLU. v -> o is exact because
 attention mixes value vectors linearly, but only when each value channel feeds exactly one
 output-projection column (no grouped-query sharing).
@@ -45,11 +46,29 @@ _LLAMA = [
     _m("mlp.up_proj", "mlp.down_proj", inspect="mlp.down_proj"),
 ]
 
+# Gemma 2 and 3 normalise the attention's and the MLP's outputs too, so the MLP reads its own
+# pre-norm rather than post_attention_layernorm.
+_GEMMA2 = [
+    _m("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", inspect="self_attn"),
+    _m("self_attn.v_proj", "self_attn.o_proj", inspect="self_attn.o_proj", needs_mha=True),
+    _m("pre_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj", inspect="mlp"),
+    _m("mlp.up_proj", "mlp.down_proj", inspect="mlp.down_proj"),
+]
+
 TABLES: dict[str, list[tuple[Mapping, bool]]] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
+    "gemma": _LLAMA,
+    "gemma2": _GEMMA2,
+    "gemma3_text": _GEMMA2,
+    # q, k, v in one layer and gate, up in another: only the norms in front of them can take the
+    # scales (v -> o and up -> down would need a part of a fused layer's rows)
+    "phi3": [
+        _m("input_layernorm", "self_attn.qkv_proj", inspect="self_attn"),
+        _m("post_attention_layernorm", "mlp.gate_up_proj", inspect="mlp"),
+    ],
     "opt": [
         _m("self_attn_layer_norm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", inspect="self_attn"),
         _m("self_attn.v_proj", "self_attn.out_proj", inspect="self_attn.out_proj", needs_mha=True),
@@ -106,12 +125,51 @@ def is_norm(module: torch.nn.Module) -> bool:
     return isinstance(w, torch.Tensor) and w.dim() == 1
 
 
+def require_exact(mapping: Mapping, where: str, before: list[torch.Tensor], after: list[torch.Tensor],
+                  dtype: torch.dtype) -> None:
+    """Refuse a mapping whose scales moved the output of its inspected module (`before` and `after`
+    the folding, on the same calibration batches) by more than rounding in the weights' `dtype` can
+    (bfloat16 weights alone move it by about 3e-3): a scale passed through a nonlinearity, a norm of
+    an unknown kind, value heads shared by several query heads. Folding is exact only where the map
+    is right."""
+    num = sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(after, before))
+    den = sum(float(b.float().pow(2).sum()) for b in before)
+    change = (num / max(den, 1e-30)) ** 0.5
+    if not change <= max(1e-3, 8 * torch.finfo(dtype).eps):
+        from compress.errors import CompressError
+
+        raise CompressError(f"{where}: moving scales from {mapping.smooth} into {', '.join(mapping.balance)} changes "
+                            f"the float model's output by {change:.1e} (relative), so this mapping is not exact here",
+                            "fix or remove it in the stage's `mappings`: between the two there may be only linear "
+                            "operations (no activation other than ReLU, no norm with an unknown kind of weight)")
+
+
+@torch.no_grad()
+def weight_offset(norm: torch.nn.Module) -> float:
+    """1 for a norm whose output is scaled by 1 + weight (Gemma's RMSNorm), 0 for one scaled by its
+    weight: found by running the norm once with its weight zeroed, which leaves only its bias (or
+    nothing) in the output of the usual kind."""
+    w = norm.weight
+    saved = w.detach().clone()
+    x = torch.linspace(-1.0, 2.0, w.shape[0], device=w.device, dtype=w.dtype).expand(2, -1)
+    try:
+        w.zero_()
+        y = norm(x).float()
+    finally:
+        w.copy_(saved)
+    bias = getattr(norm, "bias", None)
+    rest = bias.float().expand_as(y) if isinstance(bias, torch.Tensor) else torch.zeros_like(y)
+    return 0.0 if torch.allclose(y, rest) else 1.0
+
+
 @torch.no_grad()
 def apply_scales(prev: torch.nn.Module, layers: list[torch.nn.Module], scales: torch.Tensor) -> None:
     """Divide prev's output channels by `scales` and multiply the layers' input columns by them."""
     s = scales.float()
     if is_norm(prev):
-        prev.weight.copy_((prev.weight.float() / s.to(prev.weight.device)).to(prev.weight.dtype))
+        offset = weight_offset(prev)
+        w = prev.weight.float()
+        prev.weight.copy_(((w + offset) / s.to(w.device) - offset).to(prev.weight.dtype))
     else:
         set_weight(prev, get_weight(prev).to(s.device) / s.unsqueeze(1))
     bias = getattr(prev, "bias", None)

@@ -5,7 +5,8 @@ own objectives; AWQ then GPTQ chains in one recipe."""
 import pytest
 from safetensors.torch import load_file
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM, LlamaConfig,
+                          LlamaForCausalLM)
 
 from compress import modeling, parse_recipe, run_recipe
 from compress.quant import dequantize, fake_quantize, quantize, range_qparams
@@ -13,13 +14,21 @@ from compress.schemes import QuantArgs
 from compress.stages.awq import clip_search, output_error
 from compress.stages.smoothquant import smoothing_scales
 
-from tests.test_model_families import FAMILIES, V
+from tests.test_model_families import FAMILIES, NEWER_FAMILIES, V
 
 SMOOTHING_FAMILIES = {
     **FAMILIES,
+    **NEWER_FAMILIES,
     # full multi-head attention, so that the v -> o mapping applies too
     "llama-mha": lambda: LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                                       num_attention_heads=4, num_key_value_heads=4, vocab_size=V)),
+    # Gemma 1 (Llama's map on norms that scale by 1 + weight) and 2 (pre- and post-norms), with MHA
+    "gemma": lambda: GemmaForCausalLM(GemmaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
+                                                  num_attention_heads=4, num_key_value_heads=4, vocab_size=V,
+                                                  pad_token_id=0, bos_token_id=2, eos_token_id=1)),
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
+                                                     num_attention_heads=4, num_key_value_heads=4, vocab_size=V,
+                                                     sliding_window=8, pad_token_id=0, bos_token_id=2, eos_token_id=1)),
 }
 
 
@@ -45,6 +54,8 @@ def test_scaling_is_exact_before_quantization(family, stage, tmp_path):
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name.lower() or name.endswith("ln_1.weight") or name.endswith("ln_2.weight"):
                 p.mul_(torch.rand_like(p) + 0.5)
+                if not p.any():  # Gemma's norms scale by 1 + weight, which starts at zero
+                    p.uniform_(-0.5, 0.5)
     save(model, tmp_path / "in")
     recipe = parse_recipe(f"""
 model: {tmp_path / 'in'}
@@ -59,7 +70,7 @@ stages:
     if stage.startswith("smoothquant"):
         smoothed = [n for n, r in report["layers"].items() if "smoothquant_alpha" in r]
         assert smoothed  # every table applies somewhere
-        if family == "llama-mha":
+        if family in ("llama-mha", "gemma", "gemma2"):
             assert any(n.endswith("o_proj") for n in smoothed)
         changed = report["stages"][0]["summary"]["mean_activation_max_ratio"]
         assert changed != 1.0
@@ -67,6 +78,26 @@ stages:
         assert any(r.get("awq_alpha") is not None for r in report["layers"].values())
     a, b = load_file(tmp_path / "in" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert any(not torch.equal(a[k], b[k]) for k in a if k in b)
+
+
+def test_a_mapping_that_is_not_exact_is_refused(tmp_path):
+    """Scales moved through SiLU (gate -> down in a Llama MLP) change the float model: the stage
+    measures the inspected module's output before and after folding and stops with the block and
+    mapping named, before anything is written."""
+    from compress.errors import CompressError
+
+    torch.manual_seed(0)
+    save(SMOOTHING_FAMILIES["llama"]().eval(), tmp_path / "in")
+    recipe = parse_recipe(f"""
+model: {tmp_path / 'in'}
+calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 64}}
+stages:
+  - smoothquant:
+      mappings: [{{smooth: mlp.gate_proj, balance: [mlp.down_proj], inspect: mlp.down_proj}}]
+""", "test")
+    with pytest.raises(CompressError, match=r"block 0: moving scales from mlp.gate_proj into mlp.down_proj changes .* not exact"):
+        run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+    assert not (tmp_path / "out").exists()
 
 
 def outlier_layer(seed=0, tokens=512, width=64, outliers=(3, 17, 40)):

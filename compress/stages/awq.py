@@ -40,7 +40,7 @@ import torch
 from pydantic import Field, PrivateAttr, model_validator
 
 from compress.engine import calibration_batches, resolve_batch_size, token_rows
-from compress.mappings import Mapping, apply_scales, mappings_for
+from compress.mappings import Mapping, apply_scales, mappings_for, require_exact
 from compress.moe import routes_tokens
 from compress.modeling import get_weight, set_weight
 from compress.quant import dequantize, quantize, range_qparams, relative_error
@@ -224,6 +224,9 @@ class AWQ(EngineOptions, QuantizationStage):
             alpha = min(errors, key=errors.get)  # None: no scaling helped
             s = candidates[alpha]
             apply_scales(prev, balance, s)
+            if alpha is not None:
+                require_exact(mapping, f"block {index}", reference[:1], runner.outputs(1, mapping.inspect),
+                              balance[0].weight.dtype)
             for n in names:
                 input_scale[n] = s  # these layers now read X / s (a smoothed op's row scaling needs nothing)
                 ctx.layers.setdefault(n, {}).update({"awq_alpha": alpha, "awq_smooth": prefix + mapping.smooth,
