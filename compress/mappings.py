@@ -15,8 +15,10 @@ AWQ and SmoothQuant both use these tables; a recipe may replace them with its ow
 
 from __future__ import annotations
 
-import torch
+import re
 from typing import Optional
+
+import torch
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,7 +26,13 @@ from compress.modeling import get_weight, set_weight
 
 
 class Mapping(BaseModel):
-    """`smooth`: the preceding op; `balance`: the layers reading its output (names inside a block)."""
+    """`smooth`: the preceding op; `balance`: the layers reading its output (names inside a block).
+
+    A `*` stands for one name component, for a block's experts: in `balance` alone it takes every
+    module it matches (`mlp.experts.*.up_proj`: all experts' up projections); in `smooth` it makes
+    one mapping per module matched, the same component put into `balance` and `inspect` (each
+    expert's up -> down). Balance layers a stage does not quantize (a router) are scaled all the
+    same, which keeps the model exact."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -55,11 +63,28 @@ _GEMMA2 = [
     _m("mlp.up_proj", "mlp.down_proj", inspect="mlp.down_proj"),
 ]
 
+# Mixture-of-experts MLPs: the router reads the same normalised input as every expert and is
+# scaled with them (unquantized, it keeps the routing exact); each expert's up -> down on its own.
+_MOE = _LLAMA[:2] + [
+    _m("post_attention_layernorm", "mlp.gate", "mlp.experts.*.gate_proj", "mlp.experts.*.up_proj", inspect="mlp"),
+    _m("mlp.experts.*.up_proj", "mlp.experts.*.down_proj", inspect="mlp.experts.*.down_proj"),
+]
+# Qwen2-MoE adds a shared expert beside the routed ones, and a gate that weighs it.
+_QWEN2_MOE = _LLAMA[:2] + [
+    _m("post_attention_layernorm", "mlp.gate", "mlp.experts.*.gate_proj", "mlp.experts.*.up_proj",
+       "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert_gate", inspect="mlp"),
+    _m("mlp.experts.*.up_proj", "mlp.experts.*.down_proj", inspect="mlp.experts.*.down_proj"),
+    _m("mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj", inspect="mlp.shared_expert.down_proj"),
+]
+
 TABLES: dict[str, list[tuple[Mapping, bool]]] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
+    "mixtral": _MOE,
+    "qwen3_moe": _MOE,
+    "qwen2_moe": _QWEN2_MOE,
     "gemma": _LLAMA,
     "gemma2": _GEMMA2,
     "gemma3_text": _GEMMA2,
@@ -87,8 +112,18 @@ TABLES: dict[str, list[tuple[Mapping, bool]]] = {
 }
 
 
-def mappings_for(model: torch.nn.Module, override: list[Mapping] | None = None) -> list[Mapping]:
+def mappings_for(model: torch.nn.Module, override: list[Mapping] | None = None, blocks_path: str | None = None) -> list[Mapping]:
     if override:
+        from compress.engine import find_blocks
+
+        _, blocks = find_blocks(model, blocks_path)
+        for mapping in override:  # a typo would otherwise leave the stage doing nothing, silently
+            if not any(in_block([mapping], block) for block in blocks):
+                from compress.errors import CompressError
+
+                raise CompressError(f"mapping {mapping.smooth} -> {', '.join(mapping.balance)}"
+                                    f"{f' (inspect {mapping.inspect})' if mapping.inspect else ''} names a module no block has; "
+                                    f"{_describe_block(model)}", "use names inside a block, as listed")
         return list(override)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -101,6 +136,31 @@ def mappings_for(model: torch.nn.Module, override: list[Mapping] | None = None) 
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", heads) or heads
     return [m for m, needs_mha in TABLES[model_type] if not needs_mha or kv_heads == heads]
+
+
+def in_block(mappings: list[Mapping], block: torch.nn.Module) -> list[Mapping]:
+    """The mappings with every `*` made concrete against this block's module names (see Mapping);
+    a mapping naming a module the block lacks is left out (a layer another block type has)."""
+    names = [n for n, _ in block.named_modules() if n]
+    present = set(names)
+
+    def matches(pattern: str) -> list[tuple[str, str]]:  # (name, what * stood for)
+        rx = re.compile(re.escape(pattern).replace(r"\*", r"([^.]+)") + "$")
+        return [(n, m.group(1) if m.groups() else "") for n in names if (m := rx.match(n))]
+
+    out = []
+    for mapping in mappings:
+        if "*" in mapping.smooth:
+            for _, part in matches(mapping.smooth):
+                out.append(Mapping(smooth=mapping.smooth.replace("*", part),
+                                   balance=[b.replace("*", part) for b in mapping.balance],
+                                   inspect=mapping.inspect.replace("*", part) if mapping.inspect else None))
+        else:
+            balance = [n for b in mapping.balance for n, _ in (matches(b) if "*" in b else [(b, "")])]
+            if balance:
+                out.append(Mapping(smooth=mapping.smooth, balance=balance, inspect=mapping.inspect))
+    return [m for m in out if m.smooth in present and all(b in present for b in m.balance)
+            and (m.inspect is None or m.inspect in present)]
 
 
 def _describe_block(model: torch.nn.Module, limit: int = 16) -> str:

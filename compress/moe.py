@@ -39,33 +39,32 @@ class Expert(nn.Module):
             self.down_proj.weight.copy_(down)
 
 
-class UnfusedExperts(nn.Module):
-    """Same routing as the fused module's eager loop: each token goes to its top-k experts."""
+class UnfusedExperts(nn.ModuleList):
+    """Same routing as the fused module's eager loop: each token goes to its top-k experts. A list
+    of the experts itself, so that expert e's layers are `<experts>.e.gate_proj`, as in models that
+    keep experts unfused."""
 
     def __init__(self, fused: nn.Module):
-        super().__init__()
-        self.fused = [fused]  # a list, so the original is not registered as a submodule
-        self.act_fn = fused.act_fn
-        self.experts = nn.ModuleList(Expert(fused.gate_up_proj[e], fused.down_proj[e]) for e in range(fused.gate_up_proj.shape[0]))
-
-    def __getitem__(self, i: int) -> Expert:
-        return self.experts[i]
+        super().__init__(Expert(fused.gate_up_proj[e], fused.down_proj[e]) for e in range(fused.gate_up_proj.shape[0]))
+        self.fused = [fused]  # lists, so that neither is registered as a submodule (nor listed as an expert)
+        self.act = [fused.act_fn]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
-        for e, expert in enumerate(self.experts):
+        act_fn = self.act[0]
+        for e, expert in enumerate(self):
             token_idx, slot = torch.where(top_k_index == e)
             if token_idx.numel() == 0:
                 continue
             x = hidden_states[token_idx]
-            h = expert.down_proj(self.act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+            h = expert.down_proj(act_fn(expert.gate_proj(x)) * expert.up_proj(x))
             out.index_add_(0, token_idx, (h * top_k_weights[token_idx, slot, None]).to(out.dtype))
         return out
 
     def fuse_back(self) -> nn.Module:
         fused = self.fused[0]
         with torch.no_grad():
-            for e, expert in enumerate(self.experts):
+            for e, expert in enumerate(self):
                 fused.gate_up_proj[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight], dim=0))
                 fused.down_proj[e].copy_(expert.down_proj.weight)
         return fused

@@ -156,21 +156,10 @@ def test_static_activation_ranges_survive_reload(tmp_path, repo):
     assert (q - p).abs().max() < 0.5 * p.abs().max()
 
 
-@pytest.mark.parametrize("build", [FAMILIES["llama"], FAMILIES["bert"], _gemma3, _qwen2_sliding],
-                         ids=["llama", "bert", "gemma3-sliding", "qwen2-sliding"])
-def test_engine_feeds_every_block_what_the_model_feeds_it(build):
-    """The engine captures the first block's inputs once and replays every later block itself. A
-    block whose keywords differ from the first's (a sliding-window layer's mask, Gemma 3's local
-    and global rotary tables) must get its own, or every statistic from it on is of another model."""
+def assert_engine_feeds_what_the_model_does(model, samples, targets, blocks_path=None):
+    """Every target layer's input as the engine hands it to observers, block by block, equals the
+    input the model itself gives that layer on the same samples."""
     from compress.engine import Engine
-
-    torch.manual_seed(0)
-    model = build().eval()
-    ids = torch.randint(5, V, (2, 40), generator=torch.Generator().manual_seed(1))
-    samples = [{"input_ids": ids[i : i + 1]} for i in range(2)]
-    targets = {n: m for n, m in select_modules(model, ["Linear"], ["lm_head"]).items()
-               if n.endswith(("q_proj", "attention.self.query"))}
-    assert len(targets) == model.config.num_hidden_layers
 
     expected: dict[str, list] = {}
     handles = [m.register_forward_pre_hook(lambda mod, args, n=n: expected.setdefault(n, []).append(args[0].clone()))
@@ -193,10 +182,25 @@ def test_engine_feeds_every_block_what_the_model_feeds_it(build):
         def compress_block(self, *args):
             pass
 
-    Engine(torch.device("cpu"), batch_size=1).run(model, samples, Record(), targets, None)
+    Engine(torch.device("cpu"), batch_size=1, blocks_path=blocks_path).run(model, samples, Record(), targets, None)
     for name in targets:
         for got, want in zip(seen[name], expected[name], strict=True):
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("build", [FAMILIES["llama"], FAMILIES["bert"], _gemma3, _qwen2_sliding],
+                         ids=["llama", "bert", "gemma3-sliding", "qwen2-sliding"])
+def test_engine_feeds_every_block_what_the_model_feeds_it(build):
+    """The engine captures the first block's inputs once and replays every later block itself. A
+    block whose keywords differ from the first's (a sliding-window layer's mask, Gemma 3's local
+    and global rotary tables) must get its own, or every statistic from it on is of another model."""
+    torch.manual_seed(0)
+    model = build().eval()
+    ids = torch.randint(5, V, (2, 40), generator=torch.Generator().manual_seed(1))
+    targets = {n: m for n, m in select_modules(model, ["Linear"], ["lm_head"]).items()
+               if n.endswith(("q_proj", "attention.self.query"))}
+    assert len(targets) == model.config.num_hidden_layers
+    assert_engine_feeds_what_the_model_does(model, [{"input_ids": ids[i : i + 1]} for i in range(2)], targets)
 
 
 def test_engine_replays_the_first_blocks_keywords_where_the_layer_loop_cannot_be_traced():
@@ -204,8 +208,6 @@ def test_engine_replays_the_first_blocks_keywords_where_the_layer_loop_cannot_be
     pass-through recorders; the engine then gives every block the first block's keywords, and
     still feeds each block what the model does when those are all the same."""
     from types import SimpleNamespace
-
-    from compress.engine import Engine
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -231,28 +233,5 @@ def test_engine_replays_the_first_blocks_keywords_where_the_layer_loop_cannot_be
     torch.manual_seed(0)
     model = Toy().eval()
     samples = [{"input_ids": torch.randint(0, 16, (1, 5))} for _ in range(2)]
-    expected: dict[str, list] = {}
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: expected.setdefault(n, []).append(args[0].clone()))
-               for n, m in model.named_modules() if n.endswith("proj")]
-    with torch.no_grad():
-        for s in samples:
-            model(**s)
-    for h in handles:
-        h.remove()
-    seen: dict[str, list] = {}
-
-    class Record:
-        def observe(self, name, module):
-            class Observer:
-                def add(self, inputs, output, mask):
-                    seen.setdefault(name, []).append(inputs[0].detach().clone())
-            return Observer()
-
-        def compress_block(self, *args):
-            pass
-
     targets = {n: m for n, m in model.named_modules() if n.endswith("proj")}
-    Engine(torch.device("cpu"), batch_size=1, blocks_path="layers").run(model, samples, Record(), targets, None)
-    for name in targets:
-        for got, want in zip(seen[name], expected[name], strict=True):
-            assert torch.allclose(got, want, atol=1e-6), name
+    assert_engine_feeds_what_the_model_does(model, samples, targets, blocks_path="layers")

@@ -1,6 +1,7 @@
 """Mixture-of-experts blocks (Mixtral, Qwen2-MoE; tiny configs): calibration routes tokens as the
 model does, rarely routed experts fall back to round-to-nearest, the report counts tokens per
-expert, and the fused checkpoint reloads with plain transformers."""
+expert, and the fused checkpoint reloads with plain transformers; AWQ and SmoothQuant reach every
+expert and keep the routing exact."""
 
 import pytest
 import torch
@@ -97,3 +98,49 @@ stages:
     with pytest.raises(CompressError, match="padding would reach the experts"):
         run_recipe(parse_recipe(recipe.format(path=path, bs=3), "test"), output=str(tmp_path / "b"), device="cpu")
     assert not (tmp_path / "b").exists()
+
+
+def test_smoothing_reaches_every_expert_and_keeps_the_router_exact(moe_model, tmp_path):
+    """The MoE maps scale the router with the experts it feeds (unquantized, so routing stays the
+    same), every expert's gate/up from the norm, and each expert's down from its own up."""
+    family, path, model = moe_model
+    recipe = parse_recipe(f"""
+model: {path}
+calibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}
+stages:
+  - smoothquant: {{alpha: 0.5}}
+""", "test")
+    report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+    layers = report["layers"]
+    for block in range(2):
+        p = f"model.layers.{block}.mlp."
+        for e in range(4):
+            assert layers[f"{p}experts.{e}.gate_proj"]["smoothquant_smooth"] == f"model.layers.{block}.post_attention_layernorm"
+            assert layers[f"{p}experts.{e}.down_proj"]["smoothquant_smooth"] == f"{p}experts.{e}.up_proj"
+        if family == "qwen2_moe":
+            assert layers[f"{p}shared_expert.down_proj"]["smoothquant_smooth"] == f"{p}shared_expert.up_proj"
+            assert layers[f"{p}shared_expert_gate"]["smoothquant_smooth"] == f"model.layers.{block}.post_attention_layernorm"
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    for block in range(2):  # the routers are scaled with the experts they feed
+        assert not torch.equal(model.model.layers[block].mlp.gate.weight, saved.model.layers[block].mlp.gate.weight)
+    ids = torch.randint(5, V, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, saved(input_ids=ids).logits
+    assert (a - b).norm() / a.norm() < 1e-4
+
+
+def test_awq_searches_scales_for_the_experts(moe_model, tmp_path):
+    family, path, _ = moe_model
+    recipe = parse_recipe(f"""
+model: {path}
+calibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}
+stages:
+  - awq: {{scheme: W4A16, weights: {{group_size: 16}}, grid: 5, clip_grid: 4}}
+""", "test")
+    layers = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")["layers"]
+    experts = {n: r for n, r in layers.items() if ".experts." in n}
+    assert len(experts) == 2 * 4 * 3
+    for name, r in experts.items():  # every expert layer was searched, from the norm or its own up_proj
+        assert r["awq_smooth"].endswith("post_attention_layernorm" if not name.endswith("down_proj") else name[:-9] + "up_proj")
+        assert r["awq_block_error"] <= r["awq_rtn_block_error"]
+    assert any(r["awq_alpha"] is not None for r in experts.values())

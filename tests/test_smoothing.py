@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 import torch
 from transformers import (AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM, LlamaConfig,
-                          LlamaForCausalLM)
+                          LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from compress import modeling, parse_recipe, run_recipe
 from compress.quant import dequantize, fake_quantize, quantize, range_qparams
@@ -15,6 +15,7 @@ from compress.stages.awq import clip_search, output_error
 from compress.stages.smoothquant import smoothing_scales
 
 from tests.test_model_families import FAMILIES, NEWER_FAMILIES, V
+from tests.test_moe import MOE
 
 SMOOTHING_FAMILIES = {
     **FAMILIES,
@@ -26,6 +27,11 @@ SMOOTHING_FAMILIES = {
     "gemma": lambda: GemmaForCausalLM(GemmaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
                                                   num_attention_heads=4, num_key_value_heads=4, vocab_size=V,
                                                   pad_token_id=0, bos_token_id=2, eos_token_id=1)),
+    # mixture-of-experts blocks: router, every expert, Qwen2-MoE's shared expert and its gate
+    **MOE,
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+                                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                                            head_dim=16, vocab_size=V, num_experts=4, num_experts_per_tok=2)),
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
                                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=V,
                                                      sliding_window=8, pad_token_id=0, bos_token_id=2, eos_token_id=1)),
@@ -98,6 +104,24 @@ stages:
     with pytest.raises(CompressError, match=r"block 0: moving scales from mlp.gate_proj into mlp.down_proj changes .* not exact"):
         run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_mapping_naming_no_module_is_refused_before_calibration(tmp_path):
+    from compress.errors import CompressError
+
+    torch.manual_seed(0)
+    save(SMOOTHING_FAMILIES["llama"]().eval(), tmp_path / "in")
+    recipe = parse_recipe(f"""
+model: {tmp_path / 'in'}
+calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 64}}
+stages:
+  - awq:
+      scheme: W4A16
+      mappings: [{{smooth: post_attention_layernorm, balance: [mlp.gate_proj, mlp.upproj]}}]
+""", "test")
+    with pytest.raises(CompressError, match=r"post_attention_layernorm -> mlp.gate_proj, mlp.upproj names a module no "
+                                             r"block has; block model.layers.0 holds .*mlp.up_proj \(Linear\)"):
+        run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
 
 
 def outlier_layer(seed=0, tokens=512, width=64, outliers=(3, 17, 40)):

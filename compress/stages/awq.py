@@ -40,7 +40,7 @@ import torch
 from pydantic import Field, PrivateAttr, model_validator
 
 from compress.engine import calibration_batches, resolve_batch_size, token_rows
-from compress.mappings import Mapping, apply_scales, mappings_for, require_exact
+from compress.mappings import Mapping, apply_scales, in_block, mappings_for, require_exact
 from compress.moe import routes_tokens
 from compress.modeling import get_weight, set_weight
 from compress.quant import dequantize, quantize, range_qparams, relative_error
@@ -192,19 +192,23 @@ class AWQ(EngineOptions, QuantizationStage):
         references: dict = {}  # the float outputs of each inspected module (None: the block)
         originals = {n: get_weight(m) for n, m in layers.items()}  # for the round-to-nearest comparison
         original_scales = global_scales(layers, args)  # NVFP4's, of the unscaled weights
-        for mapping in self._mappings:
-            names = [prefix + b for b in mapping.balance]
-            if not all(n in layers for n in names):
-                continue  # a balance layer is not targeted (ignored, or absent in this block)
+        for mapping in in_block(self._mappings, block):
+            names = [prefix + b for b in mapping.balance if prefix + b in layers]  # the ones quantized here
+            seen = [observers[n] for n in names if observers[n].tokens]  # an expert may see no token
+            if not seen:
+                continue  # nothing to quantize here (ignored layers), or no calibration token reached it
             prev = block.get_submodule(mapping.smooth)
             balance = [layers[n] for n in names]
-            mean_abs = observers[names[0]].inputs().abs().mean(0)
+            scaled = [block.get_submodule(b) for b in mapping.balance]  # and any other reader of prev (a router)
+            # the inputs the quantized layers read: one tensor for q, k, v; routed subsets for experts
+            X = seen[0].inputs() if len({o.tokens for o in seen}) == 1 else torch.cat([o.inputs() for o in seen])
+            mean_abs = X.abs().mean(0)
             w_mean = weight_magnitude([get_weight(m) for m in balance], args.group_size) if self.duo_scaling else None
-            saved = [p.detach().clone() for m in (prev, *balance) for p in m.parameters(recurse=False)]
+            saved = [p.detach().clone() for m in (prev, *scaled) for p in m.parameters(recurse=False)]
 
             def restore() -> None:
                 with torch.no_grad():
-                    for p, v in zip((p for m in (prev, *balance) for p in m.parameters(recurse=False)), saved):
+                    for p, v in zip((p for m in (prev, *scaled) for p in m.parameters(recurse=False)), saved):
                         p.copy_(v)
 
             if mapping.inspect not in references:
@@ -214,7 +218,7 @@ class AWQ(EngineOptions, QuantizationStage):
             # s = 1 (plain round-to-nearest) is always a candidate, so AWQ never does worse on this score.
             candidates = {None: torch.ones_like(mean_abs), **dict(candidate_scales(mean_abs, self.grid, w_mean))}
             for alpha, s in candidates.items():
-                apply_scales(prev, balance, s)
+                apply_scales(prev, scaled, s)
                 scales = global_scales(dict(zip(names, balance)), args)  # NVFP4: of the scaled weights
                 for name, layer in zip(names, balance):
                     set_weight(layer, quantize_weight(get_weight(layer), args, scales.get(name)))
@@ -223,9 +227,9 @@ class AWQ(EngineOptions, QuantizationStage):
                 restore()
             alpha = min(errors, key=errors.get)  # None: no scaling helped
             s = candidates[alpha]
-            apply_scales(prev, balance, s)
-            if alpha is not None:
-                require_exact(mapping, f"block {index}", reference[:1], runner.outputs(1, mapping.inspect),
+            apply_scales(prev, scaled, s)
+            if alpha is not None:  # (on every batch scored: an expert's output exists only where tokens reach it)
+                require_exact(mapping, f"block {index}", reference, runner.outputs(n_batches, mapping.inspect),
                               balance[0].weight.dtype)
             for n in names:
                 input_scale[n] = s  # these layers now read X / s (a smoothed op's row scaling needs nothing)
@@ -260,7 +264,7 @@ class AWQ(EngineOptions, QuantizationStage):
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = self.select(model, "awq")
-        self._mappings = mappings_for(model, self.mappings)
+        self._mappings = mappings_for(model, self.mappings, self.blocks)
         samples = ctx.calibration.samples
         self._forwards = max(1, len(calibration_batches(samples, resolve_batch_size(self.batch_size, ctx.device, samples,
                                                                                    routes_tokens(model)))))

@@ -25,7 +25,7 @@ from pydantic import Field, PrivateAttr
 
 from compress.engine import token_rows
 from compress.errors import CompressError
-from compress.mappings import Mapping, apply_scales, mappings_for, require_exact
+from compress.mappings import Mapping, apply_scales, in_block, mappings_for, require_exact
 from compress.modeling import get_weight
 from compress.stages.base import EngineOptions, Stage, StageContext
 from compress.targets import matches, select_modules
@@ -68,18 +68,20 @@ class SmoothQuant(EngineOptions, Stage):
 
     def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict, observers: dict,
                        ctx: StageContext, runner) -> None:
-        for mapping in self._mappings:
-            names = [prefix + b for b in mapping.balance]
-            if not all(n in layers for n in names):
+        for mapping in in_block(self._mappings, block):
+            names = [prefix + b for b in mapping.balance if prefix + b in layers]  # the ones smoothed for quantization
+            maxima = [observers[n].max for n in names if observers[n].max is not None]  # an expert may see no token
+            if not maxima:
                 continue
             alpha = self.alpha_for(names[0], layers[names[0]])
-            act_max = observers[names[0]].max
+            act_max = torch.stack(maxima).amax(0)
             if not torch.isfinite(act_max).all():  # NaN scales would spread into the weights silently
                 raise CompressError(f"layer {names[0]}: non-finite calibration activations reach this layer "
                                     "(NaN/Inf, or float16 overflow)", "check the model's weights, or load it in float32 (--dtype float32)")
             s = smoothing_scales(act_max, [get_weight(layers[n]).to(act_max.device) for n in names], alpha)
-            before = runner.outputs(1, mapping.inspect)
-            apply_scales(block.get_submodule(mapping.smooth), [layers[n] for n in names], s)
+            before = runner.outputs(1, mapping.inspect)  # one batch checks the fold (an expert it skips: unchecked)
+            # every reader of the smoothed op is scaled, quantized later or not (a router)
+            apply_scales(block.get_submodule(mapping.smooth), [block.get_submodule(b) for b in mapping.balance], s)
             require_exact(mapping, f"block {index}", before, runner.outputs(1, mapping.inspect),
                           layers[names[0]].weight.dtype)
             for n in names:
@@ -89,7 +91,7 @@ class SmoothQuant(EngineOptions, Stage):
             ctx.progress(f"block {index + 1}: smoothed {mapping.smooth} -> {', '.join(mapping.balance)}", 0, 1)
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
-        self._mappings = mappings_for(model, self.mappings)
+        self._mappings = mappings_for(model, self.mappings, self.blocks)
         selected = select_modules(model, ["Linear"], self.ignore)
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
         smoothed = [r for n, r in ctx.layers.items() if "smoothquant_alpha" in r]
