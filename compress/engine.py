@@ -1,6 +1,7 @@
 """The layer-by-layer calibration engine, shared by every algorithm that needs activations.
 
-    capture the inputs of the first block for every calibration batch
+    capture the inputs of the first block for every calibration batch, and the keywords each
+        later block gets otherwise (a sliding-window layer's mask)
     for each block:
         bring it to the compute device
         hook its target layers; run every batch through it (the stage's observers accumulate
@@ -160,7 +161,7 @@ class BlockRunner:
 
 
 class _StopForward(Exception):
-    """Ends a forward early: once the first block's inputs are recorded, or a layer has run."""
+    """Ends a forward early: once the last block's keywords are recorded, or a layer has run."""
 
 
 def _raise_stop(_module, _inputs, _output):
@@ -173,12 +174,15 @@ class BlockInput:
     kwargs: dict  # the keywords the first block receives
     mask: torch.Tensor | None  # [batch, seq] of the tokens that count (padding excluded)
     # block index -> the keywords it receives otherwise than the first block: a sliding-window
-    # layer's mask beside a full-attention one, Gemma 3's local and global rotary tables
+    # layer's mask beside a full-attention one, Gemma 3's local and global rotary tables (_ABSENT:
+    # one the first block gets and this one does not)
     per_block: dict[int, dict] = field(default_factory=dict)
 
     def kwargs_for(self, block: int) -> dict:
         own = self.per_block.get(block)
-        return self.kwargs if own is None else {**self.kwargs, **own}
+        if own is None:
+            return self.kwargs
+        return {k: v for k, v in {**self.kwargs, **own}.items() if v is not _ABSENT}
 
 
 class ActivationStore:
@@ -256,7 +260,7 @@ def calibration_batches(samples: list[dict], batch_size: int) -> list[dict]:
             for key, value in {**s, "attention_mask": mask}.items():
                 batch.setdefault(key, []).append(torch.nn.functional.pad(value, (0, pad)) if pad else value)
         merged = {k: torch.cat(v) for k, v in batch.items()}
-        if all("attention_mask" not in s for s in group):
+        if all("attention_mask" not in s for s in group) and bool(merged["attention_mask"].all()):
             merged.pop("attention_mask")  # causal LMs without padding: let the model build its own mask
         out.append(merged)
     return out
@@ -275,8 +279,8 @@ def _move(value: Any, device: torch.device) -> Any:
 
 
 @torch.no_grad()
-def capture_first_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches: list[dict],
-                               device: torch.device, store: ActivationStore) -> list[BlockInput]:
+def capture_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches: list[dict],
+                         device: torch.device, store: ActivationStore) -> tuple[list[BlockInput], str | None]:
     """Run the model through its block loop for every batch and record what the blocks receive.
 
     The block list is swapped for recorders while the rest of the model (embeddings, rotary
@@ -284,19 +288,21 @@ def capture_first_block_inputs(model, path: str, blocks: torch.nn.ModuleList, ba
     hidden states and keywords; each later one passes its input on untouched and keeps only the
     keywords that differ from the first block's (models with mixed layer types hand each type its
     own mask or rotary tables), sharing one copy among the blocks given the same object; the last
-    one ends the forward. Positional arguments are bound to the block's parameter names so they can
-    be replayed as keywords.
+    one ends the forward. Positional arguments are bound to each block's parameter names so they
+    can be replayed as keywords. Returns the records, and why the loop could not be traced (None
+    when it was).
     """
     import inspect
 
-    first = blocks[0]
-    params = list(inspect.signature(first.forward).parameters)
     records: list[BlockInput] = []
     raw_first: dict = {}  # the first block's keywords in this batch, as the model passed them
     shared: dict[int, tuple] = {}  # id -> (the model's object, kept alive; its CPU copy), per batch
+    params = {}  # block class -> its forward's parameter names
 
-    def bound(args: tuple, kwargs: dict) -> dict:
-        kwargs = {**kwargs, **dict(zip(params[1:], args))}
+    def bound(block: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+        if type(block) not in params:
+            params[type(block)] = list(inspect.signature(block.forward).parameters)
+        kwargs = {**kwargs, **dict(zip(params[type(block)][1:], args))}
         for cache_key in CACHE_ARGUMENTS:
             if cache_key in kwargs:
                 kwargs[cache_key] = None
@@ -316,23 +322,28 @@ def capture_first_block_inputs(model, path: str, blocks: torch.nn.ModuleList, ba
                 return getattr(blocks[self.__dict__["index"]], name)  # e.g. Qwen2 reads decoder_layer.attention_type
 
         def forward(self, hidden, *args, **kwargs):
-            kwargs = bound(args, kwargs)
+            kwargs = bound(blocks[self.index], args, kwargs)
             if self.index == 0:
                 raw_first.clear()
                 raw_first.update(kwargs)
                 store.append(hidden)
                 records.append(BlockInput(hidden=None, kwargs=_move(kwargs, "cpu"), mask=current["mask"]))  # type: ignore[arg-type]
             else:
-                own = {k: v for k, v in kwargs.items() if not _same_value(v, raw_first.get(k, _MISSING))}
+                own = {k: v for k, v in kwargs.items() if not _same_value(v, raw_first.get(k, _ABSENT))}
+                own.update({k: _ABSENT for k in raw_first if k not in kwargs})
                 if own:
-                    records[-1].per_block[self.index] = {k: shared.setdefault(id(v), (v, _move(v, "cpu")))[1]
-                                                         for k, v in own.items()}
+                    records[-1].per_block[self.index] = {k: cpu_copy(v) for k, v in own.items()}
             if self.index == len(blocks) - 1:
                 raise _StopForward
             return hidden
 
+    def cpu_copy(value: Any) -> Any:  # one copy of an object handed to several blocks
+        if id(value) not in shared:
+            shared[id(value)] = (value, value if value is _ABSENT else _move(value, "cpu"))
+        return shared[id(value)][1]
+
     current: dict = {"mask": None}
-    untraced = False
+    untraced: str | None = None
     recorders = torch.nn.ModuleList([Recorder(i) for i in range(len(blocks))])
     with blocks_swapped(model, path, recorders):
         try:
@@ -347,23 +358,21 @@ def capture_first_block_inputs(model, path: str, blocks: torch.nn.ModuleList, ba
                     model(**{k: v.to(device) for k, v in batch.items()})
                 except _StopForward:
                     pass
-                except Exception:
+                except Exception as error:
                     # A layer loop that needs more of a block's output than its hidden states (a
                     # tuple with cache entries, in older transformers) fails past the first block:
                     # every block then gets the first block's keywords, as the engine gave them
-                    # before it traced the loop.
-                    if len(records) < n:
+                    # before it traced the loop, and the stage summary says so. A loop that did
+                    # trace, or a failure before the first block, is a real error.
+                    if len(records) < n or any(r.per_block for r in records):
                         raise
-                    untraced = True
+                    untraced = f"{type(error).__name__}: {error}"[:200]
         finally:
             model.to("cpu")
-    if untraced:
-        for record in records:
-            record.per_block.clear()
-    return records
+    return records, untraced
 
 
-_MISSING = object()
+_ABSENT = object()
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -463,7 +472,7 @@ class Engine:
         keep_on_device = self.activations_on == "device" or (self.activations_on == "auto" and self.device.type != "cpu"
                                                               and self._fits_on_device(batches, model))
         store = ActivationStore(self.device, keep_on_device, self.activation_budget)
-        records = capture_first_block_inputs(model, path, blocks, batches, self.device, store)
+        records, untraced = capture_block_inputs(model, path, blocks, batches, self.device, store)
         peak_device_params = 0
         first_groups = None
         try:
@@ -507,6 +516,8 @@ class Engine:
         summary = {"blocks": len(blocks), "batch_size": batch_size, "batches": len(records),
                    "activations_spilled": store.spilled,
                    "max_parameters_on_device": peak_device_params}
+        if untraced is not None:
+            summary["untraced_layer_loop"] = f"every block was given the first block's keywords ({untraced})"
         if first_groups is not None:  # true_sequential: the order layers were solved in (first block)
             summary["sequential_groups"] = first_groups
         return summary

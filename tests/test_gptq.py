@@ -309,6 +309,10 @@ def test_auto_batch_size_fills_the_device_token_budget():
     padded = calibration_batches(lines, 3)
     assert len(padded) == 1 and padded[0]["input_ids"].shape == (3, 30)
     assert padded[0]["attention_mask"].sum(1).tolist() == [12, 30, 7]
+    # samples without masks keep the padding's mask (only an unpadded batch lets the model build its own)
+    bare = [{"input_ids": s["input_ids"]} for s in lines]
+    assert calibration_batches(bare, 3)[0]["attention_mask"].sum(1).tolist() == [12, 30, 7]
+    assert "attention_mask" not in calibration_batches(bare[:1], 1)[0]
     assert len(calibration_batches(windows, resolve_batch_size("auto", torch.device("cpu"), windows))) == 32
 
 

@@ -182,10 +182,11 @@ def assert_engine_feeds_what_the_model_does(model, samples, targets, blocks_path
         def compress_block(self, *args):
             pass
 
-    Engine(torch.device("cpu"), batch_size=1, blocks_path=blocks_path).run(model, samples, Record(), targets, None)
+    summary = Engine(torch.device("cpu"), batch_size=1, blocks_path=blocks_path).run(model, samples, Record(), targets, None)
     for name in targets:
         for got, want in zip(seen[name], expected[name], strict=True):
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), name
+    return summary
 
 
 @pytest.mark.parametrize("build", [FAMILIES["llama"], FAMILIES["bert"], _gemma3, _qwen2_sliding],
@@ -200,7 +201,8 @@ def test_engine_feeds_every_block_what_the_model_feeds_it(build):
     targets = {n: m for n, m in select_modules(model, ["Linear"], ["lm_head"]).items()
                if n.endswith(("q_proj", "attention.self.query"))}
     assert len(targets) == model.config.num_hidden_layers
-    assert_engine_feeds_what_the_model_does(model, [{"input_ids": ids[i : i + 1]} for i in range(2)], targets)
+    summary = assert_engine_feeds_what_the_model_does(model, [{"input_ids": ids[i : i + 1]} for i in range(2)], targets)
+    assert "untraced_layer_loop" not in summary
 
 
 def test_engine_replays_the_first_blocks_keywords_where_the_layer_loop_cannot_be_traced():
@@ -228,6 +230,39 @@ def test_engine_replays_the_first_blocks_keywords_where_the_layer_loop_cannot_be
             hidden = self.embed(input_ids)
             for layer in self.layers:
                 hidden, _ = layer(hidden, scale=torch.tensor(0.5))
+            return hidden
+
+    torch.manual_seed(0)
+    model = Toy().eval()
+    samples = [{"input_ids": torch.randint(0, 16, (1, 5))} for _ in range(2)]
+    targets = {n: m for n, m in model.named_modules() if n.endswith("proj")}
+    summary = assert_engine_feeds_what_the_model_does(model, samples, targets, blocks_path="layers")
+    assert "first block's keywords (ValueError" in summary["untraced_layer_loop"]
+
+
+def test_engine_gives_each_block_only_the_keywords_the_model_gives_it():
+    """A keyword the first block gets and a later one does not (nor the reverse) must not leak."""
+    from types import SimpleNamespace
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, hidden, scale=1.0, shift=0.0):
+            return hidden + self.proj(hidden) * scale + shift
+
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(model_type="toy")
+            self.embed = torch.nn.Embedding(16, 8)
+            self.layers = torch.nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, input_ids):
+            hidden = self.embed(input_ids)
+            for i, layer in enumerate(self.layers):
+                hidden = layer(hidden, **({"scale": torch.tensor(0.5)} if i == 0 else {"shift": torch.tensor(2.0)}))
             return hidden
 
     torch.manual_seed(0)

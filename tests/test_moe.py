@@ -144,3 +144,30 @@ stages:
         assert r["awq_smooth"].endswith("post_attention_layernorm" if not name.endswith("down_proj") else name[:-9] + "up_proj")
         assert r["awq_block_error"] <= r["awq_rtn_block_error"]
     assert any(r["awq_alpha"] is not None for r in experts.values())
+
+
+def test_an_expert_no_token_reaches_is_rounded_to_nearest(moe_model, tmp_path, monkeypatch):
+    """A router that never picks expert 3 (as a rarely used expert is never picked by a small
+    calibration set): AWQ searches the others and rounds that one to nearest, saying why, and
+    SmoothQuant scales it with the rest, which keeps it exact."""
+    family, path, model = moe_model
+
+    def never_expert_3(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        top, idx = logits.float().masked_fill(torch.arange(logits.shape[-1]) == 3, float("-inf")).softmax(-1).topk(self.top_k, -1)
+        return logits, (top / top.sum(-1, keepdim=True)).to(logits.dtype), idx
+
+    monkeypatch.setattr(type(model.model.layers[0].mlp.gate), "forward", never_expert_3)
+    recipe = parse_recipe(f"""
+model: {path}
+calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 64}}
+stages:
+  - smoothquant: {{alpha: 0.5}}
+  - awq: {{scheme: W4A16, weights: {{group_size: 16}}, grid: 3, clip_grid: 2}}
+""", "test")
+    layers = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")["layers"]
+    for block in range(2):
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            starved = layers[f"model.layers.{block}.mlp.experts.3.{part}"]
+            assert starved["tokens"] == 0 and "round-to-nearest" in starved["note"]
+            assert layers[f"model.layers.{block}.mlp.experts.0.{part}"]["tokens"] > 0

@@ -130,6 +130,16 @@ def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 2
 # Statistics from the calibration engine
 
 
+def input_magnitude(observers: list["InputSampler"], routed: bool) -> torch.Tensor:
+    """mean |x| per input channel over what the mapping's quantized layers read: in a dense block
+    they read one tensor (q, k, v), so one layer's sample stands for all; in a block that routes
+    tokens, each expert reads its own subset, so every layer's sampled tokens count."""
+    if not routed:
+        return observers[0].inputs().abs().mean(0)
+    xs = [o.inputs() for o in observers]
+    return sum(x.abs().sum(0) for x in xs) / sum(x.shape[0] for x in xs)
+
+
 class InputSampler:
     """Keeps up to `per_batch` random tokens of each batch's input to one layer (padding excluded)."""
 
@@ -200,9 +210,7 @@ class AWQ(EngineOptions, QuantizationStage):
             prev = block.get_submodule(mapping.smooth)
             balance = [layers[n] for n in names]
             scaled = [block.get_submodule(b) for b in mapping.balance]  # and any other reader of prev (a router)
-            # the inputs the quantized layers read: one tensor for q, k, v; routed subsets for experts
-            X = seen[0].inputs() if len({o.tokens for o in seen}) == 1 else torch.cat([o.inputs() for o in seen])
-            mean_abs = X.abs().mean(0)
+            mean_abs = input_magnitude(seen, routed=routes_tokens(block))
             w_mean = weight_magnitude([get_weight(m) for m in balance], args.group_size) if self.duo_scaling else None
             saved = [p.detach().clone() for m in (prev, *scaled) for p in m.parameters(recurse=False)]
 
@@ -241,6 +249,15 @@ class AWQ(EngineOptions, QuantizationStage):
             return
         scales = global_scales(layers, args)  # NVFP4: one per fused group, of the scaled weights
         for name, module in layers.items():
+            if not observers[name].tokens:  # an expert no calibration token reached: nothing to search on
+                W = get_weight(module)
+                Q = quantize_weight(W, args, scales.get(name))
+                set_weight(module, Q)
+                ctx.layers.setdefault(name, {}).update({
+                    "stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
+                    "relative_error": relative_error(W, Q), "tokens": 0,
+                    "note": "no calibration token reached this layer (an expert the router never chose): round-to-nearest"})
+                continue
             X = observers[name].inputs()
             if name in input_scale:
                 X = X / input_scale[name]

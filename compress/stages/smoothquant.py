@@ -60,9 +60,10 @@ class SmoothQuant(EngineOptions, Stage):
     def observe(self, name: str, module: torch.nn.Module) -> ChannelMax:
         return ChannelMax()
 
-    def alpha_for(self, name: str, module: torch.nn.Module) -> float:
+    def alpha_for(self, layers: dict[str, torch.nn.Module]) -> float:
+        """The first override whose pattern matches any of a mapping's layers, else `alpha`."""
         for pattern, alpha in self.alpha_overrides.items():
-            if matches(pattern, name, module):
+            if any(matches(pattern, name, module) for name, module in layers.items()):
                 return alpha
         return self.alpha
 
@@ -73,7 +74,7 @@ class SmoothQuant(EngineOptions, Stage):
             maxima = [observers[n].max for n in names if observers[n].max is not None]  # an expert may see no token
             if not maxima:
                 continue
-            alpha = self.alpha_for(names[0], layers[names[0]])
+            alpha = self.alpha_for({n: layers[n] for n in names})
             act_max = torch.stack(maxima).amax(0)
             if not torch.isfinite(act_max).all():  # NaN scales would spread into the weights silently
                 raise CompressError(f"layer {names[0]}: non-finite calibration activations reach this layer "
