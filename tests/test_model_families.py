@@ -205,68 +205,58 @@ def test_engine_feeds_every_block_what_the_model_feeds_it(build):
     assert "untraced_layer_loop" not in summary
 
 
-def test_engine_replays_the_first_blocks_keywords_where_the_layer_loop_cannot_be_traced():
-    """A layer loop that unpacks a tuple from each block (older transformers) cannot run on
-    pass-through recorders; the engine then gives every block the first block's keywords, and
-    still feeds each block what the model does when those are all the same."""
-    from types import SimpleNamespace
+class ToyBlock(torch.nn.Module):
+    def __init__(self, returns_tuple: bool):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.returns_tuple = returns_tuple
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(8, 8)
+    def forward(self, hidden, scale=1.0, shift=0.0):
+        out = hidden + self.proj(hidden) * scale + shift
+        return (out, None) if self.returns_tuple else out
 
-        def forward(self, hidden, scale=None):
-            return hidden + self.proj(hidden) * scale, None
 
-    class Toy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.config = SimpleNamespace(model_type="toy")
-            self.embed = torch.nn.Embedding(16, 8)
-            self.layers = torch.nn.ModuleList(Block() for _ in range(3))
+class Toy(torch.nn.Module):
+    """Three ToyBlocks run by `loop(index, block, hidden)`: a layer loop of one's own making."""
 
-        def forward(self, input_ids):
-            hidden = self.embed(input_ids)
-            for layer in self.layers:
-                hidden, _ = layer(hidden, scale=torch.tensor(0.5))
-            return hidden
+    def __init__(self, loop, returns_tuple=False):
+        from types import SimpleNamespace
 
+        super().__init__()
+        self.config = SimpleNamespace(model_type="toy")
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(ToyBlock(returns_tuple) for _ in range(3))
+        self.loop = loop
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = self.loop(i, layer, hidden)
+        return hidden
+
+
+def _engine_on_toy(loop, returns_tuple=False) -> dict:
     torch.manual_seed(0)
-    model = Toy().eval()
+    model = Toy(loop, returns_tuple).eval()
     samples = [{"input_ids": torch.randint(0, 16, (1, 5))} for _ in range(2)]
     targets = {n: m for n, m in model.named_modules() if n.endswith("proj")}
-    summary = assert_engine_feeds_what_the_model_does(model, samples, targets, blocks_path="layers")
+    return assert_engine_feeds_what_the_model_does(model, samples, targets, blocks_path="layers")
+
+
+def test_engine_replays_the_first_blocks_keywords_where_the_layer_loop_cannot_be_traced():
+    """A layer loop that unpacks a tuple from each block (older transformers) cannot run on
+    pass-through recorders; the engine then gives every block the first block's keywords, says
+    so, and still feeds each block what the model does when those are all the same."""
+    def unpacking(i, layer, hidden):
+        hidden, _ = layer(hidden, scale=torch.tensor(0.5))  # a recorder's tensor of batch 1 does not unpack
+        return hidden
+
+    summary = _engine_on_toy(unpacking, returns_tuple=True)
     assert "first block's keywords (ValueError" in summary["untraced_layer_loop"]
 
 
 def test_engine_gives_each_block_only_the_keywords_the_model_gives_it():
     """A keyword the first block gets and a later one does not (nor the reverse) must not leak."""
-    from types import SimpleNamespace
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(8, 8)
-
-        def forward(self, hidden, scale=1.0, shift=0.0):
-            return hidden + self.proj(hidden) * scale + shift
-
-    class Toy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.config = SimpleNamespace(model_type="toy")
-            self.embed = torch.nn.Embedding(16, 8)
-            self.layers = torch.nn.ModuleList(Block() for _ in range(3))
-
-        def forward(self, input_ids):
-            hidden = self.embed(input_ids)
-            for i, layer in enumerate(self.layers):
-                hidden = layer(hidden, **({"scale": torch.tensor(0.5)} if i == 0 else {"shift": torch.tensor(2.0)}))
-            return hidden
-
-    torch.manual_seed(0)
-    model = Toy().eval()
-    samples = [{"input_ids": torch.randint(0, 16, (1, 5))} for _ in range(2)]
-    targets = {n: m for n, m in model.named_modules() if n.endswith("proj")}
-    assert_engine_feeds_what_the_model_does(model, samples, targets, blocks_path="layers")
+    summary = _engine_on_toy(lambda i, layer, hidden: layer(hidden, **({"scale": torch.tensor(0.5)} if i == 0
+                                                                         else {"shift": torch.tensor(2.0)})))
+    assert "untraced_layer_loop" not in summary
