@@ -124,6 +124,33 @@ stages:
         run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
 
 
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16"])
+def test_a_single_layer_mapping_is_scored_without_a_forward_as_with_one(scheme):
+    """AWQ scores v -> o or up -> down on the balance layer's own sampled inputs: the error must be
+    what scaling prev's rows and the layer's columns, then rounding the layer, really does to the
+    layer's output."""
+    from compress.mappings import apply_scales
+    from compress.schemes import resolve_scheme
+    from compress.stages.awq import scaled_layer_error
+    from compress.stages.rtn import global_scales, quantize_weight
+
+    args = resolve_scheme(scheme, {"group_size": 16} if scheme == "W4A16" else None, None).weights
+    X, W = outlier_layer(tokens=256)
+    torch.manual_seed(0)
+    prev, layer = torch.nn.Linear(64, 64), torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        layer.weight.copy_(W)
+    inputs = torch.randn(256, 64)
+    with torch.no_grad():
+        x, reference = prev(inputs), layer(prev(inputs))
+        s = x.abs().mean(0).pow(0.5)
+        apply_scales(prev, [layer], s)
+        g = global_scales({"layer": layer}, args).get("layer")
+        layer.weight.copy_(quantize_weight(layer.weight.detach().clone(), args, g))
+        measured = float((layer(prev(inputs)) - reference).pow(2).sum())
+    assert scaled_layer_error(x, W, s, args) == pytest.approx(measured, rel=1e-4)
+
+
 def outlier_layer(seed=0, tokens=512, width=64, outliers=(3, 17, 40)):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(tokens, width, generator=g)

@@ -43,7 +43,7 @@ from compress.engine import calibration_batches, resolve_batch_size, token_rows
 from compress.mappings import Mapping, apply_scales, in_block, mappings_for, require_exact
 from compress.moe import routes_tokens
 from compress.modeling import get_weight, set_weight
-from compress.quant import dequantize, quantize, range_qparams, relative_error
+from compress.quant import dequantize, nvfp4_global_scale, quantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext
 from compress.stages.rtn import global_scales, quantize_weight
@@ -128,6 +128,14 @@ def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 2
 
 # ---------------------------------------------------------------------------------------------
 # Statistics from the calibration engine
+
+
+def scaled_layer_error(X: torch.Tensor, W: torch.Tensor, s: torch.Tensor, args: QuantArgs) -> float:
+    """||X Wᵀ - (X/s) Q(W diag(s))ᵀ||² over the tokens of X [tokens, in]: one layer's output error
+    with its input columns scaled by s before rounding (X Wᵀ = (X/s)(W diag(s))ᵀ exactly)."""
+    Ws = W * s
+    g = nvfp4_global_scale(Ws.abs().amax()) if args.fp4_format == "nvfp4" else None
+    return output_error(X / s, Ws, quantize_weight(Ws, args, g))
 
 
 def input_magnitude(observers: list["InputSampler"], routed: bool) -> torch.Tensor:
@@ -219,25 +227,36 @@ class AWQ(EngineOptions, QuantizationStage):
                     for p, v in zip((p for m in (prev, *scaled) for p in m.parameters(recurse=False)), saved):
                         p.copy_(v)
 
-            if mapping.inspect not in references:
-                references[mapping.inspect] = runner.outputs(n_batches, mapping.inspect)
-            reference = references[mapping.inspect]
             errors = {}
             # s = 1 (plain round-to-nearest) is always a candidate, so AWQ never does worse on this score.
             candidates = {None: torch.ones_like(mean_abs), **dict(candidate_scales(mean_abs, self.grid, w_mean))}
-            for alpha, s in candidates.items():
-                apply_scales(prev, scaled, s)
-                scales = global_scales(dict(zip(names, balance)), args)  # NVFP4: of the scaled weights
-                for name, layer in zip(names, balance):
-                    set_weight(layer, quantize_weight(get_weight(layer), args, scales.get(name)))
-                out = runner.outputs(n_batches, mapping.inspect)
-                errors[alpha] = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
-                restore()
+            single = mapping.balance == [mapping.inspect] and len(names) == 1
+            check_batches = 1 if single else n_batches
+            if single:
+                # The inspected module is the one layer scaled (v -> o, up -> down, an expert's up ->
+                # down): its output error is a function of its own inputs, which its observer has
+                # sampled, so no candidate needs a forward through the block.
+                X = seen[0].inputs() / input_scale.get(names[0], 1.0)  # as the layer reads them now
+                W = get_weight(balance[0]).to(X.device)
+                errors = {alpha: scaled_layer_error(X, W, s.to(X.device), args) for alpha, s in candidates.items()}
+                reference = runner.outputs(check_batches, mapping.inspect)  # for the fold check below
+            else:
+                if mapping.inspect not in references:
+                    references[mapping.inspect] = runner.outputs(n_batches, mapping.inspect)
+                reference = references[mapping.inspect]
+                for alpha, s in candidates.items():
+                    apply_scales(prev, scaled, s)
+                    scales = global_scales(dict(zip(names, balance)), args)  # NVFP4: of the scaled weights
+                    for name, layer in zip(names, balance):
+                        set_weight(layer, quantize_weight(get_weight(layer), args, scales.get(name)))
+                    out = runner.outputs(n_batches, mapping.inspect)
+                    errors[alpha] = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
+                    restore()
             alpha = min(errors, key=errors.get)  # None: no scaling helped
             s = candidates[alpha]
             apply_scales(prev, scaled, s)
-            if alpha is not None:  # (on every batch scored: an expert's output exists only where tokens reach it)
-                require_exact(mapping, f"block {index}", reference, runner.outputs(n_batches, mapping.inspect),
+            if alpha is not None:  # (on the batches scored: an expert's output exists only where tokens reach it)
+                require_exact(mapping, f"block {index}", reference, runner.outputs(check_batches, mapping.inspect),
                               balance[0].weight.dtype)
             for n in names:
                 input_scale[n] = s  # these layers now read X / s (a smoothed op's row scaling needs nothing)
