@@ -18,7 +18,12 @@ does through the softmax, and an error in gate by what it does through SiLU and 
 mappings the inspected output's error is exactly the block's output error (the MLP's output is
 what it adds to the residual stream); for attention it leaves out how the MLP reacts, as
 published AWQ does (on ref-llama both choose the same α). The forward stops as soon as the
-inspected module has run, which saves the rest of the block per candidate.
+inspected module has run, which saves the rest of the block per candidate. Where the inspected
+module is the mapping's one scaled layer (v -> o, up -> down, an expert's up -> down) no forward
+is needed: the error is ||X Wᵀ - (X/s) Q(W diag(s))ᵀ||² on that layer's sampled inputs X.
+
+Every fold is checked on calibration batches (mappings.require_exact), so a map that is not exact
+for the model is refused rather than applied.
 
 Then, per layer, a clipping search: for each output row and group, shrink the quantization range
 to r · max (r from 1 down to 1 - max_shrink) and keep the r whose group output error is least.
