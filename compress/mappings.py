@@ -19,9 +19,9 @@ import re
 from typing import Optional
 
 import torch
-
 from pydantic import BaseModel, ConfigDict, Field
 
+from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 
 
@@ -121,8 +121,6 @@ def mappings_for(model: torch.nn.Module, override: list[Mapping] | None = None, 
         _, blocks = find_blocks(model, blocks_path)
         for mapping in override:  # a typo would otherwise leave the stage doing nothing, silently
             if not any(in_block([mapping], block) for block in blocks):
-                from compress.errors import CompressError
-
                 raise CompressError(f"mapping {mapping.smooth} -> {', '.join(mapping.balance)}"
                                     f"{f' (inspect {mapping.inspect})' if mapping.inspect else ''} names a module no block has; "
                                     f"{_describe_block(model)}", "use names inside a block, as listed")
@@ -130,8 +128,6 @@ def mappings_for(model: torch.nn.Module, override: list[Mapping] | None = None, 
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in TABLES:
-        from compress.errors import CompressError
-
         raise CompressError(f"no smoothing map for architecture '{model_type}'; {_describe_block(model)}",
                             "give the stage `mappings: [{smooth: <norm or layer>, balance: [<layers reading it>], "
                             "inspect: <module to score>}]` with names inside a block")
@@ -203,8 +199,6 @@ def require_exact(mapping: Mapping, where: str, before: list[torch.Tensor], afte
     per_token = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp(min=1e-12)
     change = float(per_token.median())
     if not change <= max(1e-3, 8 * torch.finfo(dtype).eps):
-        from compress.errors import CompressError
-
         raise CompressError(f"{where}: moving scales from {mapping.smooth} into {', '.join(mapping.balance)} changes "
                             f"the float model's output by {change:.1e} (relative, median over tokens), so this mapping "
                             "is not exact here", "fix or remove it in the stage's `mappings`: between the two there "
