@@ -23,6 +23,13 @@ MOE = {
 }
 
 
+def recipe_on(path, *stages: str, samples: int = 8):
+    """A recipe on `path`: the bundled calibration text in `samples` windows of 64 tokens, then `stages`."""
+    listed = "".join(f"  - {stage}\n" for stage in stages)
+    return parse_recipe(f"model: {path}\ncalibration: {{dataset: calibration/default.txt, num_samples: {samples}, "
+                        f"seq_len: 64}}\nstages:\n{listed}", "test")
+
+
 @pytest.fixture(params=list(MOE))
 def moe_model(request, tmp_path):
     torch.manual_seed(0)
@@ -48,12 +55,7 @@ def test_unfused_experts_compute_the_same(moe_model):
 
 def test_gptq_on_moe(moe_model, tmp_path):
     family, path, _ = moe_model
-    recipe = parse_recipe(f"""
-model: {path}
-calibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}
-stages:
-  - gptq: {{scheme: W4A16, weights: {{group_size: 16}}, min_tokens: 260}}
-""", "test")
+    recipe = recipe_on(path, "gptq: {scheme: W4A16, weights: {group_size: 16}, min_tokens: 260}")
     report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
     summary = report["stages"][0]["summary"]
     tokens = summary["expert_tokens"]
@@ -104,12 +106,7 @@ def test_smoothing_reaches_every_expert_and_keeps_the_router_exact(moe_model, tm
     """The MoE maps scale the router with the experts it feeds (unquantized, so routing stays the
     same), every expert's gate/up from the norm, and each expert's down from its own up."""
     family, path, model = moe_model
-    recipe = parse_recipe(f"""
-model: {path}
-calibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}
-stages:
-  - smoothquant: {{alpha: 0.5}}
-""", "test")
+    recipe = recipe_on(path, "smoothquant: {alpha: 0.5}")
     report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
     layers = report["layers"]
     for block in range(2):
@@ -131,12 +128,7 @@ stages:
 
 def test_awq_searches_scales_for_the_experts(moe_model, tmp_path):
     family, path, _ = moe_model
-    recipe = parse_recipe(f"""
-model: {path}
-calibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}
-stages:
-  - awq: {{scheme: W4A16, weights: {{group_size: 16}}, grid: 5, clip_grid: 4}}
-""", "test")
+    recipe = recipe_on(path, "awq: {scheme: W4A16, weights: {group_size: 16}, grid: 5, clip_grid: 4}")
     layers = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")["layers"]
     experts = {n: r for n, r in layers.items() if ".experts." in n}
     assert len(experts) == 2 * 4 * 3
@@ -158,13 +150,8 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest(moe_model, tmp_path, m
         return logits, (top / top.sum(-1, keepdim=True)).to(logits.dtype), idx
 
     monkeypatch.setattr(type(model.model.layers[0].mlp.gate), "forward", never_expert_3)
-    recipe = parse_recipe(f"""
-model: {path}
-calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 64}}
-stages:
-  - smoothquant: {{alpha: 0.5}}
-  - awq: {{scheme: W4A16, weights: {{group_size: 16}}, grid: 3, clip_grid: 2}}
-""", "test")
+    recipe = recipe_on(path, "smoothquant: {alpha: 0.5}", "awq: {scheme: W4A16, weights: {group_size: 16}, grid: 3, clip_grid: 2}",
+                       samples=4)
     layers = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")["layers"]
     for block in range(2):
         for part in ("gate_proj", "up_proj", "down_proj"):

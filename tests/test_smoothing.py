@@ -15,7 +15,7 @@ from compress.stages.awq import clip_search, output_error
 from compress.stages.smoothquant import smoothing_scales
 
 from tests.test_model_families import FAMILIES, NEWER_FAMILIES, V
-from tests.test_moe import MOE
+from tests.test_moe import MOE, recipe_on
 
 SMOOTHING_FAMILIES = {
     **FAMILIES,
@@ -63,12 +63,7 @@ def test_scaling_is_exact_before_quantization(family, stage, tmp_path):
                 if not p.any():  # Gemma's norms scale by 1 + weight, which starts at zero
                     p.uniform_(-0.5, 0.5)
     save(model, tmp_path / "in")
-    recipe = parse_recipe(f"""
-model: {tmp_path / 'in'}
-calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 64}}
-stages:
-  - {stage}
-""", "test")
+    recipe = recipe_on(tmp_path / "in", stage, samples=4)
     report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
     ids = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(1))
     before, after = outputs(tmp_path / "in", ids), outputs(tmp_path / "out", ids)
@@ -94,13 +89,8 @@ def test_a_mapping_that_is_not_exact_is_refused(tmp_path):
 
     torch.manual_seed(0)
     save(SMOOTHING_FAMILIES["llama"]().eval(), tmp_path / "in")
-    recipe = parse_recipe(f"""
-model: {tmp_path / 'in'}
-calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 64}}
-stages:
-  - smoothquant:
-      mappings: [{{smooth: mlp.gate_proj, balance: [mlp.down_proj], inspect: mlp.down_proj}}]
-""", "test")
+    recipe = recipe_on(tmp_path / "in", "smoothquant: {mappings: [{smooth: mlp.gate_proj, balance: [mlp.down_proj], "
+                                        "inspect: mlp.down_proj}]}", samples=4)
     with pytest.raises(CompressError, match=r"block 0: moving scales from mlp.gate_proj into mlp.down_proj changes .* not exact"):
         run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
     assert not (tmp_path / "out").exists()
@@ -111,14 +101,8 @@ def test_a_mapping_naming_no_module_is_refused_before_calibration(tmp_path):
 
     torch.manual_seed(0)
     save(SMOOTHING_FAMILIES["llama"]().eval(), tmp_path / "in")
-    recipe = parse_recipe(f"""
-model: {tmp_path / 'in'}
-calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 64}}
-stages:
-  - awq:
-      scheme: W4A16
-      mappings: [{{smooth: post_attention_layernorm, balance: [mlp.gate_proj, mlp.upproj]}}]
-""", "test")
+    recipe = recipe_on(tmp_path / "in", "awq: {scheme: W4A16, mappings: [{smooth: post_attention_layernorm, "
+                                        "balance: [mlp.gate_proj, mlp.upproj]}]}", samples=4)
     with pytest.raises(CompressError, match=r"post_attention_layernorm -> mlp.gate_proj, mlp.upproj names a module no "
                                              r"block has; block model.layers.0 holds .*mlp.up_proj \(Linear\)"):
         run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
@@ -217,13 +201,8 @@ def test_clip_search_picks_each_groups_best_ratio_by_its_output_error(args, toke
 def test_awq_then_gptq_in_one_recipe(tmp_path):
     torch.manual_seed(0)
     save(SMOOTHING_FAMILIES["llama-mha"]().eval(), tmp_path / "in")
-    recipe = parse_recipe(f"""
-model: {tmp_path / 'in'}
-calibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}
-stages:
-  - awq: {{scheme: W4A16, weights: {{group_size: 32}}, quantize: false, grid: 5}}
-  - gptq: {{scheme: W4A16, weights: {{group_size: 32}}}}
-""", "test")
+    recipe = recipe_on(tmp_path / "in", "awq: {scheme: W4A16, weights: {group_size: 32}, quantize: false, grid: 5}",
+                       "gptq: {scheme: W4A16, weights: {group_size: 32}}")
     report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
     assert [s["name"] for s in report["stages"]] == ["awq", "gptq"]
     layers = report["layers"]
@@ -234,12 +213,7 @@ stages:
 def test_awq_quantizes_and_reports(tmp_path):
     torch.manual_seed(0)
     save(SMOOTHING_FAMILIES["llama"]().eval(), tmp_path / "in")
-    recipe = parse_recipe(f"""
-model: {tmp_path / 'in'}
-calibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}
-stages:
-  - awq: {{scheme: W4A16_ASYM, weights: {{group_size: 32}}, grid: 5}}
-""", "test")
+    recipe = recipe_on(tmp_path / "in", "awq: {scheme: W4A16_ASYM, weights: {group_size: 32}, grid: 5}")
     report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
     layers = report["layers"]
     assert len(layers) == 14 and all(r["stage"] == "awq" and r["output_error"] > 0 for r in layers.values())
