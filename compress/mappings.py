@@ -205,6 +205,19 @@ def require_exact(mapping: Mapping, where: str, before: list[torch.Tensor], afte
                             "may be only linear operations (no activation other than ReLU, no norm with an unknown kind of weight)")
 
 
+def fold(mapping: Mapping, block: torch.nn.Module, scales: torch.Tensor, runner, where: str, batches: int = 1,
+         before: list[torch.Tensor] | None = None) -> None:
+    """Move `scales` from the mapping's smoothed op into every module of its balance list in `block`
+    (quantized later or not: a router too), then require_exact on the inspected module's outputs
+    over the first `batches` calibration batches of `runner` (an engine BlockRunner); `before`: those
+    outputs already taken on the unfolded block."""
+    if before is None:
+        before = runner.outputs(batches, mapping.inspect)
+    readers = [block.get_submodule(b) for b in mapping.balance]
+    apply_scales(block.get_submodule(mapping.smooth), readers, scales)
+    require_exact(mapping, where, before, runner.outputs(batches, mapping.inspect), readers[0].weight.dtype)
+
+
 @torch.no_grad()
 def weight_offset(norm: torch.nn.Module) -> float:
     """1 for a norm whose output is scaled by 1 + weight (Gemma's RMSNorm), 0 for one scaled by its

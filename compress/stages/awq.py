@@ -22,7 +22,7 @@ inspected module has run, which saves the rest of the block per candidate. Where
 module is the mapping's one scaled layer (v -> o, up -> down, an expert's up -> down) no forward
 is needed: the error is ||X Wᵀ - (X/s) Q(W diag(s))ᵀ||² on that layer's sampled inputs X.
 
-Every fold is checked on calibration batches (mappings.require_exact), so a map that is not exact
+Every fold is checked on calibration batches (mappings.fold), so a map that is not exact
 for the model is refused rather than applied.
 
 Then, per layer, a clipping search: for each output row and group, shrink the quantization range
@@ -45,7 +45,7 @@ import torch
 from pydantic import Field, PrivateAttr, model_validator
 
 from compress.engine import calibration_batches, resolve_batch_size, token_rows
-from compress.mappings import Mapping, apply_scales, in_block, mappings_for, require_exact
+from compress.mappings import Mapping, apply_scales, fold, in_block, mappings_for
 from compress.moe import routes_tokens
 from compress.modeling import get_weight, set_weight
 from compress.quant import dequantize, nvfp4_global_scale, quantize, range_qparams, relative_error
@@ -244,7 +244,7 @@ class AWQ(EngineOptions, QuantizationStage):
                 X = seen[0].inputs() / input_scale.get(names[0], 1.0)  # as the layer reads them now
                 W = get_weight(balance[0]).to(X.device)
                 errors = {alpha: scaled_layer_error(X, W, s.to(X.device), args) for alpha, s in candidates.items()}
-                reference = runner.outputs(check_batches, mapping.inspect)  # for the fold check below
+                reference = None  # the block is untouched: the fold check takes its own
             else:
                 if mapping.inspect not in references:
                     references[mapping.inspect] = runner.outputs(n_batches, mapping.inspect)
@@ -259,10 +259,8 @@ class AWQ(EngineOptions, QuantizationStage):
                     restore()
             alpha = min(errors, key=errors.get)  # None: no scaling helped
             s = candidates[alpha]
-            apply_scales(prev, scaled, s)
-            if alpha is not None:  # (on the batches scored: an expert's output exists only where tokens reach it)
-                require_exact(mapping, f"block {index}", reference, runner.outputs(check_batches, mapping.inspect),
-                              balance[0].weight.dtype)
+            if alpha is not None:  # checked on the batches scored (an expert's output exists only where tokens reach it)
+                fold(mapping, block, s, runner, f"block {index}", check_batches, before=reference)
             for n in names:
                 input_scale[n] = s  # these layers now read X / s (a smoothed op's row scaling needs nothing)
                 ctx.layers.setdefault(n, {}).update({"awq_alpha": alpha, "awq_smooth": prefix + mapping.smooth,

@@ -25,7 +25,7 @@ from pydantic import Field, PrivateAttr
 
 from compress.engine import token_rows
 from compress.errors import CompressError
-from compress.mappings import Mapping, apply_scales, in_block, mappings_for, require_exact
+from compress.mappings import Mapping, fold, in_block, mappings_for
 from compress.modeling import get_weight
 from compress.stages.base import EngineOptions, Stage, StageContext
 from compress.targets import matches, select_modules
@@ -80,11 +80,7 @@ class SmoothQuant(EngineOptions, Stage):
                 raise CompressError(f"layer {names[0]}: non-finite calibration activations reach this layer "
                                     "(NaN/Inf, or float16 overflow)", "check the model's weights, or load it in float32 (--dtype float32)")
             s = smoothing_scales(act_max, [get_weight(layers[n]).to(act_max.device) for n in names], alpha)
-            before = runner.outputs(1, mapping.inspect)  # one batch checks the fold (an expert it skips: unchecked)
-            # every reader of the smoothed op is scaled, quantized later or not (a router)
-            apply_scales(block.get_submodule(mapping.smooth), [block.get_submodule(b) for b in mapping.balance], s)
-            require_exact(mapping, f"block {index}", before, runner.outputs(1, mapping.inspect),
-                          layers[names[0]].weight.dtype)
+            fold(mapping, block, s, runner, f"block {index}")  # checked on one batch (an expert it skips: unchecked)
             for n in names:
                 ctx.layers.setdefault(n, {}).update({
                     "smoothquant_alpha": alpha, "smoothquant_smooth": prefix + mapping.smooth,
