@@ -4,15 +4,17 @@ should; heads keep GQA consistent; blocks go with their cache indices renumbered
 
 import pytest
 import torch
-from transformers import (AutoModel, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoModel, AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma2ForCausalLM,
+                          Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 from compress import modeling, parse_recipe, run_recipe
 from compress.calibration import build_calibration
 from compress.errors import CompressError
 from compress.stages.base import StageContext
 from compress.stages.structured import Structured, group_importance, keep_most_important, prune_inputs, prune_outputs
-from tests.test_model_families import FAMILIES, V
+from tests.test_model_families import FAMILIES, NEWER_FAMILIES, V
 
 CAL = "{dataset: calibration/default.txt, num_samples: 4, seq_len: 32}"
 
@@ -46,13 +48,14 @@ def weight_bytes(path):
 # ---------------------------------------------------------------------------------------------
 # mlp-channels on every family: smaller checkpoint, plain reload, same outputs
 
-MLP_WIDTH = {"llama": "intermediate_size", "opt": "ffn_dim", "gpt2": "n_inner", "bert": "intermediate_size"}
+MLP_WIDTH = {"llama": "intermediate_size", "opt": "ffn_dim", "gpt2": "n_inner", "bert": "intermediate_size",
+             "gemma3": "intermediate_size", "phi3": "intermediate_size"}
 
 
 @pytest.mark.parametrize("family", list(MLP_WIDTH))
 def test_mlp_channels_shrink_and_reload(family, tmp_path):
     torch.manual_seed(0)
-    path = save_tiny(FAMILIES[family]().eval(), tmp_path / family)
+    path = save_tiny({**FAMILIES, **NEWER_FAMILIES}[family]().eval(), tmp_path / family)
     width = 96 if family != "gpt2" else 4 * 64
     recipe = prune_recipe(path, "mlp-channels", 0.25)
     report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
@@ -197,6 +200,107 @@ def test_blocks_on_other_families(family, tmp_path):
     key = "last_hidden_state" if family == "bert" else "logits"
     with torch.no_grad():
         assert torch.equal(saved(input_ids=ids())[key], model(input_ids=ids())[key])
+
+
+# ---------------------------------------------------------------------------------------------
+# Newer layouts: Qwen3 and Gemma 3 (per-head q/k norms), Gemma 2 and 3 (norms after attention and
+# MLP, sliding-window layers beside global ones), Phi-3 ([gate; up] and [q; k; v] fused). In each,
+# a structure that contributes nothing is the one removed, and removing it changes nothing, in
+# memory, in generation and after a plain reload.
+
+NEWER = {"qwen3": (Qwen3ForCausalLM, Qwen3Config), "gemma": (GemmaForCausalLM, GemmaConfig),
+         "gemma2": (Gemma2ForCausalLM, Gemma2Config), "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig),
+         "phi3": (Phi3ForCausalLM, Phi3Config)}
+
+
+def tiny_newer(family: str, layers: int = 3):
+    cls, config = NEWER[family]
+    extra = {"head_dim": 16} if family != "phi3" else {}
+    if family in ("gemma2", "gemma3"):  # a window shorter than the inputs, so local and global layers differ
+        extra.update(sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"][:layers])
+    torch.manual_seed(0)
+    return cls(config(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=V, pad_token_id=0, bos_token_id=2, eos_token_id=1, **extra)).eval()
+
+
+def assert_unchanged_and_reloads(model, before, gen_before, prompt, path):
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids(length=24)).logits, before, rtol=0, atol=1e-5)
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), gen_before)
+    model.save_pretrained(path)
+    saved = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        assert torch.equal(saved(input_ids=ids(length=24)).logits, model(input_ids=ids(length=24)).logits)
+    return saved
+
+
+def outputs(model, prompt):
+    with torch.no_grad():
+        return model(input_ids=ids(length=24)).logits, model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", list(NEWER))
+def test_newer_layouts_mlp_channels(family, tmp_path):
+    model, prompt = tiny_newer(family, layers=2), ids(1, 6, seed=3)
+    for layer in model.model.layers:  # channel 7 never activates: act(0) · 0
+        mlp = layer.mlp
+        for w in ([mlp.gate_up_proj.weight] if family == "phi3" else [mlp.gate_proj.weight, mlp.up_proj.weight]):
+            w.data[7] = 0
+            if family == "phi3":
+                w.data[96 + 7] = 0  # its up row, in the second half
+    before, gen_before = outputs(model, prompt)
+    ctx = calib_ctx()
+    Structured(structure="mlp-channels", ratio=1 / 96).apply(model, ctx)
+    for i, layer in enumerate(model.model.layers):
+        assert ctx.layers[f"model.layers.{i}.mlp.down_proj"]["kept_channels"] == [c for c in range(96) if c != 7]
+        assert layer.mlp.down_proj.weight.shape == (64, 95)
+        if family == "phi3":
+            assert layer.mlp.gate_up_proj.weight.shape == (190, 64)
+    saved = assert_unchanged_and_reloads(model, before, gen_before, prompt, tmp_path)
+    assert saved.config.intermediate_size == 95
+
+
+@pytest.mark.parametrize("family", list(NEWER))
+def test_newer_layouts_heads(family, tmp_path):
+    model, prompt = tiny_newer(family, layers=2), ids(1, 6, seed=3)
+    for layer in model.model.layers:  # KV head 1 carries zero values: its query heads 2, 3 output nothing
+        a = layer.self_attn
+        if family == "phi3":
+            a.qkv_proj.weight.data[64 + 32 + 16: 64 + 32 + 32] = 0  # [q (4·16); k (2·16); v (2·16)]
+        else:
+            a.v_proj.weight.data[16:32] = 0
+    before, gen_before = outputs(model, prompt)
+    summary = Structured(structure="heads", ratio=0.5).apply(model, calib_ctx())
+    assert summary["kept_per_block"].startswith("1 of 2 KV groups")
+    c = model.config
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (2, 1, 16)
+    for layer in model.model.layers:
+        a = layer.self_attn
+        assert a.o_proj.weight.shape == (64, 32)
+        if family == "phi3":
+            assert a.qkv_proj.weight.shape == (32 + 16 + 16, 64)
+        else:
+            assert a.q_proj.weight.shape == (32, 64) and a.k_proj.weight.shape == a.v_proj.weight.shape == (16, 64)
+    saved = assert_unchanged_and_reloads(model, before, gen_before, prompt, tmp_path)
+    assert (saved.config.num_attention_heads, saved.config.num_key_value_heads) == (2, 1)
+
+
+@pytest.mark.parametrize("family", list(NEWER))
+def test_newer_layouts_blocks(family, tmp_path):
+    model, prompt = tiny_newer(family, layers=3), ids(1, 6, seed=3)
+    block = model.model.layers[1]  # writes nothing to the residual stream (Gemma 2/3 normalize zero to zero)
+    block.self_attn.o_proj.weight.data.zero_()
+    block.mlp.down_proj.weight.data.zero_()
+    types = getattr(model.config, "layer_types", None)
+    before, gen_before = outputs(model, prompt)
+    summary = Structured(structure="blocks", ratio=0.34).apply(model, calib_ctx())
+    assert summary["removed_blocks"] == [1]
+    assert model.config.num_hidden_layers == len(model.model.layers) == 2
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1]
+    if types is not None:  # the kept layers keep their kind (the sliding one after the cut stays sliding)
+        assert model.config.layer_types == [types[0], types[2]]
+    saved = assert_unchanged_and_reloads(model, before, gen_before, prompt, tmp_path)
+    assert saved.config.num_hidden_layers == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,9 +25,10 @@ cache) and `config.layer_types`. The new config is first checked by transformers
 (LlamaConfig, for one, wants hidden_size to be a multiple of the query heads), so a ratio that
 would give an unloadable checkpoint is refused, with the ratios that work, before any work.
 
-Supported: mlp-channels and blocks on Llama, Mistral, Qwen2, GPT-2, OPT and BERT; heads on Llama,
-Mistral and Qwen2 (GPT-2, OPT and BERT derive the head size from the hidden size, so a config
-with fewer heads cannot say what remains).
+Supported: mlp-channels and blocks on Llama, Mistral, Qwen2, Qwen3, Gemma 1-3, Phi-3, GPT-2, OPT
+and BERT; heads on all but the last three (GPT-2, OPT and BERT derive the head size from the
+hidden size, so a config with fewer heads cannot say what remains). Phi-3 stacks gate and up in
+one layer, and q, k and v in another: the kept channels and heads are cut from each part.
 
 Why a plain forward pass with hooks and not the layer-by-layer engine: Minitron ranks every
 structure on the unpruned model in one pass, depth ranking needs every block's score before any
@@ -132,6 +133,9 @@ class Family:
     mlp_out: str  # the layer whose input features are the MLP channels
     mlp_width: str  # config key of the MLP width
     attention: Optional[tuple[str, str, str, str]] = None  # q, k, v, o; None: heads cannot be pruned
+    # Phi-3: mlp_in is one layer with gate and up stacked ([gate; up] output rows), and q, k and v
+    # name one layer with [q; k; v] rows
+    fused: bool = False
 
 
 _LLAMA = Family(("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj", "intermediate_size",
@@ -140,6 +144,12 @@ FAMILIES = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
+    "qwen3": _LLAMA,  # q_norm and k_norm act within a head: unchanged by removing heads
+    "gemma": _LLAMA,
+    "gemma2": _LLAMA,
+    "gemma3_text": _LLAMA,
+    "phi3": Family(("mlp.gate_up_proj",), "mlp.down_proj", "intermediate_size",
+                   ("self_attn.qkv_proj",) * 3 + ("self_attn.o_proj",), fused=True),
     "gpt2": Family(("mlp.c_fc",), "mlp.c_proj", "n_inner"),
     "opt": Family(("fc1",), "fc2", "ffn_dim"),
     "bert": Family(("intermediate.dense",), "output.dense", "intermediate_size"),
@@ -369,8 +379,10 @@ class Structured(Stage):
     def _prune_mlp(self, blocks, path: str, family: Family, stats: _Stats, n_remove: int, ctx: StageContext) -> None:
         for b, block in enumerate(blocks):
             keep = keep_most_important(channel_importance(stats.sums[b], stats.tokens[b]), n_remove)
+            width = len(keep) + n_remove
+            rows = torch.cat([keep, keep + width]) if family.fused else keep  # [gate; up] stacked
             for name in family.mlp_in:
-                prune_outputs(block.get_submodule(name), keep)
+                prune_outputs(block.get_submodule(name), rows)
             down = block.get_submodule(family.mlp_out)
             prune_inputs(down, keep)
             mlp = block.get_submodule(family.mlp_out.rsplit(".", 1)[0]) if "." in family.mlp_out else block
@@ -389,9 +401,12 @@ class Structured(Stage):
             q_heads = (groups[:, None] * n_rep + torch.arange(n_rep)[None, :]).reshape(-1)
             q_rows, kv_rows = rows_of(q_heads, d), rows_of(groups, d)
             q, k, v, o = (block.get_submodule(n) for n in family.attention)
-            prune_outputs(q, q_rows)
-            prune_outputs(k, kv_rows)
-            prune_outputs(v, kv_rows)
+            if family.fused:  # one layer, [q; k; v] rows: heads · d, then kv · d twice
+                prune_outputs(q, torch.cat([q_rows, heads * d + kv_rows, (heads + kv) * d + kv_rows]))
+            else:
+                prune_outputs(q, q_rows)
+                prune_outputs(k, kv_rows)
+                prune_outputs(v, kv_rows)
             prune_inputs(o, q_rows)
             attn = block.get_submodule(family.attention[0].rsplit(".", 1)[0])
             for attr, value in (("num_heads", len(q_heads)), ("num_attention_heads", len(q_heads)),
