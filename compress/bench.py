@@ -280,6 +280,16 @@ class Setup:
     def data(self, rel: str) -> str:
         return str((self.shared / "data" / rel).resolve())
 
+    def calibration_file_tokens(self) -> dict[str, int]:
+        """Tokens of each ref-llama calibration file (ref-llama's tokenizer, no special tokens, as
+        the windows are cut): shows which files the first windows really come from."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.ref_llama)
+        files = self.calibration("ref-llama")["dataset"]
+        return {Path(f).parent.name + "/" + Path(f).name:
+                len(tokenizer(Path(f).read_text(encoding="utf-8"), add_special_tokens=False, verbose=False)["input_ids"]) for f in files}
+
     @property
     def ref_llama(self) -> str:
         return str((self.shared / "models" / "ref-llama").resolve())
@@ -813,6 +823,7 @@ def render(results: list[dict], meta: dict) -> str:
             "",
             f"Calibration: `tinyshakespeare/train.txt` then `wikitext-2/train.txt` concatenated, first "
             f"{s['ll_calib_samples']} windows of 256 tokens (built for every row; used by every row that calibrates: static activations, GPTQ, AWQ, SmoothQuant, Wanda, SparseGPT, structured). "
+            + _calibration_domain(s) +
             f"Evaluation: `tinyshakespeare/test.txt` (TS) and `wikitext-2/test.txt` (WT2) each on its own, "
             f"256-token windows, first {s['ll_eval_windows']} windows (TS has only 88). KL = mean KL(p_base ‖ p_quantized) "
             "per position (nats); top-1 = share of positions where both models pick the same next token; "
@@ -931,6 +942,19 @@ def render(results: list[dict], meta: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _calibration_domain(setup: dict) -> str:
+    """Which corpus the ref-llama calibration windows come from: the first file alone may hold them all."""
+    counts = setup.get("ll_calibration_file_tokens")
+    if not counts:
+        return ""
+    first, n = next(iter(counts.items()))
+    needed = setup["ll_calib_samples"] * 256
+    if n < needed:
+        return f"(`{first}` holds {n:,} tokens, the first {n // 256} windows; the rest come from the next file.) "
+    return (f"`{first}` alone holds {n:,} tokens, more than the {needed:,} the windows take, so every calibration "
+            "window is Tiny Shakespeare: WT2 lies outside the calibration domain of every calibrated row. ")
 
 
 def _ll_ratios(ll: list[dict]) -> list[str]:
@@ -1754,8 +1778,9 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "device": args.device,
         "output": str(args.output),
-        "setup": {k: getattr(setup, k) for k in ("ll_calib_samples", "ll_eval_windows", "enc_calib_samples",
-                                                   "enc_eval_sentences", "mem_calib_samples")},
+        "setup": {**{k: getattr(setup, k) for k in ("ll_calib_samples", "ll_eval_windows", "enc_calib_samples",
+                                                      "enc_eval_sentences", "mem_calib_samples")},
+                  "ll_calibration_file_tokens": setup.calibration_file_tokens()},
     }
     (args.out_dir / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
     write_outputs(results, meta, args.output)
