@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import (AutoModel, AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma2ForCausalLM,
                           Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig,
-                          LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from compress import modeling, parse_recipe, run_recipe
 from compress.calibration import build_calibration
@@ -211,11 +212,18 @@ def test_blocks_on_other_families(family, tmp_path):
 NEWER = {"qwen3": (Qwen3ForCausalLM, Qwen3Config), "gemma": (GemmaForCausalLM, GemmaConfig),
          "gemma2": (Gemma2ForCausalLM, Gemma2Config), "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig),
          "phi3": (Phi3ForCausalLM, Phi3Config)}
+MOE = {"mixtral": (MixtralForCausalLM, MixtralConfig, {"num_local_experts": 4}),
+       # every other layer has experts: which kept layers do must be rewritten when blocks go
+       "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig, {"num_experts": 4, "moe_intermediate_size": 48,
+                                                           "shared_expert_intermediate_size": 96, "decoder_sparse_step": 2}),
+       "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, {"num_experts": 4, "moe_intermediate_size": 48})}
 
 
 def tiny_newer(family: str, layers: int = 3):
-    cls, config = NEWER[family]
-    extra = {"head_dim": 16} if family != "phi3" else {}
+    cls, config, extra = (*NEWER[family], {}) if family in NEWER else MOE[family]
+    extra = {**extra, "head_dim": 16} if family != "phi3" else {}
+    if family in MOE:
+        extra["num_experts_per_tok"] = 2
     if family in ("gemma2", "gemma3"):  # a window shorter than the inputs, so local and global layers differ
         extra.update(sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"][:layers])
     torch.manual_seed(0)
@@ -260,7 +268,7 @@ def test_newer_layouts_mlp_channels(family, tmp_path):
     assert saved.config.intermediate_size == 95
 
 
-@pytest.mark.parametrize("family", list(NEWER))
+@pytest.mark.parametrize("family", list(NEWER) + list(MOE))
 def test_newer_layouts_heads(family, tmp_path):
     model, prompt = tiny_newer(family, layers=2), ids(1, 6, seed=3)
     for layer in model.model.layers:  # KV head 1 carries zero values: its query heads 2, 3 output nothing
@@ -285,22 +293,34 @@ def test_newer_layouts_heads(family, tmp_path):
     assert (saved.config.num_attention_heads, saved.config.num_key_value_heads) == (2, 1)
 
 
-@pytest.mark.parametrize("family", list(NEWER))
+@pytest.mark.parametrize("family", list(NEWER) + list(MOE))
 def test_newer_layouts_blocks(family, tmp_path):
     model, prompt = tiny_newer(family, layers=3), ids(1, 6, seed=3)
-    block = model.model.layers[1]  # writes nothing to the residual stream (Gemma 2/3 normalize zero to zero)
+    # Qwen2-MoE here: block 0 dense, 1 with experts, 2 dense; dropping block 0 leaves experts first
+    drop = 0 if family == "qwen2_moe" else 1
+    block = model.model.layers[drop]  # writes nothing to the residual stream (Gemma 2/3 normalize zero to zero)
     block.self_attn.o_proj.weight.data.zero_()
-    block.mlp.down_proj.weight.data.zero_()
+    for name, p in block.mlp.named_parameters():
+        if "down_proj" in name:  # the MLP's, or every expert's and the shared expert's
+            p.data.zero_()
     types = getattr(model.config, "layer_types", None)
     before, gen_before = outputs(model, prompt)
     summary = Structured(structure="blocks", ratio=0.34).apply(model, calib_ctx())
-    assert summary["removed_blocks"] == [1]
+    assert summary["removed_blocks"] == [drop]
+    kept = [i for i in range(3) if i != drop]
     assert model.config.num_hidden_layers == len(model.model.layers) == 2
     assert [layer.self_attn.layer_idx for layer in model.model.layers] == [0, 1]
     if types is not None:  # the kept layers keep their kind (the sliding one after the cut stays sliding)
-        assert model.config.layer_types == [types[0], types[2]]
+        assert model.config.layer_types == [types[i] for i in kept]
+    if family == "qwen2_moe":
+        assert (model.config.mlp_only_layers, model.config.decoder_sparse_step) == ([1], 1)
     saved = assert_unchanged_and_reloads(model, before, gen_before, prompt, tmp_path)
     assert saved.config.num_hidden_layers == 2
+
+
+def test_mixture_of_experts_mlp_channels_are_refused():
+    with pytest.raises(CompressError, match="mlp-channels pruning is not supported for the mixture-of-experts 'mixtral'.*heads or blocks"):
+        Structured(structure="mlp-channels", ratio=0.25).apply(tiny_newer("mixtral"), calib_ctx())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,8 +360,8 @@ def test_unsupported_combinations_name_the_architecture():
     with pytest.raises(CompressError, match="heads pruning is not supported for 'gpt2'.*heads: llama"):
         Structured(structure="heads", ratio=0.25).apply(FAMILIES["gpt2"]().eval(), calib_ctx())
     model = tiny_llama()
-    model.config.model_type = "mixtral"
-    with pytest.raises(CompressError, match="architecture 'mixtral' is not supported"):
+    model.config.model_type = "falcon"
+    with pytest.raises(CompressError, match="architecture 'falcon' is not supported"):
         Structured(structure="mlp-channels", ratio=0.25).apply(model, calib_ctx())
 
 

@@ -28,7 +28,9 @@ would give an unloadable checkpoint is refused, with the ratios that work, befor
 Supported: mlp-channels and blocks on Llama, Mistral, Qwen2, Qwen3, Gemma 1-3, Phi-3, GPT-2, OPT
 and BERT; heads on all but the last three (GPT-2, OPT and BERT derive the head size from the
 hidden size, so a config with fewer heads cannot say what remains). Phi-3 stacks gate and up in
-one layer, and q, k and v in another: the kept channels and heads are cut from each part.
+one layer, and q, k and v in another: the kept channels and heads are cut from each part. The
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE take heads and blocks (their experts' MLPs
+stay whole); removing blocks rewrites which of the kept layers have a dense MLP.
 
 Why a plain forward pass with hooks and not the layer-by-layer engine: Minitron ranks every
 structure on the unpruned model in one pass, depth ranking needs every block's score before any
@@ -130,8 +132,8 @@ def non_embedding_parameters(model: torch.nn.Module) -> int:
 @dataclass(frozen=True)
 class Family:
     mlp_in: tuple[str, ...]  # layers whose output features are the MLP channels
-    mlp_out: str  # the layer whose input features are the MLP channels
-    mlp_width: str  # config key of the MLP width
+    mlp_out: Optional[str]  # the layer whose input features are the MLP channels; None: not prunable
+    mlp_width: Optional[str]  # config key of the MLP width
     attention: Optional[tuple[str, str, str, str]] = None  # q, k, v, o; None: heads cannot be pruned
     # Phi-3: mlp_in is one layer with gate and up stacked ([gate; up] output rows), and q, k and v
     # name one layer with [q; k; v] rows
@@ -150,6 +152,10 @@ FAMILIES = {
     "gemma3_text": _LLAMA,
     "phi3": Family(("mlp.gate_up_proj",), "mlp.down_proj", "intermediate_size",
                    ("self_attn.qkv_proj",) * 3 + ("self_attn.o_proj",), fused=True),
+    # Mixture of experts: Llama's attention; the experts' MLPs are left whole (heads and blocks only)
+    "mixtral": Family((), None, None, _LLAMA.attention),
+    "qwen2_moe": Family((), None, None, _LLAMA.attention),
+    "qwen3_moe": Family((), None, None, _LLAMA.attention),
     "gpt2": Family(("mlp.c_fc",), "mlp.c_proj", "n_inner"),
     "opt": Family(("fc1",), "fc2", "ffn_dim"),
     "bert": Family(("intermediate.dense",), "output.dense", "intermediate_size"),
@@ -269,11 +275,9 @@ class Structured(Stage):
             details["kept_blocks"] = f"{len(keep)} of {total}"
             details["removed_blocks"] = [i for i in range(total) if i not in keep]
             details["block_importance"] = [round(float(s), 5) for s in scores]
-        layer_types = getattr(config, "layer_types", None)
-        for key, value in changes(n_remove).items():
+        per_layer = per_layer_config(config, keep) if self.structure == "blocks" else {}
+        for key, value in {**changes(n_remove), **per_layer}.items():
             setattr(config, key, value)
-        if self.structure == "blocks" and isinstance(layer_types, list):
-            config.layer_types = [layer_types[i] for i in keep]  # Qwen2: full or sliding, per layer
 
         after, after_ne = sum(p.numel() for p in model.parameters()), non_embedding_parameters(model)
         return {
@@ -304,6 +308,10 @@ class Structured(Stage):
             raise CompressError(f"stage structured: heads pruning is not supported for '{model_type}': {_NO_HEADS_WHY} "
                                 f"(heads: {', '.join(_HEADS)}; mlp-channels and blocks: {', '.join(FAMILIES)})",
                                 "prune mlp-channels or blocks instead")
+        if self.structure == "mlp-channels" and family.mlp_out is None:
+            raise CompressError(f"stage structured: mlp-channels pruning is not supported for the mixture-of-experts "
+                                f"'{model_type}': its MLPs are experts, each of its own width in one fused tensor",
+                                "prune heads or blocks instead")
         return family
 
     def _check_earlier_stages(self, blocks, path: str, family: Family, config, ctx: StageContext) -> None:
@@ -332,10 +340,8 @@ class Structured(Stage):
             n_rep = config.num_attention_heads // config.num_key_value_heads
             return {"num_attention_heads": (total - n_remove) * n_rep, "num_key_value_heads": total - n_remove,
                     "head_dim": _head_dim(blocks[0].get_submodule(family.attention[0].rsplit(".", 1)[0]), config)}
-        changes = {"num_hidden_layers": total - n_remove}
-        if isinstance(getattr(config, "layer_types", None), list):
-            changes["layer_types"] = config.layer_types[: total - n_remove]  # the kept ones, once ranked
-        return changes
+        # per-layer values for the first blocks stand in for the kept ones, known once ranked
+        return {"num_hidden_layers": total - n_remove, **per_layer_config(config, list(range(total - n_remove)))}
 
     # -- the pass over the calibration set
 
@@ -439,6 +445,22 @@ class Structured(Stage):
             renamed[name] = rec
         ctx.layers.clear()
         ctx.layers.update(renamed)
+
+
+def per_layer_config(config, keep: list[int]) -> dict:
+    """Config values indexed by layer, for the kept blocks `keep` (old indices, in order): each
+    layer's attention kind (`layer_types`: full or sliding), and for Qwen's mixture-of-experts which
+    layers have a dense MLP (`mlp_only_layers`, plus every layer off the `decoder_sparse_step`
+    period, rewritten as an explicit list with step 1, since the kept layers need not stay periodic)."""
+    out = {}
+    if isinstance(getattr(config, "layer_types", None), list):
+        out["layer_types"] = [config.layer_types[i] for i in keep]
+    if isinstance(getattr(config, "mlp_only_layers", None), list) and isinstance(getattr(config, "decoder_sparse_step", None), int):
+        def dense(i: int) -> bool:
+            return i in config.mlp_only_layers or not (config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0)
+        out["mlp_only_layers"] = [new for new, old in enumerate(keep) if dense(old)]
+        out["decoder_sparse_step"] = 1
+    return out
 
 
 def _head_dim(attention: torch.nn.Module, config) -> int:
