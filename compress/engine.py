@@ -160,6 +160,31 @@ class BlockRunner:
         return captured
 
 
+    @torch.no_grad()
+    def outputs_of(self, modules: list[str], limit: int | None = None) -> dict[str, list[torch.Tensor]]:
+        """outputs(limit, module) for several sub-modules at once, from whole forwards of the block:
+        one pass serves them all (a block's experts). A module that a batch does not reach (an
+        expert no token was routed to) has no entry for it."""
+        n = len(self.records) if limit is None else min(limit, len(self.records))
+        captured: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
+        current = [0]
+
+        def hook_for(name: str):
+            def hook(_module, _inputs, output):
+                captured[name].append(token_rows((_block_output(output),), self.records[current[0]].mask))
+            return hook
+
+        handles = [self.block.get_submodule(name).register_forward_hook(hook_for(name)) for name in captured]
+        try:
+            for j in range(n):
+                current[0] = j
+                self.block(self.store.get(j), **self.kwargs(j))
+        finally:
+            for handle in handles:
+                handle.remove()
+        return captured
+
+
 class _StopForward(Exception):
     """Ends a forward early: once the last block's keywords are recorded, or a layer has run."""
 

@@ -19,7 +19,7 @@ import re
 from typing import Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
@@ -39,6 +39,9 @@ class Mapping(BaseModel):
     smooth: str = Field(..., description="module inside the block whose output is divided by the scales")
     balance: list[str] = Field(..., min_length=1, description="layers inside the block whose input columns are multiplied")
     inspect: Optional[str] = Field(None, description="module inside the block whose output AWQ scores (default: the whole block)")
+    # Made by in_block from a `*` in `smooth`: one of several parallel branches (an expert's own
+    # up -> down), whose fold cannot change another branch's inspected output (see fold_branches).
+    _branch: bool = PrivateAttr(False)
 
 
 def _m(smooth: str, *balance: str, inspect: str, needs_mha: bool = False) -> tuple[Mapping, bool]:
@@ -150,9 +153,11 @@ def in_block(mappings: list[Mapping], block: torch.nn.Module) -> list[Mapping]:
     for mapping in mappings:
         if "*" in mapping.smooth:
             for _, part in matches(mapping.smooth):
-                out.append(Mapping(smooth=mapping.smooth.replace("*", part),
-                                   balance=[b.replace("*", part) for b in mapping.balance],
-                                   inspect=mapping.inspect.replace("*", part) if mapping.inspect else None))
+                branch = Mapping(smooth=mapping.smooth.replace("*", part),
+                                 balance=[b.replace("*", part) for b in mapping.balance],
+                                 inspect=mapping.inspect.replace("*", part) if mapping.inspect else None)
+                branch._branch = branch.inspect is not None
+                out.append(branch)
         else:
             expanded = [matches(b) if "*" in b else [(b, "")] for b in mapping.balance]
             if all(expanded):  # an entry matching nothing (experts this block lacks): not this block's map
@@ -216,6 +221,24 @@ def fold(mapping: Mapping, block: torch.nn.Module, scales: torch.Tensor, runner,
     readers = [block.get_submodule(b) for b in mapping.balance]
     apply_scales(block.get_submodule(mapping.smooth), readers, scales)
     require_exact(mapping, where, before, runner.outputs(batches, mapping.inspect), readers[0].weight.dtype)
+
+
+def fold_branches(folds: list[tuple[Mapping, torch.Tensor]], block: torch.nn.Module, runner, where: str,
+                  batches: int = 1) -> None:
+    """fold for mappings on parallel branches of the block (Mapping._branch: one per expert), each
+    still checked on its own inspected module. A branch's fold changes nothing that another
+    branch's inspected module reads, so two forwards of the block check them all, where one fold
+    at a time takes two forwards each: hundreds per block in a model with many experts."""
+    if not folds:
+        return
+    inspected = [mapping.inspect for mapping, _ in folds]
+    before = runner.outputs_of(inspected, batches)
+    for mapping, scales in folds:
+        apply_scales(block.get_submodule(mapping.smooth), [block.get_submodule(b) for b in mapping.balance], scales)
+    after = runner.outputs_of(inspected, batches)
+    for mapping, _ in folds:
+        require_exact(mapping, where, before[mapping.inspect], after[mapping.inspect],
+                      block.get_submodule(mapping.balance[0]).weight.dtype)
 
 
 @torch.no_grad()

@@ -126,6 +126,20 @@ def test_smoothing_reaches_every_expert_and_keeps_the_router_exact(moe_model, tm
     assert (a - b).norm() / a.norm() < 1e-4
 
 
+@pytest.mark.parametrize("stage", ["smoothquant: {alpha: 0.5, ", "awq: {scheme: W4A16, weights: {group_size: 16}, grid: 3, "])
+def test_experts_folds_are_checked_each_on_its_own_output(moe_model, stage, tmp_path):
+    """The experts' own folds are checked together (two forwards of the block, not two per expert),
+    but each on its own inspected output: one through SiLU (gate -> down) is still refused, named."""
+    from compress.errors import CompressError
+
+    family, path, _ = moe_model
+    wrong = "mappings: [{smooth: mlp.experts.*.gate_proj, balance: [mlp.experts.*.down_proj], inspect: mlp.experts.*.down_proj}]}"
+    with pytest.raises(CompressError, match=r"block 0: moving scales from mlp\.experts\.\d\.gate_proj into "
+                                            r"mlp\.experts\.\d\.down_proj changes .* not exact"):
+        run_recipe(recipe_on(path, stage + wrong, samples=4), output=str(tmp_path / "out"), device="cpu")
+    assert not (tmp_path / "out").exists()
+
+
 def test_awq_searches_scales_for_the_experts(moe_model, tmp_path):
     family, path, _ = moe_model
     recipe = recipe_on(path, "awq: {scheme: W4A16, weights: {group_size: 16}, grid: 5, clip_grid: 4}")

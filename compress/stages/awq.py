@@ -22,8 +22,8 @@ inspected module has run, which saves the rest of the block per candidate. Where
 module is the mapping's one scaled layer (v -> o, up -> down, an expert's up -> down) no forward
 is needed: the error is ||X Wᵀ - (X/s) Q(W diag(s))ᵀ||² on that layer's sampled inputs X.
 
-Every fold is checked on calibration batches (mappings.fold), so a map that is not exact
-for the model is refused rather than applied.
+Every fold is checked on calibration batches (mappings.fold; the experts' own up -> down together,
+mappings.fold_branches), so a map that is not exact for the model is refused rather than applied.
 
 Then, per layer, a clipping search: for each output row and group, shrink the quantization range
 to r · max (r from 1 down to 1 - max_shrink) and keep the r whose group output error is least.
@@ -45,7 +45,7 @@ import torch
 from pydantic import Field, PrivateAttr, model_validator
 
 from compress.engine import calibration_batches, resolve_batch_size, token_rows
-from compress.mappings import Mapping, apply_scales, fold, in_block, mappings_for
+from compress.mappings import Mapping, apply_scales, fold, fold_branches, in_block, mappings_for
 from compress.moe import routes_tokens
 from compress.modeling import get_weight, set_weight
 from compress.quant import dequantize, nvfp4_global_scale, quantize, range_qparams, relative_error
@@ -213,6 +213,7 @@ class AWQ(EngineOptions, QuantizationStage):
         tokens_per_batch = max(1, next(iter(observers.values())).tokens // max(1, len(runner)))
         n_batches = max(1, -(-self.max_tokens // tokens_per_batch))  # enough batches for max_tokens
         references: dict = {}  # the float outputs of each inspected module (None: the block)
+        branch_folds = []  # experts' own up -> down: folded and checked together, after the rest
         originals = {n: get_weight(m) for n, m in layers.items()}  # for the round-to-nearest comparison
         original_scales = global_scales(layers, args)  # NVFP4's, of the unscaled weights
         for mapping in in_block(self._mappings, block):
@@ -259,7 +260,9 @@ class AWQ(EngineOptions, QuantizationStage):
                     restore()
             alpha = min(errors, key=errors.get)  # None: no scaling helped
             s = candidates[alpha]
-            if alpha is not None:  # checked on the batches scored (an expert's output exists only where tokens reach it)
+            if alpha is not None and mapping._branch:
+                branch_folds.append((mapping, s))  # scored without a forward; no other mapping reads its layers
+            elif alpha is not None:  # checked on the batches scored (an expert's output exists only where tokens reach it)
                 fold(mapping, block, s, runner, f"block {index}", check_batches, before=reference)
             for n in names:
                 input_scale[n] = s  # these layers now read X / s (a smoothed op's row scaling needs nothing)
@@ -267,6 +270,7 @@ class AWQ(EngineOptions, QuantizationStage):
                                                      "awq_block_error": errors[alpha], "awq_rtn_block_error": errors[None]})
             ctx.progress(f"block {index + 1}: {mapping.smooth} -> {', '.join(mapping.balance)} α={alpha} "
                          f"err {errors[alpha]:.3g} (rtn {errors[None]:.3g})", 0, 1)
+        fold_branches(branch_folds, block, runner, f"block {index}")
         if not self.quantize:
             return
         scales = global_scales(layers, args)  # NVFP4: one per fused group, of the scaled weights

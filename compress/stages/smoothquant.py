@@ -25,7 +25,7 @@ from pydantic import Field, PrivateAttr
 
 from compress.engine import token_rows
 from compress.errors import CompressError
-from compress.mappings import Mapping, fold, in_block, mappings_for
+from compress.mappings import Mapping, fold, fold_branches, in_block, mappings_for
 from compress.modeling import get_weight
 from compress.stages.base import EngineOptions, Stage, StageContext
 from compress.targets import matches, select_modules
@@ -69,6 +69,7 @@ class SmoothQuant(EngineOptions, Stage):
 
     def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict, observers: dict,
                        ctx: StageContext, runner) -> None:
+        branch_folds = []  # experts' own up -> down: folded and checked together, after the rest
         for mapping in in_block(self._mappings, block):
             names = [prefix + b for b in mapping.balance if prefix + b in layers]  # the ones smoothed for quantization
             maxima = [observers[n].max for n in names if observers[n].max is not None]  # an expert may see no token
@@ -80,12 +81,16 @@ class SmoothQuant(EngineOptions, Stage):
                 raise CompressError(f"layer {names[0]}: non-finite calibration activations reach this layer "
                                     "(NaN/Inf, or float16 overflow)", "check the model's weights, or load it in float32 (--dtype float32)")
             s = smoothing_scales(act_max, [get_weight(layers[n]).to(act_max.device) for n in names], alpha)
-            fold(mapping, block, s, runner, f"block {index}")  # checked on one batch (an expert it skips: unchecked)
+            if mapping._branch:
+                branch_folds.append((mapping, s))
+            else:
+                fold(mapping, block, s, runner, f"block {index}")  # checked on one batch (an expert it skips: unchecked)
             for n in names:
                 ctx.layers.setdefault(n, {}).update({
                     "smoothquant_alpha": alpha, "smoothquant_smooth": prefix + mapping.smooth,
                     "activation_max_before": float(act_max.max()), "activation_max_after": float((act_max / s).max())})
             ctx.progress(f"block {index + 1}: smoothed {mapping.smooth} -> {', '.join(mapping.balance)}", 0, 1)
+        fold_branches(branch_folds, block, runner, f"block {index}")
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         self._mappings = mappings_for(model, self.mappings, self.blocks)
