@@ -108,6 +108,7 @@ class BlockRunner:
     def __init__(self, block: torch.nn.Module, store: "ActivationStore", records: list, device: torch.device,
                  index: int = 0):
         self.block, self.store, self.records, self.device, self.index = block, store, records, device, index
+        self.batch = 0  # the cached batch being run (run_hooked), for the hooks
 
     def kwargs(self, j: int) -> dict:
         """The keywords this block receives with batch j, on the device."""
@@ -141,23 +142,30 @@ class BlockRunner:
         if module is None:
             return [token_rows((self.forward(j),), self.records[j].mask) for j in range(n)]
         captured: list[torch.Tensor] = []
-        current = [0]  # the batch being run, for its padding mask
 
         def hook(_module, _inputs, output):
-            captured.append(token_rows((_block_output(output),), self.records[current[0]].mask))
+            captured.append(token_rows((_block_output(output),), self.records[self.batch].mask))
             raise _StopForward
 
-        handle = self.block.get_submodule(module).register_forward_hook(hook)
+        self.run_hooked(n, [self.block.get_submodule(module).register_forward_hook(hook)])
+        return captured
+
+    def run_hooked(self, n: int, handles: list, before_batch: Callable[[int], None] | None = None) -> None:
+        """The block on its first n cached batches with the hooks of `handles` registered (removed
+        after, whatever happens); `self.batch` is the batch being run, and a hook may end its
+        forward early by raising _StopForward."""
         try:
             for j in range(n):
-                current[0] = j
+                self.batch = j
+                if before_batch is not None:
+                    before_batch(j)
                 try:
                     self.block(self.store.get(j), **self.kwargs(j))
                 except _StopForward:
                     pass
         finally:
-            handle.remove()
-        return captured
+            for handle in handles:
+                handle.remove()
 
 
     @torch.no_grad()
@@ -167,22 +175,62 @@ class BlockRunner:
         expert no token was routed to) has no entry for it."""
         n = len(self.records) if limit is None else min(limit, len(self.records))
         captured: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
-        current = [0]
 
         def hook_for(name: str):
             def hook(_module, _inputs, output):
-                captured[name].append(token_rows((_block_output(output),), self.records[current[0]].mask))
+                captured[name].append(token_rows((_block_output(output),), self.records[self.batch].mask))
             return hook
 
-        handles = [self.block.get_submodule(name).register_forward_hook(hook_for(name)) for name in captured]
-        try:
-            for j in range(n):
-                current[0] = j
-                self.block(self.store.get(j), **self.kwargs(j))
-        finally:
-            for handle in handles:
-                handle.remove()
+        self.run_hooked(n, [self.block.get_submodule(name).register_forward_hook(hook_for(name)) for name in captured])
         return captured
+
+
+    @torch.no_grad()
+    def calls(self, module: str, fed_by: str, limit: int | None = None) -> list["ModuleCall"] | None:
+        """How `module` (a path inside the block) is called on the first `limit` cached batches, the
+        forward stopping there; None unless one of its arguments is `fed_by`'s output itself (then
+        a stage may call it again with that input changed, skipping the rest of the block: AWQ)."""
+        n = len(self.records) if limit is None else min(limit, len(self.records))
+        fed, found = [None], []
+
+        def keep_output(_module, _inputs, output):
+            fed[0] = output
+
+        def stop_at_call(_module, args, kwargs):
+            where = next((i for i, a in enumerate(args) if a is fed[0]), None)
+            where = next((k for k, v in kwargs.items() if v is fed[0]), None) if where is None else where
+            found.append(ModuleCall(args, kwargs, self.records[self.batch].mask, where))
+            raise _StopForward
+
+        self.run_hooked(n, [self.block.get_submodule(fed_by).register_forward_hook(keep_output),
+                            self.block.get_submodule(module).register_forward_pre_hook(stop_at_call, with_kwargs=True)],
+                        before_batch=lambda j: fed.__setitem__(0, None))
+        return found if len(found) == n and all(c.input is not None for c in found) else None
+
+
+@dataclass
+class ModuleCall:
+    """One call of a sub-module in a block forward (BlockRunner.calls): its arguments, the batch's
+    padding mask, and which argument (an index or a keyword) is the tracked input."""
+    args: tuple
+    kwargs: dict
+    mask: torch.Tensor | None
+    where: int | str | None
+
+    @property
+    def input(self) -> torch.Tensor | None:
+        if self.where is None:
+            return None
+        return self.args[self.where] if isinstance(self.where, int) else self.kwargs[self.where]
+
+    def run(self, module: torch.nn.Module, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The module called again (with x in place of the tracked input): [tokens, features], padding dropped."""
+        args, kwargs = list(self.args), dict(self.kwargs)
+        if x is not None and isinstance(self.where, int):
+            args[self.where] = x
+        elif x is not None:
+            kwargs[self.where] = x
+        return token_rows((_block_output(module(*args, **kwargs)),), self.mask)
 
 
 class _StopForward(Exception):
@@ -551,20 +599,10 @@ class Engine:
         """Every cached batch through the block with `observers` hooked on their layers; with
         `stop_after` (a layer's name) each forward ends once that layer has run."""
         records = runner.records
-        handles = [layers[n].register_forward_hook(self._hook(obs, records)) for n, obs in observers.items()]
+        handles = [layers[n].register_forward_hook(self._hook(obs, runner)) for n, obs in observers.items()]
         if stop_after is not None:
             handles.append(layers[stop_after].register_forward_hook(_raise_stop))
-        try:
-            for j in range(len(records)):
-                self.progress(desc, j, len(records))
-                self._current = j
-                try:
-                    runner.block(runner.store.get(j), **runner.kwargs(j))
-                except _StopForward:
-                    pass
-        finally:
-            for h in handles:
-                h.remove()
+        runner.run_hooked(len(records), handles, before_batch=lambda j: self.progress(desc, j, len(records)))
 
     @staticmethod
     @torch.no_grad()
@@ -597,9 +635,10 @@ class Engine:
         unseen = [n for n in layers if n not in seen]  # not reached by the forward (an unrouted expert)
         return groups + ([unseen] if unseen else [])
 
-    def _hook(self, observer, records):
+    @staticmethod
+    def _hook(observer, runner: BlockRunner):
         def hook(module, inputs, output):
-            observer.add(inputs, output, records[self._current].mask)
+            observer.add(inputs, output, runner.records[runner.batch].mask)
         return hook
 
     @staticmethod

@@ -272,5 +272,12 @@ def apply_scales(prev: torch.nn.Module, layers: list[torch.nn.Module], scales: t
     bias = getattr(prev, "bias", None)
     if isinstance(bias, torch.Tensor):
         bias.copy_((bias.float() / s.to(bias.device)).to(bias.dtype))
+    scale_inputs(layers, s)
+
+
+@torch.no_grad()
+def scale_inputs(layers: list[torch.nn.Module], scales: torch.Tensor) -> None:
+    """Multiply the layers' input columns by `scales` (apply_scales' second half)."""
+    s = scales.float()
     for layer in layers:
         set_weight(layer, get_weight(layer).to(s.device) * s.unsqueeze(0))

@@ -135,6 +135,31 @@ def test_a_single_layer_mapping_is_scored_without_a_forward_as_with_one(scheme):
     assert scaled_layer_error(x, W, s, args) == pytest.approx(measured, rel=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2_moe", "opt"])
+def test_awq_scores_the_inspected_module_on_its_cached_input_as_on_the_folded_block(family, tmp_path, monkeypatch):
+    """Where the inspected module reads the smoothed norm's output itself, AWQ calls just that module
+    on the cached input divided by s, instead of running the block up to it with the norm folded.
+    The two must score every candidate alike: the same α everywhere and the same errors (OPT's
+    MLP, read through a reshape, takes the block path in both runs)."""
+    from compress.engine import BlockRunner
+
+    torch.manual_seed(0)
+    save(SMOOTHING_FAMILIES[family]().eval(), tmp_path / "in")
+    recipe = recipe_on(tmp_path / "in", "awq: {scheme: W4A16, weights: {group_size: 16}, grid: 6, clip: false}", samples=4)
+    used = []
+    calls = BlockRunner.calls
+    monkeypatch.setattr(BlockRunner, "calls", lambda *a, **k: used.append(r := calls(*a, **k)) or r)
+    fast = run_recipe(recipe, output=str(tmp_path / "fast"), device="cpu")["layers"]
+    assert used and all(c is not None for c in used) == (family != "opt") and any(c is not None for c in used)
+    monkeypatch.setattr(BlockRunner, "calls", lambda *a, **k: None)  # the block path for every mapping
+    slow = run_recipe(recipe, output=str(tmp_path / "slow"), device="cpu")["layers"]
+    searched = [n for n, r in slow.items() if "awq_alpha" in r]
+    assert searched and [fast[n]["awq_alpha"] for n in searched] == [slow[n]["awq_alpha"] for n in searched]
+    for n in searched:
+        assert fast[n]["awq_block_error"] == pytest.approx(slow[n]["awq_block_error"], rel=1e-3)
+        assert fast[n]["awq_rtn_block_error"] == pytest.approx(slow[n]["awq_rtn_block_error"], rel=1e-3)
+
+
 def outlier_layer(seed=0, tokens=512, width=64, outliers=(3, 17, 40)):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(tokens, width, generator=g)

@@ -17,10 +17,13 @@ Scoring a module's output, not each layer's, matters: it weighs an error in q or
 does through the softmax, and an error in gate by what it does through SiLU and down_proj. For the MLP
 mappings the inspected output's error is exactly the block's output error (the MLP's output is
 what it adds to the residual stream); for attention it leaves out how the MLP reacts, as
-published AWQ does (on ref-llama both choose the same α). The forward stops as soon as the
-inspected module has run, which saves the rest of the block per candidate. Where the inspected
-module is the mapping's one scaled layer (v -> o, up -> down, an expert's up -> down) no forward
-is needed: the error is ||X Wᵀ - (X/s) Q(W diag(s))ᵀ||² on that layer's sampled inputs X.
+published AWQ does (on ref-llama both choose the same α). Where the inspected module reads the
+smoothed norm's output itself (attention after input_layernorm, the MLP after its norm), its
+call is cached once and each candidate calls just that module on the cached input divided by s
+(equal to folding s into the norm); otherwise the block runs up to the inspected module, with the
+norm folded, and stops there. Where the inspected module is the mapping's one scaled layer
+(v -> o, up -> down, an expert's up -> down) no forward is needed: the error is
+||X Wᵀ - (X/s) Q(W diag(s))ᵀ||² on that layer's sampled inputs X.
 
 Every fold is checked on calibration batches (mappings.fold; the experts' own up -> down together,
 mappings.fold_branches), so a map that is not exact for the model is refused rather than applied.
@@ -45,7 +48,7 @@ import torch
 from pydantic import Field, PrivateAttr, model_validator
 
 from compress.engine import calibration_batches, resolve_batch_size, token_rows
-from compress.mappings import Mapping, apply_scales, fold, fold_branches, in_block, mappings_for
+from compress.mappings import Mapping, apply_scales, fold, fold_branches, in_block, mappings_for, scale_inputs
 from compress.moe import routes_tokens
 from compress.modeling import get_weight, set_weight
 from compress.quant import dequantize, nvfp4_global_scale, quantize, range_qparams, relative_error
@@ -247,15 +250,30 @@ class AWQ(EngineOptions, QuantizationStage):
                 errors = {alpha: scaled_layer_error(X, W, s.to(X.device), args) for alpha, s in candidates.items()}
                 reference = None  # the block is untouched: the fold check takes its own
             else:
-                if mapping.inspect not in references:
-                    references[mapping.inspect] = runner.outputs(n_batches, mapping.inspect)
-                reference = references[mapping.inspect]
+                # Where the inspected module reads prev's output itself (a norm feeding attention or
+                # the MLP), each candidate calls just that module, on its cached input divided by s,
+                # as published AWQ scores: the block is not run up to it again for every α.
+                inspected = block.get_submodule(mapping.inspect) if mapping.inspect else None
+                calls = runner.calls(mapping.inspect, mapping.smooth, n_batches) if inspected is not None else None
+                if calls is not None:
+                    reference = [call.run(inspected) for call in calls]
+                else:
+                    if mapping.inspect not in references:
+                        references[mapping.inspect] = runner.outputs(n_batches, mapping.inspect)
+                    reference = references[mapping.inspect]
                 for alpha, s in candidates.items():
-                    apply_scales(prev, scaled, s)
+                    if calls is None:
+                        apply_scales(prev, scaled, s)
+                    else:
+                        scale_inputs(scaled, s)
                     scales = global_scales(dict(zip(names, balance)), args)  # NVFP4: of the scaled weights
                     for name, layer in zip(names, balance):
                         set_weight(layer, quantize_weight(get_weight(layer), args, scales.get(name)))
-                    out = runner.outputs(n_batches, mapping.inspect)
+                    if calls is None:
+                        out = runner.outputs(n_batches, mapping.inspect)
+                    else:
+                        out = [call.run(inspected, (call.input.float() / s.to(call.input.device)).to(call.input.dtype))
+                               for call in calls]
                     errors[alpha] = sum(float((o.float() - r.float()).pow(2).sum()) for o, r in zip(out, reference))
                     restore()
             alpha = min(errors, key=errors.get)  # None: no scaling helped
