@@ -4,6 +4,8 @@ Mixtral, Qwen2-MoE, ...). For compression each expert is unfused into three ordi
 layers (`experts.3.gate_proj`, `.up_proj`, `.down_proj`) run by the same routing loop, so that
 target matching, observers and per-expert token counts work as for any layer; afterwards the
 compressed weights are written back into the fused parameters and the original module returns.
+A packed checkpoint stores each expert layer on its own, under the key transformers saves it as
+(expert_keys_on_disk).
 """
 
 from __future__ import annotations
@@ -86,3 +88,55 @@ def unfuse_experts(model: nn.Module) -> list[tuple[nn.Module, str, UnfusedExpert
 def fuse_experts(swaps: list[tuple[nn.Module, str, UnfusedExperts]]) -> None:
     for parent, attr, unfused in swaps:
         setattr(parent, attr, unfused.fuse_back())
+
+
+def expert_keys_on_disk(model: nn.Module) -> dict[str, str]:
+    """Each unfused expert layer (`<experts>.3.gate_proj`, as UnfusedExperts names them) -> the
+    checkpoint key its weight is saved under, without `.weight` (`...experts.3.w1` for Mixtral,
+    `...experts.3.gate_proj` for Qwen-MoE). transformers saves fused experts in each family's
+    original per-expert layout through its own conversion mapping; reverting probe tensors with
+    that mapping, each row holding a code for its expert and row, shows which key every expert's
+    gate, up and down rows land in, with no table of our own. Empty without fused experts;
+    ValueError when a fused weight is not saved as one [out, in] matrix per expert layer."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    probes, origin, base = {}, [], 0
+    for name, module in model.named_modules():
+        if not (is_fused_experts(module) and hasattr(module, "act_fn")):
+            continue
+        for part in ("gate_up_proj", "down_proj"):
+            experts, rows = getattr(module, part).shape[:2]
+            codes = torch.arange(base, base + experts * rows, dtype=torch.float64).reshape(experts, rows, 1)
+            probes[f"{name}.{part}"] = torch.cat([codes, torch.zeros_like(codes)], dim=-1)  # [experts, rows, 2]
+            origin.append((base, name, part, experts, rows))
+            base += experts * rows
+    if not probes:
+        return {}
+    out = {}
+    for key, t in revert_weight_conversion(model, probes).items():
+        code = int(t.reshape(-1)[0]) if t.numel() else -1
+        found = next((o for o in origin if o[0] <= code < o[0] + o[3] * o[4]), None)
+        if found is None or not key.endswith(".weight") or t.dim() != 2 or t.shape[1] != 2:
+            raise ValueError(f"fused experts saved as {key} {tuple(t.shape)}, not one matrix per expert layer")
+        start, name, part, _, rows = found
+        e, first = divmod(code - start, rows)
+        if not torch.equal(t[:, 0], torch.arange(code, code + t.shape[0], dtype=t.dtype)):
+            raise ValueError(f"fused experts saved as {key}, whose rows are not one expert layer's")
+        if part == "down_proj" and first == 0 and t.shape[0] == rows:
+            layer = "down_proj"
+        elif part == "gate_up_proj" and t.shape[0] == rows // 2 and first in (0, rows // 2):
+            layer = "gate_proj" if first == 0 else "up_proj"  # the fused layout: gate rows first, then up
+        else:
+            raise ValueError(f"fused experts saved as {key}, rows {first}..{first + t.shape[0]} of {name}.{part}[{e}]")
+        out[f"{name}.{e}.{layer}"] = key[: -len(".weight")]
+    return out
+
+
+def expert_weight_shape(model: nn.Module, name: str) -> tuple[int, int]:
+    """[out, in] of the unfused expert layer `name` (`<experts>.e.gate_proj`) of a fused model."""
+    experts, _, layer = name.rsplit(".", 2)
+    fused = model.get_submodule(experts)
+    if layer == "down_proj":
+        return tuple(fused.down_proj.shape[1:])
+    rows, cols = fused.gate_up_proj.shape[1:]
+    return rows // 2, cols

@@ -17,11 +17,13 @@ of its own beyond choosing scales.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from compress import moe
 from compress.errors import CompressError, first_line
 from compress.schemes import fp4_format
 
@@ -80,14 +82,18 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
     """Why some quantized layers cannot be written in the format (empty when all can)."""
     modules = dict(net.named_modules())
     shared = _shared_weights(net)
-    problems = []
+    problems = _expert_problems(net, layers)
     for name, rec in layers.items():
         if "weights" not in rec:
             continue
         module = modules.get(name)
         w = rec["weights"]
-        if module is None:
-            problems.append(f"{name}, which is not a module of the saved model (fused mixture-of-experts weights)")
+        if module is None and _experts_of(net, name) is not None:
+            in_features = moe.expert_weight_shape(net, name)[1]
+            if w["strategy"] in ("group", "tensor_group") and in_features % w["group_size"]:
+                problems.append(f"{name}, whose {in_features} input features are not a whole number of groups of {w['group_size']}")
+        elif module is None:
+            problems.append(f"{name}, which is not a module of the saved model")
         elif type(module) is not torch.nn.Linear:
             problems.append(f"{name}, a {type(module).__name__} layer rather than a Linear one")
         elif w["strategy"] in ("group", "tensor_group") and module.in_features % w["group_size"]:
@@ -97,6 +103,37 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
         elif id(module.weight) in shared:
             problems.append(f"{name}, whose weight is tied to another parameter")
     return problems
+
+
+def _experts_of(net: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """The fused experts module holding the unfused expert layer `name` (`<experts>.e.up_proj`), or None."""
+    experts = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+    try:
+        module = net.get_submodule(experts)
+    except AttributeError:
+        return None
+    return module if moe.is_fused_experts(module) else None
+
+
+def _expert_problems(net: torch.nn.Module, layers: dict) -> list[str]:
+    """Fused experts are written one matrix per expert layer, under the keys transformers saves
+    them as: every expert of a block quantized, under one scheme for the whole model (the config's
+    targets then name no layer, which neither transformers nor vLLM could match in fused form)."""
+    quantized = [n for n, r in layers.items() if "weights" in r]
+    expert_layers = [n for n in quantized if n not in dict(net.named_modules()) and _experts_of(net, n) is not None]
+    if not expert_layers:
+        return []
+    try:
+        on_disk = moe.expert_keys_on_disk(net)
+    except ValueError as exc:
+        return [f"the experts' weights: {exc}"]
+    missing = [n for n in on_disk if n not in quantized]
+    if missing:
+        return [f"{missing[0]}, an expert left unquantized beside quantized ones (the format writes a block's experts alike)"]
+    schemes = {json.dumps({"w": layers[n]["weights"], "a": layers[n].get("input_activations")}, sort_keys=True) for n in quantized}
+    if len(schemes) > 1:
+        return [f"{expert_layers[0]}, an expert layer in a model quantized under {len(schemes)} schemes (one scheme is needed)"]
+    return []
 
 
 def _shared_weights(net: torch.nn.Module) -> set[int]:
@@ -284,17 +321,31 @@ def pack_model(net: torch.nn.Module, layers: dict, kv_cache: dict | None = None)
     when a layer cannot be reproduced exactly. `kv_cache` (the kv_cache stage's scheme and
     ranges) adds each attention layer's k_scale and v_scale, and kv_cache_scheme."""
     _ct()
-    modules = dict(net.named_modules())
+    # Fused experts: packed one expert layer at a time (unfused as the stages saw them), then
+    # written under the per-expert keys transformers saves them as.
+    on_disk = moe.expert_keys_on_disk(net) if any(n not in dict(net.named_modules()) for n in layers) else {}
+    swaps = moe.unfuse_experts(net) if on_disk else []
+    try:
+        modules = dict(net.named_modules())
+        packed = {name: pack_layer(name, modules[name], rec) for name, rec in layers.items() if "weights" in rec}
+    finally:
+        moe.fuse_experts(swaps)
     state = dict(net.state_dict())
     formats: dict[str, str] = {}
-    for name, rec in layers.items():
-        if "weights" not in rec:
+    for name, (tensors, fmt) in packed.items():
+        formats[name] = fmt
+        if name in on_disk:
             continue
-        packed, fmt = pack_layer(name, modules[name], rec)
         for key in [k for k in state if k.startswith(name + ".") and k[len(name) + 1:] in ("weight", "bias")]:
             del state[key]
-        state.update({f"{name}.{k}": v for k, v in packed.items()})
-        formats[name] = fmt
+        state.update({f"{name}.{k}": v for k, v in tensors.items()})
+    if on_disk:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = revert_weight_conversion(net, state)  # every key as saved; the experts one matrix each
+        for name, key in on_disk.items():
+            del state[f"{key}.weight"]
+            state.update({f"{key}.{k}": v for k, v in packed[name][0].items()})
     linear = [n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)]
     ignore = [n for n in linear if n not in formats]
     qconfig = quantization_config(layers, formats, ignore)
@@ -316,7 +367,8 @@ def save_packed(net: torch.nn.Module, layers: dict, directory: Path, packed: tup
     # counted first: save_pretrained may consume the dict (it does for a model read from a packed checkpoint)
     scales = [v for k, v in state.items() if k.endswith(".weight_scale")]
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in scales})
-    net.save_pretrained(directory, state_dict=state)
+    # with fused experts the state is already in the saved layout (pack_model): not to be reverted again
+    net.save_pretrained(directory, state_dict=state, save_original_format=not any(moe.is_fused_experts(m) for m in net.modules()))
     ModelCompressor(quantization_config=qconfig).update_config(str(directory))
     return {"compressed_tensors_format": qconfig.format, "packed_layers": len(scales), "scale_dtype": "/".join(dtypes)}
 
@@ -327,8 +379,10 @@ def quantized_size(directory: Path, net: torch.nn.Module, layers: dict) -> dict:
     if not names:
         return {}
     modules = dict(net.named_modules())
-    on_disk = sum(layer_bytes(directory, names).values())
+    experts = moe.expert_keys_on_disk(net) if any(n not in modules for n in names) else {}
+    on_disk = sum(layer_bytes(directory, [experts.get(n, n) for n in names]).values())
     fp16 = sum(sum(p.numel() for p in modules[n].parameters(recurse=False)) * 2 for n in names if n in modules)
+    fp16 += sum(2 * math.prod(moe.expert_weight_shape(net, n)) for n in names if n in experts)
     return {"quantized_layers_bytes_on_disk": on_disk, "quantized_layers_float16_bytes": fp16,
             "quantized_layers_ratio_to_float16": on_disk / fp16 if fp16 else None}
 
@@ -412,6 +466,12 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
         model = model_cls.from_config(config, dtype=dtype)
     tensors = read_tensors(path)
     files = ", ".join(f.name for f in _weight_files(path))
+    swaps = []
+    if any(moe.is_fused_experts(m) for m in model.modules()):
+        # experts saved one matrix each (pack_model): unfused here, so that each expert layer is a
+        # module its tensors decompress into, and every key renamed from its saved form
+        tensors = _as_in_memory(model, tensors)
+        swaps = moe.unfuse_experts(model)
     state: dict[str, torch.Tensor] = {}
     done: set[str] = set()
     for scheme in qconfig.config_groups.values():
@@ -447,6 +507,11 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
         if key in expected_keys and value.is_floating_point():
             state[key] = value.to(dtype)
     result = model.load_state_dict(state, strict=False, assign=True)
+    for _, _, unfused in swaps:
+        for part in ("gate_up_proj", "down_proj"):  # the fused parameters, still on meta, take the experts' values
+            fused = unfused.fused[0]
+            setattr(fused, part, torch.nn.Parameter(torch.empty_like(getattr(fused, part), device="cpu"), requires_grad=False))
+    moe.fuse_experts(swaps)
     if getattr(config, "tie_word_embeddings", False) or getattr(getattr(config, "get_text_config", lambda: config)(), "tie_word_embeddings", False):
         model.tie_weights()
     still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
@@ -458,6 +523,25 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
         attach_activation_quant(model, qconfig, tensors, path)
         attach_kv_cache(model, qconfig, kv_scales, path)
     return model
+
+
+def _as_in_memory(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors keyed as in `model` with its experts unfused: each saved per-expert
+    layer under `<experts>.e.gate_proj`, and every other layer under its module's name (Mixtral
+    saves the MLP as `block_sparse_moe`): the saved names come from transformers' own mapping."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    renamed = {saved: name for name, saved in moe.expert_keys_on_disk(model).items()}
+    fused = {f"{n}.{p}" for n, m in model.named_modules() if moe.is_fused_experts(m) for p in ("gate_up_proj", "down_proj")}
+    keys = [k for k in model.state_dict() if k not in fused]
+    placeholders = {k: torch.tensor([float(i)], dtype=torch.float64) for i, k in enumerate(keys)}  # value: which key
+    for saved, value in revert_weight_conversion(model, placeholders).items():
+        renamed.setdefault(saved.rsplit(".", 1)[0], keys[int(value[0])].rsplit(".", 1)[0])  # module to module
+    out = {}
+    for key, value in tensors.items():
+        prefix, leaf = key.rsplit(".", 1) if "." in key else ("", key)
+        out[f"{renamed.get(prefix, prefix)}.{leaf}" if prefix else key] = value
+    return out
 
 
 def attach_kv_cache(model: torch.nn.Module, qconfig, kv_scales: dict[str, torch.Tensor], path: Path) -> None:

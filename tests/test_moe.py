@@ -82,6 +82,46 @@ def test_gptq_on_moe(moe_model, tmp_path):
         assert s.down_proj[e][0, :16].abs().unique().numel() <= 8
 
 
+def test_quantized_experts_are_packed_one_matrix_each_and_reload_alike(moe_model, tmp_path):
+    """Fused experts are written packed, one matrix per expert layer under the key transformers
+    itself saves it as (Mixtral: `block_sparse_moe.experts.e.w1`, w3, w2), so the checkpoint is
+    small; plain transformers and compress both load it to the model the dense output holds."""
+    from safetensors import safe_open
+
+    family, path, _ = moe_model
+    recipe = recipe_on(path, "rtn: {scheme: W4A16, weights: {group_size: 16}}", samples=2)
+    packed = run_recipe(recipe, output=str(tmp_path / "packed"), device="cpu")
+    run_recipe(recipe, output=str(tmp_path / "dense"), device="cpu", format="dense")
+    assert packed["format"]["format"] == "packed"
+    with safe_open(tmp_path / "packed" / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    experts = "block_sparse_moe.experts" if family == "mixtral" else "mlp.experts"
+    for block in range(2):
+        for e in range(4):
+            for layer in (("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")):
+                key = f"model.layers.{block}.{experts}.{e}.{layer}"
+                assert {f"{key}.weight_packed", f"{key}.weight_scale"} <= keys and f"{key}.weight" not in keys
+    assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in keys)  # no fused tensor left
+    size = {d: sum(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in ("packed", "dense")}
+    assert size["packed"] < size["dense"]  # the embeddings, float32 in both, are most of a model this small
+    assert 0.25 < packed["output"]["quantized_layers_ratio_to_float16"] < 0.4  # int4 + a scale per 16 weights
+
+    ids = torch.randint(5, V, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "dense").eval()(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "packed").eval()(input_ids=ids).logits
+        ours = modeling.load_model(str(tmp_path / "packed"), dtype="float32")[0](input_ids=ids).logits
+    assert torch.equal(plain, expected) and torch.equal(ours, expected)
+
+
+def test_experts_quantized_unevenly_are_written_dense_saying_why(moe_model, tmp_path):
+    family, path, _ = moe_model
+    recipe = recipe_on(path, "rtn: {scheme: W4A16, weights: {group_size: 16}, ignore: [lm_head, 're:.*experts\\.3\\..*']}", samples=2)
+    report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+    assert report["format"]["format"] == "dense"
+    assert "experts.3." in report["format"]["reason"] and "an expert left unquantized" in report["format"]["reason"]
+
+
 def test_padding_never_reaches_the_experts(moe_model, tmp_path):
     """An expert sees a gathered subset of tokens, which no padding mask lines up with: `auto` runs
     lines of different lengths one per forward, and an explicit batch that would pad them is refused."""
