@@ -8,6 +8,7 @@ import fnmatch
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -63,6 +64,37 @@ def _usual_file_modes(directory: Path) -> None:
     for f in directory.rglob("*"):
         if f.is_file() and not f.is_symlink():
             f.chmod(0o666 & ~umask)
+
+
+def check_side_output(path: str | Path, option: str, inputs: list[str | Path] = (), directory: bool = False) -> Path:
+    """Before any work: a report, recipe or benchmark directory named by `option` may not lie in
+    (or be) an input model's directory, nor be a directory where a file is meant (or a file where
+    a directory is), and its parent must be writable, so a finished run does not fail on writing
+    its last file. Returns the resolved path."""
+    dest = Path(path).expanduser().resolve()
+    for p in inputs:
+        p = Path(p).expanduser()
+        if not p.is_dir():
+            continue  # a hub id: nothing of the user's to protect here
+        p = p.resolve()
+        if dest == p or p in dest.parents:
+            raise CompressError(f"{option} {path} lies inside the input model {p}", "write it outside the model's directory")
+        if directory and dest in p.parents:
+            raise CompressError(f"{option} {path} holds the input model {p}", "choose a directory that holds no input")
+    if not directory and dest.is_dir():
+        raise CompressError(f"{option} {path} is a directory", "give a file path")
+    if directory and dest.exists() and not dest.is_dir():
+        raise CompressError(f"{option} {path} is a file", "give a directory")
+    parent = next((q for q in [dest, *dest.parents] if q.exists()), None) if directory else \
+        next((q for q in dest.parents if q.exists()), None)
+    try:  # a file really created there (root passes os.access even where nothing can be written, /sys)
+        if parent is None or not parent.is_dir():
+            raise OSError
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError:
+        raise CompressError(f"{option} {path}: {parent or dest.parent} is not a writable directory",
+                            "choose a path you can write to") from None
+    return dest
 
 
 class AtomicOutput:

@@ -8,8 +8,10 @@ error.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -21,6 +23,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from compress.checkpoint import check_side_output
 from compress.errors import CompressError
 from compress.schemes import weights_label
 
@@ -80,7 +83,9 @@ def progress_bar():
 
 
 def emit_json(data) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    from compress.report import strict_json
+
+    sys.stdout.write(strict_json(data, indent=2) + "\n")
 
 
 @app.command()
@@ -352,15 +357,43 @@ def _distill_recipe(teacher, student, student_layers, output, data, generate, st
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+def _local_models(*refs: str | None) -> list[str]:
+    """The local directories of these model arguments (`default` included; hub ids have none)."""
+    from compress import modeling
+
+    out = []
+    for ref in refs:
+        try:
+            out.append(modeling.resolve_model(ref)) if ref else None
+        except CompressError:
+            pass  # a bad model argument is reported where it is loaded
+    return out
+
+
+def _threshold(low: float | None = None, high: float | None = None):
+    """A gate threshold's check: a finite number (NaN would compare false with everything and
+    make the gate's verdict meaningless), within [low, high] where given."""
+    def check(value: float | None) -> float | None:
+        if value is None:
+            return value
+        if not math.isfinite(value):
+            raise typer.BadParameter(f"must be a finite number, not {value}")
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise typer.BadParameter(f"{value:g} is outside [{'-inf' if low is None else f'{low:g}'}, "
+                                     f"{'inf' if high is None else f'{high:g}'}]")
+        return value
+    return check
+
+
 @app.command("eval")
 def eval_cmd(
     model: str = typer.Option(..., "--model", "-m", help="the model to measure (a compress output, a local dir, a hub id, `default`)."),
     baseline: Optional[str] = typer.Option(None, "--baseline", "-b", help="the uncompressed model, for KL, top-1 agreement, perplexity increase or embedding fidelity."),
     data: list[str] = typer.Option([], "--data", "-d", help="text file(s) to evaluate on; repeat for several."),
-    max_ppl_increase: Optional[float] = typer.Option(None, help="fail if token perplexity rises by more than this many percent."),
-    max_kl: Optional[float] = typer.Option(None, min=0, help="fail if mean KL(baseline || model) exceeds this."),
-    min_top1: Optional[float] = typer.Option(None, min=0, max=1, help="fail if top-1 agreement with the baseline falls below this."),
-    min_cosine: Optional[float] = typer.Option(None, min=-1, max=1, help="encoders: fail if mean embedding cosine falls below this."),
+    max_ppl_increase: Optional[float] = typer.Option(None, callback=_threshold(), help="fail if token perplexity rises by more than this many percent."),
+    max_kl: Optional[float] = typer.Option(None, callback=_threshold(0), help="fail if mean KL(baseline || model) exceeds this."),
+    min_top1: Optional[float] = typer.Option(None, callback=_threshold(0, 1), help="fail if top-1 agreement with the baseline falls below this."),
+    min_cosine: Optional[float] = typer.Option(None, callback=_threshold(-1, 1), help="encoders: fail if mean embedding cosine falls below this."),
     seq_len: int = typer.Option(256, min=2, help="tokens per evaluation window."),
     max_windows: int = typer.Option(256, min=1, help="windows per file (the protocol's cap)."),
     batch_size: int = typer.Option(8, min=1, help="windows per forward pass."),
@@ -370,8 +403,8 @@ def eval_cmd(
     limit: Optional[int] = typer.Option(None, min=1, help="score only the first N documents of each task (a quick look)."),
     task_metric: Optional[str] = typer.Option(None, help="the task metric to report and gate (default: acc_norm, else acc, else exact_match)."),
     chat_template: bool = typer.Option(False, "--chat-template", help="instruct models: task prompts, and few-shot examples as turns, through the tokenizer's chat template."),
-    min_task_score: Optional[float] = typer.Option(None, min=0, help="fail if a task's metric falls below this."),
-    max_task_drop: Optional[float] = typer.Option(None, help="fail if a task scores worse than the baseline by more than this, in its metric's units (0.01: one point of accuracy)."),
+    min_task_score: Optional[float] = typer.Option(None, callback=_threshold(0), help="fail if a task's metric falls below this."),
+    max_task_drop: Optional[float] = typer.Option(None, callback=_threshold(), help="fail if a task scores worse than the baseline by more than this, in its metric's units (0.01: one point of accuracy)."),
     report: Optional[Path] = typer.Option(None, help="write a Markdown report here (for a pull-request comment)."),
     junit: Optional[Path] = typer.Option(None, help="write JUnit XML here (one test case per threshold)."),
 ):
@@ -397,9 +430,9 @@ def eval_cmd(
     stray = next((k for k, v in task_options.items() if v is not None), None)
     if stray and not names:
         raise CompressError(f"{stray} applies to lm-eval tasks, and none were given", "pass --tasks NAMES")
-    for f in (report, junit):
-        if f is not None and f.is_dir():
-            raise CompressError(f"report path {f} is a directory", "give a file path")
+    for option, f in (("--report", report), ("--junit", junit)):
+        if f is not None:
+            check_side_output(f, option, _local_models(model, baseline))
     request = TaskRequest(names=names, include_path=str(include_path) if include_path else None, num_fewshot=num_fewshot, limit=limit, metric=task_metric,
                           chat_template=chat_template) if names else None
     with progress_bar() as progress:
@@ -569,8 +602,10 @@ def bench(
     files = list(recipes) + list(more or [])
     if max_windows <= 0:
         raise CompressError(f"--max-windows {max_windows} must be positive", "e.g. --max-windows 64")
-    if output.exists() and not output.is_dir():
-        raise CompressError(f"--output {output} is a file", "give a directory")
+    check_side_output(output, "--output", _local_models(model), directory=True)
+    if output.is_dir() and any(output.iterdir()) and not (output / "report.json").is_file():
+        raise CompressError(f"--output {output} exists and holds files that are not a compress bench's",
+                            "choose a new or empty directory (a bench's own output may be reused)")
     with progress_bar() as progress:
         result = bench_recipes(model, files, output, datasets=list(data) or None, calibration=calibration,
                                max_windows=max_windows, progress=progress, against=against, against_python=against_python)
@@ -655,8 +690,8 @@ def analyze(
         raise CompressError("--group-size must be 0 or more and --windows, --seq-len positive", "e.g. --group-size 64 --windows 16")
     if budget_bits is not None and emit_recipe is None:
         raise CompressError("--budget-bits goes with --emit-recipe", "add --emit-recipe FILE")
-    if emit_recipe is not None and emit_recipe.is_dir():
-        raise CompressError(f"--emit-recipe {emit_recipe} is a directory", "give a .yaml file path")
+    if emit_recipe is not None:
+        check_side_output(emit_recipe, "--emit-recipe", _local_models(model))
     if emit_recipe is not None and emit_recipe.exists() and not force:
         raise CompressError(f"--emit-recipe {emit_recipe} already exists", "pass --force to replace it, or choose another path")
     budget = float(bits if budget_bits is None else budget_bits)
@@ -837,8 +872,8 @@ def _main(argv: list[str] | None) -> int:
             _interrupted(argv)
         return rc if isinstance(rc, int) else 0
     except CompressError as exc:
-        if debug:
-            raise
+        if debug:  # the traceback, and still the exit code a script tells bad input by
+            traceback.print_exc()
         console.print(f"[red]error:[/red] {escape(exc.message)}" + (f" [dim]({escape(exc.hint)})[/dim]" if exc.hint else ""),
                       soft_wrap=True, highlight=False)
         return _json_error(argv, 2, exc.message, exc.hint)
@@ -858,7 +893,7 @@ def _main(argv: list[str] | None) -> int:
                               soft_wrap=True, highlight=False)
             return _json_error(argv, 2, message or "no command given", "run `compress --help`")
         if debug:
-            raise
+            traceback.print_exc()
         first = str(exc).splitlines()[0] if str(exc) else ""
         console.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(first)} "
                       "[dim](rerun with --debug for the traceback, and please report it)[/dim]", soft_wrap=True, highlight=False)

@@ -20,6 +20,11 @@ from compress.calibration import leading_windows, read_texts, token_windows
 from compress.errors import CompressError
 
 
+
+def _exp(x: float) -> float:
+    """exp(x), infinite past float range rather than an OverflowError."""
+    return math.exp(x) if x < 709.0 else math.inf
+
 def eval_windows(tokenizer, spec: str, seq_len: int = 256, max_windows: int = 256) -> torch.Tensor:
     text = "\n".join(read_texts(spec, tokenizer=tokenizer))
     # Only the prefix the first max_windows windows need is tokenized (the same windows as the
@@ -136,12 +141,13 @@ def causal_metrics(model, windows: torch.Tensor, tokenizer=None, baseline=None, 
     out = {
         "windows": len(windows),
         "tokens_predicted": predicted,
-        "token_perplexity": math.exp(nll / predicted),
+        "token_perplexity": _exp(nll / predicted),
     }
     if tokenizer is not None:
         words = len(tokenizer.decode(windows.reshape(-1).tolist()).split())
         out["words"] = words
-        out["word_perplexity"] = math.exp(nll / max(words, 1))
+        # text with few spaces (Chinese, say) has few "words": the figure may be past float range
+        out["word_perplexity"] = _exp(nll / max(words, 1))
     if compare:
         out["kl_divergence"] = kl / positions
         out["top1_agreement"] = agree / positions

@@ -171,14 +171,28 @@ def load_skeleton(ref: str, dtype: str = "auto"):
     return model, tokenizer, config
 
 
-def _reattach_activation_quant(model: torch.nn.Module, path: str) -> None:
-    """A compress checkpoint with quantized activations records their scheme and static ranges."""
+def read_meta(path: str | Path) -> dict:
+    """A compress output's compress.json ({} when there is none); a damaged one is an error
+    naming it, not a crash in whatever reads it next."""
     meta_file = Path(path) / "compress.json"
     if not meta_file.is_file():
+        return {}
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (ValueError, OSError) as exc:
+        raise CompressError(f"{meta_file}: damaged ({first_line(exc)})", "write the checkpoint again") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("layers", {}), dict):
+        raise CompressError(f"{meta_file}: damaged (not the object compress writes)", "write the checkpoint again")
+    return meta
+
+
+def _reattach_activation_quant(model: torch.nn.Module, path: str) -> None:
+    """A compress checkpoint with quantized activations records their scheme and static ranges."""
+    meta = read_meta(path)
+    if not meta:
         return
     from compress import activations
 
-    meta = json.loads(meta_file.read_text())
     activations.reattach(model, meta.get("layers", {}), meta.get("kv_cache"))
 
 

@@ -419,6 +419,11 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
             raise CompressError(f"--baseline {baseline} and --model {model} are not the same kind of model", "compare a model with its uncompressed original")
         if getattr(base_config, "vocab_size", None) != getattr(config, "vocab_size", None):
             raise CompressError(f"--baseline {baseline} has a different vocabulary from {model}", "compare a model with its uncompressed original")
+        if base_tok is not None and tokenizer is not None and base_tok.get_vocab() != tokenizer.get_vocab():
+            # both models read the ids of --model's tokenizer: with another tokenizer the baseline
+            # would be scored on text it never sees, and a broken tokenizer could pass the gate
+            raise CompressError(f"--baseline {baseline} and --model {model} have tokenizers that map text to different ids",
+                                "compare a model with its uncompressed original, saved with the same tokenizer")
     causal = modeling.is_causal_lm(config)
     start = time.perf_counter()
     results = evaluate(net, tokenizer, datasets, baseline=base, causal=causal, seq_len=seq_len, max_windows=max_windows,
@@ -427,8 +432,7 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     if manager is not None:
         task_results = lm_tasks.score(net, tokenizer, tasks, manager, batch_size, (base, base_tok) if base is not None else None,
                                       task_thresholds, progress)
-    meta_file = Path(modeling.resolve_model(model)) / "compress.json"
-    layers = json.loads(meta_file.read_text()).get("layers", {}) if meta_file.is_file() else {}
+    layers = modeling.read_meta(modeling.resolve_model(model)).get("layers", {})
     path = Path(modeling.resolve_model(model))
     saved_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(saved_dtype, str):
@@ -452,11 +456,13 @@ def inspect_checkpoint(path: str | Path) -> dict:
         raise CompressError(f"{path} is not a directory", "pass a directory written by `compress quantize`")
     if not meta_file.is_file():
         raise CompressError(f"{path} has no compress.json: it was not written by compress", "inspect a compress output directory")
+    meta = modeling.read_meta(path)
     try:
-        meta = json.loads(meta_file.read_text())
         report = json.loads(report_file.read_text()) if report_file.is_file() else {}
     except ValueError as exc:
-        raise CompressError(f"{path}: damaged compress.json or report.json ({exc})", "write the checkpoint again") from None
+        raise CompressError(f"{report_file}: damaged ({exc})", "write the checkpoint again") from None
+    if not isinstance(report, dict):
+        raise CompressError(f"{report_file}: damaged (not the object compress writes)", "write the checkpoint again")
     recipe = meta.get("recipe")
     if recipe is None and (path / "recipe.yaml").is_file():
         recipe = yaml.safe_load((path / "recipe.yaml").read_text())

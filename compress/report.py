@@ -4,6 +4,7 @@ comments), and JUnit XML for CI systems."""
 from __future__ import annotations
 
 import json
+import math
 import platform
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
@@ -145,8 +146,22 @@ def run_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def strict_json(data, **kwargs) -> str:
+    """JSON that every parser reads: a NaN or infinite number (a word perplexity that overflows,
+    say) becomes null, where json.dumps would write NaN or Infinity, which are not JSON."""
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+    return json.dumps(clean(data), allow_nan=False, default=str, **kwargs)
+
+
 def write_json(path: Path, data) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    path.write_text(strict_json(data, indent=2, sort_keys=False) + "\n")
 
 
 def write_reports(directory: Path, report: dict) -> dict[str, Path]:

@@ -10,17 +10,39 @@ or, with the `re:` prefix, is a regular expression matched from the start of the
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 import torch
+from pydantic import AfterValidator
+
+from compress.errors import CompressError
 
 # Linear-like classes whose weights we quantize. GPT-2's Conv1D stores the weight transposed.
 LINEAR_TYPES = ("Linear", "Conv1D")
 
 
+def check_pattern(pattern: str) -> str:
+    """`pattern` itself; ValueError when a `re:` pattern is not a regular expression."""
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as exc:
+            raise ValueError(f"{pattern!r} is not a valid regular expression ({exc})") from None
+    return pattern
+
+
+# A recipe field holding a pattern: a bad regular expression is a recipe error, with its place.
+Pattern = Annotated[str, AfterValidator(check_pattern)]
+
+
 def matches(pattern: str, name: str, module: torch.nn.Module) -> bool:
     if pattern.startswith("re:"):
         # Anchored at the start, open at the end, as compressed-tensors applies `re.match`.
-        return re.match(pattern[3:], name) is not None
+        try:
+            return re.match(pattern[3:], name) is not None
+        except re.error as exc:  # from a command-line option; recipe fields are checked on parsing
+            raise CompressError(f"{pattern!r} is not a valid regular expression ({exc})",
+                                "fix the pattern after `re:` (a Python regular expression)") from None
     if pattern == type(module).__name__:
         return True
     if pattern == "Linear" and type(module).__name__ in LINEAR_TYPES:

@@ -444,6 +444,44 @@ def _eval_model_missing(tmp):
     return ["eval", "--model", str(tmp / "gone"), "--data", "calibration/heldout-tinyshakespeare.txt"]
 
 
+def _side_output_in_model(command):
+    """eval --report, analyze --emit-recipe, bench --output aimed into the input model's directory."""
+    def setup(tmp):
+        model = copy_model(tmp)
+        data = write(tmp / "d.txt", CALIB_TEXT * 20)
+        return {"eval": ["eval", "--model", str(model), "--data", str(data), "--max-windows", "1", "--report", str(model / "config.json")],
+                "analyze": ["analyze", "--model", str(model), "--data", str(data), "--windows", "1", "--emit-recipe", str(model / "r.yaml")],
+                "bench": ["bench", "--model", str(model), "--recipes", "recipes/w8a16-absmax.yaml", "--output", str(model)]}[command]
+    return setup
+
+
+def _bench_output_holds_model(tmp):
+    copy_model(tmp / "work")
+    return ["bench", "--model", str(tmp / "work" / "model"), "--recipes", "recipes/w8a16-absmax.yaml", "--output", str(tmp / "work")]
+
+
+def _eval_other_tokenizer(tmp):
+    """Same weights, a tokenizer that maps words to other ids: scoring both models on one set of
+    ids would compare nothing (KL 0, a passed gate)."""
+    model = copy_model(tmp)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    ids = sorted(i for i in vocab.values() if i >= 100)
+    swapped = dict(zip(ids, reversed(ids)))
+    spec["model"]["vocab"] = {k: swapped.get(i, i) for k, i in vocab.items()}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    return ["eval", "--model", str(model), "--baseline", "default", "--data", "calibration/heldout-tinyshakespeare.txt",
+            "--max-windows", "1", "--max-kl", "0.01"]
+
+
+def _damaged_meta(text):
+    def setup(tmp):
+        model = copy_model(tmp)
+        write(model / "compress.json", text)
+        return ["eval", "--model", str(model), "--data", "calibration/heldout-tinyshakespeare.txt", "--max-windows", "1"]
+    return setup
+
+
 def _inspect_foreign(tmp):
     d = copy_model(tmp, "plain")
     return ["inspect", str(d)]
@@ -711,7 +749,7 @@ CASES = [
     Case("packed-group-size-not-dividing", _packed_group_size_not_dividing, ["packed format", "groups of 100"]),
     Case("packed-with-disk-offload", _packed_with_disk_offload, ["packed format", "offload: disk"]),
     Case("eval-no-windows", _eval_no_windows, ["--max-windows", "greater than or equal to 1"]),
-    Case("eval-threshold-as-percent", _eval_threshold_as_percent, ["--min-top1", "less than or equal to 1"]),
+    Case("eval-threshold-as-percent", _eval_threshold_as_percent, ["--min-top1", "99 is outside [0, 1]"]),
     Case("eval-model-missing", _eval_model_missing, ["gone", "does not exist"]),
     Case("eval-task-option-without-tasks", _eval_task_option_without_tasks, ["--limit", "--tasks"]),
     Case("eval-task-drop-no-baseline", _eval_task_drop_no_baseline, ["--max-task-drop", "--baseline"]),
@@ -752,7 +790,23 @@ CASES = [
          ["r.yaml:4", "NVFP4", "blocks of 16", "group_size: 16"]),
     Case("kv-cache-given-keys", lambda tmp: quantize(tmp, calib_recipe("calibration/default.txt").replace(
         GOOD_STAGE, "stages:\n  - kv_cache:\n      bits: 4\n")), ["r.yaml:7", "kv_cache.bits", "valid keys here: none"]),
-    # click usage errors
+    Case("bad-regular-expression-in-recipe", lambda tmp: quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n"
+                                                                  "      targets: ['re:[unclosed']\n"),
+         ["r.yaml:4", "targets.0", "'re:[unclosed' is not a valid regular expression"]),
+    Case("bad-regular-expression-in-option", lambda tmp: ["analyze", "--model", "default", "--data", "calibration/default.txt",
+                                                           "--windows", "1", "--targets", "re:("],
+         ["'re:(' is not a valid regular expression"]),
+    Case("eval-report-into-the-model", _side_output_in_model("eval"), ["--report", "lies inside the input model"]),
+    Case("analyze-recipe-into-the-model", _side_output_in_model("analyze"), ["--emit-recipe", "lies inside the input model"]),
+    Case("bench-output-is-the-model", _side_output_in_model("bench"), ["--output", "lies inside the input model"]),
+    Case("bench-output-holds-the-model", _bench_output_holds_model, ["--output", "holds the input model"]),
+    Case("eval-report-unwritable", lambda tmp: ["eval", "--model", "default", "--data", "x.txt", "--report", "/proc/compress/r.md"],
+         ["--report", "not a writable directory"]),
+    Case("eval-threshold-nan", lambda tmp: ["eval", "--model", "default", "--baseline", "default", "--data", "x.txt",
+                                            "--max-ppl-increase", "nan"], ["--max-ppl-increase", "finite number"]),
+    Case("eval-other-tokenizer", _eval_other_tokenizer, ["tokenizers that map text to different ids"]),
+    Case("compress-json-not-json", _damaged_meta("{oops"), ["compress.json: damaged"]),
+    Case("compress-json-a-list", _damaged_meta("[]"), ["compress.json: damaged", "not the object"]),
     # click usage errors
     Case("unknown-option", _unknown_option, ["--recipee", "--recipe"]),
     Case("missing-required-option", _missing_option, ["--recipe"]),

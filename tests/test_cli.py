@@ -91,6 +91,22 @@ def test_eval_identical_model_has_zero_kl(ref_llama, capsys):
     assert rc == 0 and abs(r["kl_divergence"]) < 1e-7 and r["top1_agreement"] == 1.0 and r["ppl_increase_pct"] == 0
 
 
+def test_text_without_spaces_gives_a_null_word_perplexity_not_a_crash(ref_llama, capsys, tmp_path):
+    """Chinese text has almost no whitespace-separated words, so exp(NLL / words) is past float
+    range: the figure is null in strict JSON (no NaN or Infinity), the token figures stand."""
+    text = tmp_path / "zh.txt"
+    text.write_text("我们今天在这里讨论模型压缩的问题，这是一个非常重要的研究方向。" * 80)
+    rc, out, _ = run(capsys, "--json", "eval", "--model", ref_llama, "--baseline", ref_llama, "--data", text, "--max-windows", 2)
+    r = json.loads(out, parse_constant=lambda c: pytest.fail(f"{c} in JSON output"))["results"][str(text)]
+    assert rc == 0 and r["word_perplexity"] is None and r["words"] <= 2 and r["token_perplexity"] > 1 and r["kl_divergence"] < 1e-7
+
+
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(capsys):
+    """--debug must not turn bad input (2) into Python's 1, which the eval gate means as "failed"."""
+    rc, _, err = run(capsys, "--debug", "eval", "--model", "default", "--data", "nothing-here.txt")
+    assert rc == 2 and "Traceback" in err and "nothing-here.txt" in err.strip().splitlines()[-1]
+
+
 def test_inspect(w8_output, capsys):
     rc, out, _ = run(capsys, "--json", "inspect", w8_output)
     data = json.loads(out)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from compress.errors import CompressError
 from compress.schemes import PRESETS, QuantScheme, resolve_scheme
+from compress.targets import Pattern
 
 
 @dataclass
@@ -158,8 +159,8 @@ class QuantizationStage(Stage):
     scheme: Optional[str] = Field(None, description=f"preset: {', '.join(PRESETS)}")
     weights: Optional[QuantArgsOverride] = None
     input_activations: Optional[QuantArgsOverride] = None
-    targets: list[str] = Field(default_factory=lambda: ["Linear"], description="module class names, names, or re: patterns")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="modules left in full precision")
+    targets: list[Pattern] = Field(default_factory=lambda: ["Linear"], description="module class names, names, or re: patterns")
+    ignore: list[Pattern] = Field(default_factory=lambda: ["lm_head"], description="modules left in full precision")
     resolved: Optional[dict] = Field(None, description="written by compress into the saved recipe: the scheme as resolved; ignored on input")
 
     @model_validator(mode="after")

@@ -29,7 +29,7 @@ from compress import kd, modeling
 from compress.sparsity import pruned_zeros
 from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext
-from compress.targets import LINEAR_TYPES, matches
+from compress.targets import LINEAR_TYPES, Pattern, matches
 from compress.training import TrainingConfig, run_fingerprint, train
 from compress.training_data import TrainingData, training_sequences
 
@@ -121,7 +121,7 @@ class Distill(DistillLoss, Stage):
 
     keep_layers: Optional[list[int]] = Field(
         None, description="make the student a shallower copy: keep only these blocks (0-based) before training")
-    freeze: list[str] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
+    freeze: list[Pattern] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
     data: TrainingData = Field(default_factory=TrainingData)
     train: TrainingConfig = Field(default_factory=TrainingConfig)
 

@@ -22,7 +22,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from compress.errors import CompressError
 from compress.sparsity import parse_pattern, sparsity as zero_share
 from compress.stages.base import Stage, StageContext, check_weight, select_targets  # noqa: F401 (check_weight: for the pruning stages)
-from compress.targets import matches
+from compress.targets import Pattern, matches
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,10 @@ class PruningStage(Stage):
 
     sparsity: Optional[float] = Field(None, ge=0, lt=1, description="share of each target layer's weights pruned, in [0, 1); default 0.5, or N/M with a pattern")
     pattern: Optional[str] = Field(None, description="N:M semi-structured sparsity, e.g. 2:4: N zeros in every M consecutive input weights")
-    sparsity_overrides: dict[str, Union[float, str]] = Field(
+    sparsity_overrides: dict[Pattern, Union[float, str]] = Field(
         default_factory=dict, description="per layer (target matching, first match wins): a sparsity, or an N:M pattern; 0 leaves it dense")
-    targets: list[str] = Field(default_factory=lambda: ["Linear"], description="module class names, names, or re: patterns")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="modules left dense")
+    targets: list[Pattern] = Field(default_factory=lambda: ["Linear"], description="module class names, names, or re: patterns")
+    ignore: list[Pattern] = Field(default_factory=lambda: ["lm_head"], description="modules left dense")
     # While apply runs: each selected layer's target, and the layers done through the engine.
     _targets: dict = PrivateAttr(default_factory=dict)
     _done: set = PrivateAttr(default_factory=set)

@@ -37,6 +37,7 @@ from compress.quant import (QParams, compute_qparams, fake_quantize, fake_quanti
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext, check_weight
 from compress.stages.distill import DistillLoss, load_teacher, pruning_masks, run_training, trainable_parameters
+from compress.targets import Pattern
 from compress.training import TrainingConfig
 from compress.training_data import TrainingData
 
@@ -86,7 +87,7 @@ class QAT(DistillLoss, QuantizationStage):
 
     scales: Literal["learned", "fixed"] = Field("learned", description="learned: LSQ step sizes; fixed: the starting ones")
     scale_lr: Optional[float] = Field(None, gt=0, description="peak learning rate of the scales (default: train.lr)")
-    freeze: list[str] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
+    freeze: list[Pattern] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
     data: TrainingData = Field(default_factory=TrainingData)
     train: TrainingConfig = Field(default_factory=TrainingConfig)
 

@@ -28,7 +28,7 @@ from compress.errors import CompressError
 from compress.mappings import Mapping, fold, fold_branches, in_block, mappings_for
 from compress.modeling import get_weight
 from compress.stages.base import EngineOptions, Stage, StageContext
-from compress.targets import matches, select_modules
+from compress.targets import Pattern, matches, select_modules
 
 
 def smoothing_scales(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
@@ -52,9 +52,9 @@ class SmoothQuant(EngineOptions, Stage):
     """Per-channel smoothing of activation outliers into the weights, block by block."""
 
     alpha: float = Field(0.5, ge=0, le=1, description="migration strength: 0 keeps activations, 1 moves all into weights")
-    alpha_overrides: dict[str, float] = Field(default_factory=dict, description="alpha per layer pattern (name, suffix or re:)")
+    alpha_overrides: dict[Pattern, float] = Field(default_factory=dict, description="alpha per layer pattern (name, suffix or re:)")
     mappings: Optional[list[Mapping]] = Field(None, description="replace the architecture's smoothing map")
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"], description="layers never smoothed")
+    ignore: list[Pattern] = Field(default_factory=lambda: ["lm_head"], description="layers never smoothed")
     _mappings: list = PrivateAttr(default_factory=list)
 
     def observe(self, name: str, module: torch.nn.Module) -> ChannelMax:
