@@ -674,13 +674,35 @@ def _fork_context():
     if _FORK_CONTEXT is None:
         import multiprocessing
 
+        import multiprocessing.forkserver
+        import signal
+
         try:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(PRELOAD)
+            # Started with Ctrl-C ignored (a disposition exec keeps): the server spends seconds
+            # importing PRELOAD, and a Ctrl-C there printed its traceback over the terminal. Jobs
+            # forked from it ignore Ctrl-C too; join_job ends them when this process is interrupted.
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                multiprocessing.forkserver.ensure_running()
+            finally:
+                signal.signal(signal.SIGINT, previous)
             _FORK_CONTEXT = ctx
         except ValueError:
             _FORK_CONTEXT = False
     return _FORK_CONTEXT or None
+
+
+def join_job(proc) -> None:
+    """Wait for a job forked from the server; if this process is interrupted meanwhile, end the
+    job too (it ignores Ctrl-C) before going on with the interruption."""
+    try:
+        proc.join()
+    except BaseException:
+        proc.terminate()
+        proc.join()
+        raise
 
 
 def _forked_job(argv: list[str], log_path: str) -> None:
@@ -724,7 +746,7 @@ def _child(args: argparse.Namespace, job: str, result: Path, cache_file: Path, l
     if fork is not None:
         proc = fork.Process(target=_forked_job, args=(job_argv, str(log_path)))
         proc.start()
-        proc.join()
+        join_job(proc)
         returncode, wall = proc.exitcode, time.perf_counter() - t0
         proc.close()
         output = log_path.read_text() if log_path.is_file() else ""

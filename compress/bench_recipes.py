@@ -53,6 +53,11 @@ def _row_job(recipe_text: str, source: str, model: str | None, out: str, eval_kw
     os.dup2(fd, 2)
     code = 1
     try:
+        import transformers
+
+        # no progress bars in a log; and tqdm's bars take a multiprocessing lock that this
+        # process, ending with os._exit, would leave to the resource tracker to report as leaked
+        transformers.utils.logging.disable_progress_bar()
         from compress import modeling
         from compress.bench import _peak_rss_mib, _rss_now_mib
         from compress.evaluate import BaselineStore, evaluate
@@ -95,11 +100,13 @@ def _row_job(recipe_text: str, source: str, model: str | None, out: str, eval_kw
 
 def _forked(fork, args: tuple, result: Path, log: Path) -> dict:
     """Run _row_job in a fresh process from the fork server; its result, or {"error": last log line}."""
+    from compress.bench import join_job
+
     result.parent.mkdir(parents=True, exist_ok=True)
     result.unlink(missing_ok=True)
     proc = fork.Process(target=_row_job, args=(*args, str(result), str(log)))
     proc.start()
-    proc.join()
+    join_job(proc)
     if proc.exitcode != 0 or not result.is_file():
         lines = log.read_text().strip().splitlines() if log.is_file() else []
         return {"error": lines[-1].removeprefix("error: ") if lines else f"exit code {proc.exitcode}"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import traceback
 from contextlib import contextmanager
@@ -456,6 +457,10 @@ def eval_cmd(
                       f"({size['bits_per_parameter_on_disk']:.2f} bits/param; {size['bits_per_parameter_packed']:.2f} once packed)")
         if result["checks"]:
             console.print("[green]PASS[/green]" if result["passed"] else "[red]FAIL[/red]")
+    elif not result["passed"]:  # quiet, but a CI log must still say which threshold failed
+        failed = [c for c in result["checks"] if not c["passed"]]
+        console.print("FAIL: " + "; ".join(f"{c['dataset']} {c['metric']} {c['value']:.4g} "
+                                           f"(threshold {c['threshold']:g})" for c in failed), soft_wrap=True, highlight=False)
     if not result["passed"]:
         raise typer.Exit(1)
 
@@ -480,6 +485,8 @@ def plan(
     p = make_plan(r, model_ref, S.dtype)
     if S.json:
         emit_json(p)
+        return
+    if S.quiet:  # no tables; the recipe's problems are errors, which still print
         return
     t = Table(title=f"plan: {recipe} on {model_ref} ({p['architecture']}, {p['parameters']:,} params, {p['dtype']})")
     for col in ("layer", "shape", "stage", "scheme"):
@@ -606,9 +613,15 @@ def bench(
     if output.is_dir() and any(output.iterdir()) and not (output / "report.json").is_file():
         raise CompressError(f"--output {output} exists and holds files that are not a compress bench's",
                             "choose a new or empty directory (a bench's own output may be reused)")
-    with progress_bar() as progress:
-        result = bench_recipes(model, files, output, datasets=list(data) or None, calibration=calibration,
-                               max_windows=max_windows, progress=progress, against=against, against_python=against_python)
+    created = not output.exists()
+    try:
+        with progress_bar() as progress:
+            result = bench_recipes(model, files, output, datasets=list(data) or None, calibration=calibration,
+                                   max_windows=max_windows, progress=progress, against=against, against_python=against_python)
+    except BaseException:  # interrupted, or failed before any report: nothing half-written is left
+        if created:
+            shutil.rmtree(output, ignore_errors=True)
+        raise
     failed = [r for r in result["rows"] if "error" in r]
     if failed:  # the other rows are measured and reported; the run as a whole is not a success
         message = f"{len(failed)} of {len(result['rows'])} recipes failed ({failed[0]['row']}: {failed[0]['error']})"

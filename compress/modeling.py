@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from compress.checkpoint import INCOMPLETE_MARKER
 from compress.errors import CompressError, first_line
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -27,6 +28,9 @@ def resolve_model(ref: str) -> str:
     if p.exists():
         if not p.is_dir():
             raise CompressError(f"model path {ref} is a file", "pass the directory that holds config.json")
+        if (p / INCOMPLETE_MARKER).exists():
+            raise CompressError(f"model directory {ref} is an unfinished compress output (the run writing it was interrupted)",
+                                "use a finished output; the next run into the same destination removes this one")
         if not (p / "config.json").is_file():
             raise CompressError(f"model directory {ref} has no config.json", "pass a Hugging Face model directory")
         return str(p)

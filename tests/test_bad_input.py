@@ -807,6 +807,10 @@ CASES = [
     Case("eval-other-tokenizer", _eval_other_tokenizer, ["tokenizers that map text to different ids"]),
     Case("compress-json-not-json", _damaged_meta("{oops"), ["compress.json: damaged"]),
     Case("compress-json-a-list", _damaged_meta("[]"), ["compress.json: damaged", "not the object"]),
+    Case("model-is-an-unfinished-output", lambda tmp: ["eval", "--model", str(write(copy_model(tmp, "half-written") /
+                                                                                    "COMPRESS_INCOMPLETE", "").parent),
+                                                        "--data", "calibration/heldout-tinyshakespeare.txt"],
+         ["unfinished compress output"]),
     # click usage errors
     Case("unknown-option", _unknown_option, ["--recipee", "--recipe"]),
     Case("missing-required-option", _missing_option, ["--recipe"]),

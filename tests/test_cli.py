@@ -84,6 +84,11 @@ def test_eval_gate_pass_and_fail(w8_output, ref_llama, tmp_path, capsys):
     assert result["passed"] is False and result["checks"][0]["metric"] == "kl_divergence"
     assert ET.parse(junit).getroot().get("failures") == "1"
 
+    # quiet: no tables, but one line saying which threshold failed
+    rc, out, err = run(capsys, "--quiet", "eval", "--model", w8_output, "--baseline", ref_llama, "--data", HELDOUT,
+                       "--max-kl", 1e-9, "--max-windows", 16)
+    assert rc == 1 and not out and err.count("\n") == 1 and err.startswith("FAIL: ") and "kl_divergence" in err
+
 
 def test_eval_identical_model_has_zero_kl(ref_llama, capsys):
     rc, out, _ = run(capsys, "--json", "eval", "--model", ref_llama, "--baseline", ref_llama, "--data", HELDOUT, "--max-windows", 8)
