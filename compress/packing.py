@@ -474,11 +474,15 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
         swaps = moe.unfuse_experts(model)
     state: dict[str, torch.Tensor] = {}
     done: set[str] = set()
+    from compress.modeling import read_meta
+
+    recorded = read_meta(path).get("layers", {})  # what compress wrote, to hold the config to
     for scheme in qconfig.config_groups.values():
         compressor = BaseCompressor.get_value_from_registry(scheme.format or qconfig.format)
         for name, module in match_named_modules(model, scheme.targets, qconfig.ignore):
             if name in done:
                 continue
+            _check_against_record(path, name, scheme.weights, (recorded.get(name) or {}).get("weights"))
             local = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".") and "." not in k[len(name) + 1:]}
             expected = compressor.compression_param_names(scheme)
             missing = [p for p in expected if p not in local]
@@ -523,6 +527,21 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
         attach_activation_quant(model, qconfig, tensors, path)
         attach_kv_cache(model, qconfig, kv_scales, path)
     return model
+
+
+def _check_against_record(path: Path, name: str, weights, record: dict | None) -> None:
+    """A compress checkpoint's config.json must describe each layer as compress.json records it:
+    an edited bit width would otherwise decode the stored codes into other weights, silently."""
+    if record is None or weights is None:
+        return
+    said = {"num_bits": weights.num_bits, "type": getattr(weights.type, "value", weights.type),
+            "strategy": getattr(weights.strategy, "value", weights.strategy), "symmetric": weights.symmetric}
+    if said["strategy"] in ("group", "tensor_group"):
+        said["group_size"] = weights.group_size
+    differ = next((k for k, v in said.items() if k in record and record[k] != v), None)
+    if differ is not None:
+        raise CompressError(f"{path / 'config.json'}: quantization_config gives layer {name} {differ} {said[differ]}, "
+                            f"compress.json records {record[differ]}", "the checkpoint was edited: write it again")
 
 
 def _as_in_memory(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -453,7 +453,8 @@ def inspect_checkpoint(path: str | Path) -> dict:
     path = Path(path)
     meta_file, report_file = path / "compress.json", path / "report.json"
     if not path.is_dir():
-        raise CompressError(f"{path} is not a directory", "pass a directory written by `compress quantize`")
+        raise CompressError(f"{path} {'is not a directory' if path.exists() else 'does not exist'}",
+                            "pass a directory written by `compress quantize`")
     if not meta_file.is_file():
         raise CompressError(f"{path} has no compress.json: it was not written by compress", "inspect a compress output directory")
     meta = modeling.read_meta(path)

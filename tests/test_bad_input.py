@@ -758,7 +758,7 @@ CASES = [
     Case("eval-task-data-missing", _eval_task_data_missing, ["lm-eval could not run mine", "gone.jsonl"]),
     Case("eval-baseline-missing", _eval_baseline_missing, ["--baseline", "gone", "does not exist"]),
     Case("inspect-foreign-dir", _inspect_foreign, ["plain", "compress.json"]),
-    Case("inspect-missing", _inspect_missing, ["nothing", "not a directory"]),
+    Case("inspect-missing", _inspect_missing, ["nothing", "does not exist"]),
     Case("plan-no-model", _plan_no_model, ["r.yaml", "no model"]),
     # prune
     Case("prune-sparsity-above-1", _prune("--sparsity", "1.5"), ["--sparsity 1.5", "[0, 1)"]),

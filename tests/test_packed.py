@@ -414,6 +414,23 @@ def test_damaged_checkpoint_is_named(w4g64, tmp_path, capsys):
     assert rc == 2 and "model.layers.1.mlp.up_proj.weight_scale" in err and "model.safetensors" in err
 
 
+def test_an_edited_bit_width_in_config_json_is_refused(w4g64, tmp_path, capsys):
+    """config.json's quantization_config decides how the stored codes are decoded: a width edited
+    there would turn them into other weights without a word; compress.json says what was written."""
+    import json
+    import shutil
+
+    out, _ = w4g64
+    edited = tmp_path / "edited"
+    shutil.copytree(out, edited)
+    config = json.loads((edited / "config.json").read_text())
+    group = next(iter(config["quantization_config"]["config_groups"].values()))
+    group["weights"]["num_bits"] = 3
+    (edited / "config.json").write_text(json.dumps(config))
+    rc, _, err = run(capsys, "eval", "--model", edited, "--data", HELDOUT, "--max-windows", 2)
+    assert rc == 2 and "num_bits 3" in err and "compress.json records 4" in err and len(err.strip().splitlines()) == 1
+
+
 def test_a_later_run_keeps_the_inputs_static_activation_quantization(tmp_path):
     """A run on a checkpoint whose layers quantize their inputs evaluates with that quantization
     (load attaches it), so it records and writes it too: the output reloads to the numbers the run
