@@ -715,6 +715,11 @@ def _forked_job(argv: list[str], log_path: str) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     code = 1
     try:
+        import transformers
+
+        # no bars in a log, and none of tqdm's multiprocessing locks, which os._exit would leave
+        # for the resource tracker to report as leaked semaphores at the end of the benchmark
+        transformers.utils.logging.disable_progress_bar()
         code = main(argv)
     except BaseException:  # noqa: BLE001 - the log gets the traceback, the driver the exit code
         import traceback
