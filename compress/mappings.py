@@ -156,7 +156,7 @@ def in_block(mappings: list[Mapping], block: torch.nn.Module) -> list[Mapping]:
                 branch = Mapping(smooth=mapping.smooth.replace("*", part),
                                  balance=[b.replace("*", part) for b in mapping.balance],
                                  inspect=mapping.inspect.replace("*", part) if mapping.inspect else None)
-                branch._branch = branch.inspect is not None
+                branch._branch = mapping.inspect is not None and "*" in mapping.inspect  # each inspects its own
                 out.append(branch)
         else:
             expanded = [matches(b) if "*" in b else [(b, "")] for b in mapping.balance]

@@ -119,8 +119,9 @@ def _expert_problems(net: torch.nn.Module, layers: dict) -> list[str]:
     """Fused experts are written one matrix per expert layer, under the keys transformers saves
     them as: every expert of a block quantized, under one scheme for the whole model (the config's
     targets then name no layer, which neither transformers nor vLLM could match in fused form)."""
-    quantized = [n for n, r in layers.items() if "weights" in r]
-    expert_layers = [n for n in quantized if n not in dict(net.named_modules()) and _experts_of(net, n) is not None]
+    quantized = {n for n, r in layers.items() if "weights" in r}
+    modules = dict(net.named_modules())
+    expert_layers = sorted(n for n in quantized if n not in modules and _experts_of(net, n) is not None)
     if not expert_layers:
         return []
     try:
@@ -316,14 +317,25 @@ def quantization_config(layers: dict, formats: dict[str, str], ignore: list[str]
                               quantization_status=QuantizationStatus.COMPRESSED)
 
 
-def pack_model(net: torch.nn.Module, layers: dict, kv_cache: dict | None = None) -> tuple[dict, object]:
-    """(state dict in the format, QuantizationConfig); nothing is written. Raises NotPackable
-    when a layer cannot be reproduced exactly. `kv_cache` (the kv_cache stage's scheme and
-    ranges) adds each attention layer's k_scale and v_scale, and kv_cache_scheme."""
+@dataclass
+class Packed:
+    """What pack_model makes: the state dict to save, its QuantizationConfig, and whether the
+    state is already in the layout transformers saves (fused experts written one matrix each)."""
+
+    state: dict
+    qconfig: object
+    saved_layout: bool = False
+
+
+def pack_model(net: torch.nn.Module, layers: dict, kv_cache: dict | None = None) -> Packed:
+    """The state dict in the format and its QuantizationConfig; nothing is written. Raises
+    NotPackable when a layer cannot be reproduced exactly. `kv_cache` (the kv_cache stage's
+    scheme and ranges) adds each attention layer's k_scale and v_scale, and kv_cache_scheme."""
     _ct()
-    # Fused experts: packed one expert layer at a time (unfused as the stages saw them), then
-    # written under the per-expert keys transformers saves them as.
-    on_disk = moe.expert_keys_on_disk(net) if any(n not in dict(net.named_modules()) for n in layers) else {}
+    # Fused experts (Mixtral, Qwen-MoE), which transformers saves one matrix per expert layer:
+    # each quantized expert layer is packed on its own (unfused, as the stages saw it) and put
+    # under its saved key, in a state converted here to the saved layout as a whole.
+    on_disk = expert_keys(net)
     swaps = moe.unfuse_experts(net) if on_disk else []
     try:
         modules = dict(net.named_modules())
@@ -339,36 +351,47 @@ def pack_model(net: torch.nn.Module, layers: dict, kv_cache: dict | None = None)
         for key in [k for k in state if k.startswith(name + ".") and k[len(name) + 1:] in ("weight", "bias")]:
             del state[key]
         state.update({f"{name}.{k}": v for k, v in tensors.items()})
-    if on_disk:
-        from transformers.core_model_loading import revert_weight_conversion
-
-        state = revert_weight_conversion(net, state)  # every key as saved; the experts one matrix each
-        for name, key in on_disk.items():
-            del state[f"{key}.weight"]
-            state.update({f"{key}.{k}": v for k, v in packed[name][0].items()})
-    linear = [n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)]
-    ignore = [n for n in linear if n not in formats]
-    qconfig = quantization_config(layers, formats, ignore)
     if kv_cache:
         from compress.quant import FP8_E4M3_MAX
 
         for name, (key_max, value_max) in kv_cache["ranges"].items():
             for part, top in (("k_scale", key_max), ("v_scale", value_max)):
                 state[f"{name}.{part}"] = torch.tensor([top / FP8_E4M3_MAX if top > 0 else 1.0], dtype=torch.float32)
+    if on_disk:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = revert_weight_conversion(net, state)  # every key as saved; the experts one matrix each
+        for name, key in on_disk.items():
+            if name in packed:  # an expert left unquantized stays as saved, dense
+                del state[f"{key}.weight"]
+                state.update({f"{key}.{k}": v for k, v in packed[name][0].items()})
+    linear = [n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)]
+    ignore = [n for n in linear if n not in formats]
+    qconfig = quantization_config(layers, formats, ignore)
+    if kv_cache:
         qconfig.kv_cache_scheme = ct_args(kv_cache["scheme"], activations=True)
-    return state, qconfig
+    return Packed(state, qconfig, saved_layout=bool(on_disk))
 
 
-def save_packed(net: torch.nn.Module, layers: dict, directory: Path, packed: tuple | None = None) -> dict:
+def expert_keys(model: torch.nn.Module) -> dict[str, str]:
+    """moe.expert_keys_on_disk, or {} where the saved layout is not one matrix per expert layer
+    (the experts are then saved and read fused, as transformers leaves them)."""
+    try:
+        return moe.expert_keys_on_disk(model)
+    except ValueError:
+        return {}
+
+
+def save_packed(net: torch.nn.Module, layers: dict, directory: Path, packed: Packed | None = None) -> dict:
     """Write `net` to `directory` in the packed format; returns a summary for the report."""
     from compressed_tensors.compressors import ModelCompressor
 
-    state, qconfig = packed or pack_model(net, layers)
+    packed = packed or pack_model(net, layers)
+    state, qconfig = packed.state, packed.qconfig
     # counted first: save_pretrained may consume the dict (it does for a model read from a packed checkpoint)
     scales = [v for k, v in state.items() if k.endswith(".weight_scale")]
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in scales})
-    # with fused experts the state is already in the saved layout (pack_model): not to be reverted again
-    net.save_pretrained(directory, state_dict=state, save_original_format=not any(moe.is_fused_experts(m) for m in net.modules()))
+    net.save_pretrained(directory, state_dict=state, save_original_format=not packed.saved_layout)  # not converted twice
     ModelCompressor(quantization_config=qconfig).update_config(str(directory))
     return {"compressed_tensors_format": qconfig.format, "packed_layers": len(scales), "scale_dtype": "/".join(dtypes)}
 
@@ -379,7 +402,7 @@ def quantized_size(directory: Path, net: torch.nn.Module, layers: dict) -> dict:
     if not names:
         return {}
     modules = dict(net.named_modules())
-    experts = moe.expert_keys_on_disk(net) if any(n not in modules for n in names) else {}
+    experts = expert_keys(net) if any(n not in modules for n in names) else {}
     on_disk = sum(layer_bytes(directory, [experts.get(n, n) for n in names]).values())
     fp16 = sum(sum(p.numel() for p in modules[n].parameters(recurse=False)) * 2 for n in names if n in modules)
     fp16 += sum(2 * math.prod(moe.expert_weight_shape(net, n)) for n in names if n in experts)
@@ -467,11 +490,16 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
     tensors = read_tensors(path)
     files = ", ".join(f.name for f in _weight_files(path))
     swaps = []
-    if any(moe.is_fused_experts(m) for m in model.modules()):
+    on_disk = expert_keys(model)
+    if on_disk:
         # experts saved one matrix each (pack_model): unfused here, so that each expert layer is a
         # module its tensors decompress into, and every key renamed from its saved form
-        tensors = _as_in_memory(model, tensors)
+        tensors = _as_in_memory(model, tensors, on_disk)
         swaps = moe.unfuse_experts(model)
+    by_module: dict[str, dict[str, torch.Tensor]] = {}  # module name -> its tensors, by last name component
+    for key, value in tensors.items():
+        prefix, _, leaf = key.rpartition(".")
+        by_module.setdefault(prefix, {})[leaf] = value
     state: dict[str, torch.Tensor] = {}
     done: set[str] = set()
     from compress.modeling import read_meta
@@ -483,7 +511,9 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
             if name in done:
                 continue
             _check_against_record(path, name, scheme.weights, (recorded.get(name) or {}).get("weights"))
-            local = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".") and "." not in k[len(name) + 1:]}
+            local = by_module.get(name, {})
+            if "weight" in local and not any(k.startswith("weight_") for k in local):
+                continue  # stored dense (an expert left unquantized): read as the plain tensor it is
             expected = compressor.compression_param_names(scheme)
             missing = [p for p in expected if p not in local]
             if missing:
@@ -544,13 +574,13 @@ def _check_against_record(path: Path, name: str, weights, record: dict | None) -
                             f"compress.json records {record[differ]}", "the checkpoint was edited: write it again")
 
 
-def _as_in_memory(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _as_in_memory(model: torch.nn.Module, tensors: dict[str, torch.Tensor], on_disk: dict[str, str]) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors keyed as in `model` with its experts unfused: each saved per-expert
     layer under `<experts>.e.gate_proj`, and every other layer under its module's name (Mixtral
     saves the MLP as `block_sparse_moe`): the saved names come from transformers' own mapping."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    renamed = {saved: name for name, saved in moe.expert_keys_on_disk(model).items()}
+    renamed = {saved: name for name, saved in on_disk.items()}
     fused = {f"{n}.{p}" for n, m in model.named_modules() if moe.is_fused_experts(m) for p in ("gate_up_proj", "down_proj")}
     keys = [k for k in model.state_dict() if k not in fused]
     placeholders = {k: torch.tensor([float(i)], dtype=torch.float64) for i, k in enumerate(keys)}  # value: which key

@@ -12,6 +12,7 @@ from compress import modeling, parse_recipe, run_recipe
 from compress.quant import dequantize, fake_quantize, quantize, range_qparams
 from compress.schemes import QuantArgs
 from compress.stages.awq import clip_search, output_error
+from compress.mappings import Mapping
 from compress.stages.smoothquant import smoothing_scales
 
 from tests.test_model_families import FAMILIES, NEWER_FAMILIES, V
@@ -133,6 +134,21 @@ def test_a_single_layer_mapping_is_scored_without_a_forward_as_with_one(scheme):
         layer.weight.copy_(quantize_weight(layer.weight.detach().clone(), args, g))
         measured = float((layer(prev(inputs)) - reference).pow(2).sum())
     assert scaled_layer_error(x, W, s, args) == pytest.approx(measured, rel=1e-4)
+
+
+def test_only_mappings_that_inspect_their_own_branch_are_folded_as_branches():
+    """Experts' own folds are checked together, each on its own inspected output; a `*` map that
+    inspects a shared module (the whole MLP) is not a branch and keeps its own check."""
+    from compress.mappings import in_block
+    from compress.moe import unfuse_experts
+
+    model = SMOOTHING_FAMILIES["qwen2_moe"]()
+    unfuse_experts(model)  # as the engine has them while stages run
+    block = model.model.layers[0]
+    own = in_block([Mapping(smooth="mlp.experts.*.up_proj", balance=["mlp.experts.*.down_proj"],
+                            inspect="mlp.experts.*.down_proj")], block)
+    shared = in_block([Mapping(smooth="mlp.experts.*.up_proj", balance=["mlp.experts.*.down_proj"], inspect="mlp")], block)
+    assert len(own) == len(shared) == 4 and all(m._branch for m in own) and not any(m._branch for m in shared)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2_moe", "opt"])

@@ -216,7 +216,7 @@ class AWQ(EngineOptions, QuantizationStage):
         tokens_per_batch = max(1, next(iter(observers.values())).tokens // max(1, len(runner)))
         n_batches = max(1, -(-self.max_tokens // tokens_per_batch))  # enough batches for max_tokens
         references: dict = {}  # the float outputs of each inspected module (None: the block)
-        branch_folds = []  # experts' own up -> down: folded and checked together, after the rest
+        branch_folds, branch_batches = [], 1  # experts' own up -> down: folded and checked together, after the rest
         originals = {n: get_weight(m) for n, m in layers.items()}  # for the round-to-nearest comparison
         original_scales = global_scales(layers, args)  # NVFP4's, of the unscaled weights
         for mapping in in_block(self._mappings, block):
@@ -279,7 +279,8 @@ class AWQ(EngineOptions, QuantizationStage):
             alpha = min(errors, key=errors.get)  # None: no scaling helped
             s = candidates[alpha]
             if alpha is not None and mapping._branch:
-                branch_folds.append((mapping, s))  # scored without a forward; no other mapping reads its layers
+                branch_folds.append((mapping, s))  # no other mapping reads its layers
+                branch_batches = max(branch_batches, check_batches)
             elif alpha is not None:  # checked on the batches scored (an expert's output exists only where tokens reach it)
                 fold(mapping, block, s, runner, f"block {index}", check_batches, before=reference)
             for n in names:
@@ -288,7 +289,7 @@ class AWQ(EngineOptions, QuantizationStage):
                                                      "awq_block_error": errors[alpha], "awq_rtn_block_error": errors[None]})
             ctx.progress(f"block {index + 1}: {mapping.smooth} -> {', '.join(mapping.balance)} α={alpha} "
                          f"err {errors[alpha]:.3g} (rtn {errors[None]:.3g})", 0, 1)
-        fold_branches(branch_folds, block, runner, f"block {index}")
+        fold_branches(branch_folds, block, runner, f"block {index}", branch_batches)
         if not self.quantize:
             return
         scales = global_scales(layers, args)  # NVFP4: one per fused group, of the scaled weights
