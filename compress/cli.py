@@ -363,11 +363,11 @@ def _local_models(*refs: str | None) -> list[str]:
     from compress import modeling
 
     out = []
-    for ref in refs:
+    for ref in filter(None, refs):
         try:
-            out.append(modeling.resolve_model(ref)) if ref else None
+            out.append(modeling.resolve_model(ref))
         except CompressError:
-            pass  # a bad model argument is reported where it is loaded
+            continue  # no directory to protect; the command reports the bad argument when it loads the model
     return out
 
 
