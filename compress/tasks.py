@@ -18,6 +18,7 @@ without an aggregate score is reported, and gated, task by task.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -87,10 +88,24 @@ def _stderr_silenced():
 
 def task_manager(include_path: str | Path | None = None):
     """lm-eval's task index (its own tasks, plus the YAML files under `include_path`)."""
-    _, _, TaskManager = _lm_eval()
+    _lm_eval()
     if include_path is not None and not Path(include_path).is_dir():
         raise CompressError(f"--include-path {include_path} is not a directory", "give the directory holding the task YAML files")
-    return TaskManager(include_path=str(include_path) if include_path else None)
+    if not include_path:
+        return _indexed(None, ())
+    root = Path(include_path).resolve()
+    yamls = tuple(sorted((str(f), f.stat().st_mtime_ns) for f in root.rglob("*.y*ml")))
+    return _indexed(str(root), yamls)
+
+
+@functools.lru_cache(maxsize=8)
+def _indexed(include_path: str | None, yamls: tuple):
+    """Indexing lm-eval's 14,000 task files takes seconds, so a process that scores several models
+    (a recipe's output and its baseline, a library caller's loop) builds the index once. `yamls`,
+    the files under `include_path` with their modification times, is part of the key: a task
+    written or edited since is indexed afresh."""
+    _, _, TaskManager = _lm_eval()
+    return TaskManager(include_path=include_path)
 
 
 def check_tasks(tasks: list[str], manager) -> None:
