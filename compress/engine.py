@@ -339,6 +339,41 @@ def calibration_batches(samples: list[dict], batch_size: int) -> list[dict]:
     return out
 
 
+@contextmanager
+def on_device(module: torch.nn.Module, device: torch.device):
+    """`module` on `device` for a while, then back on the CPU in the memory it had there (returned_home)."""
+    if device.type == "cpu":
+        yield module
+        return
+    with returned_home(module, lambda: module.to(device)):
+        yield module
+
+
+@contextmanager
+def returned_home(module: torch.nn.Module, move: Callable[[], Any]):
+    """`move` the module elsewhere for a while. Back on the CPU, each tensor's values are copied into
+    the memory it had there rather than moved into new memory: tensors that share memory keep
+    sharing it (an unfused expert's weights are views of the fused parameters, moe.Expert), so a
+    model's RAM is not allocated a second time, block by block, over a run on an accelerator."""
+    home = [(owner, kind, name, tensor.data) for owner in module.modules() for kind in ("_parameters", "_buffers")
+            for name, tensor in getattr(owner, kind).items() if tensor is not None and tensor.device.type == "cpu"]
+    move()
+    try:
+        yield module
+    finally:
+        with torch.no_grad():
+            for owner, kind, name, cpu in home:
+                now = getattr(owner, kind).get(name)
+                if now is None or now.shape != cpu.shape or now.dtype != cpu.dtype or now.data_ptr() == cpu.data_ptr():
+                    continue  # not moved, or replaced with another shape or type (moved below as it is)
+                cpu.copy_(now)
+                if kind == "_parameters":
+                    now.data = cpu  # the same Parameter object, as module.to() keeps it
+                else:
+                    owner._buffers[name] = cpu
+        module.to("cpu")
+
+
 def _move(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
@@ -418,30 +453,26 @@ def capture_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches:
     current: dict = {"mask": None}
     untraced: str | None = None
     recorders = torch.nn.ModuleList([Recorder(i) for i in range(len(blocks))])
-    with blocks_swapped(model, path, recorders):
-        try:
-            model.to(device)
-            for n, batch in enumerate(batches, 1):
-                mask = batch.get("attention_mask")
-                # a batch without padding needs no mask (every token counts), and observers skip
-                # selecting its rows: a boolean gather per hooked layer per batch
-                current["mask"] = mask if mask is not None and not bool(mask.all()) else None
-                shared.clear()
-                try:
-                    model(**{k: v.to(device) for k, v in batch.items()})
-                except _StopForward:
-                    pass
-                except Exception as error:
-                    # A layer loop that needs more of a block's output than its hidden states (a
-                    # tuple with cache entries, in older transformers) fails past the first block:
-                    # every block then gets the first block's keywords, as the engine gave them
-                    # before it traced the loop, and the stage summary says so. A loop that did
-                    # trace, or a failure before the first block, is a real error.
-                    if len(records) < n or any(r.per_block for r in records):
-                        raise
-                    untraced = f"{type(error).__name__}: {error}"[:200]
-        finally:
-            model.to("cpu")
+    with blocks_swapped(model, path, recorders), on_device(model, device):
+        for n, batch in enumerate(batches, 1):
+            mask = batch.get("attention_mask")
+            # a batch without padding needs no mask (every token counts), and observers skip
+            # selecting its rows: a boolean gather per hooked layer per batch
+            current["mask"] = mask if mask is not None and not bool(mask.all()) else None
+            shared.clear()
+            try:
+                model(**{k: v.to(device) for k, v in batch.items()})
+            except _StopForward:
+                pass
+            except Exception as error:
+                # A layer loop that needs more of a block's output than its hidden states (a
+                # tuple with cache entries, in older transformers) fails past the first block:
+                # every block then gets the first block's keywords, as the engine gave them
+                # before it traced the loop, and the stage summary says so. A loop that did
+                # trace, or a failure before the first block, is a real error.
+                if len(records) < n or any(r.per_block for r in records):
+                    raise
+                untraced = f"{type(error).__name__}: {error}"[:200]
     return records, untraced
 
 
@@ -554,32 +585,32 @@ class Engine:
                 layers = {n: m for n, m in selected.items() if n.startswith(prefix)}
                 if self.offload is not None:
                     self.offload.load(prefix[:-1])
-                block.to(self.device)
-                on_device = sum(p.numel() for p in model.parameters() if p.device.type == self.device.type)
-                peak_device_params = max(peak_device_params, on_device)
-                runner = BlockRunner(block, store, records, self.device, i)
-                # Usually one calibration pass serves every layer of the block. Sequentially, the
-                # layers go in groups that read the same input (q/k/v, then o, gate/up, down), each
-                # group calibrated on inputs that already carry the error of the groups before it.
-                groups = self.sequential_groups(layers, runner) if getattr(stage, "true_sequential", False) else [list(layers)]
-                if len(groups) > 1 and first_groups is None:
-                    first_groups = [[n.removeprefix(prefix) for n in g] for g in groups]
-                for group in groups:
-                    members = {n: layers[n] for n in group}
-                    observers = {n: obs for n, m in members.items() if (obs := stage.observe(n, m)) is not None}
-                    if observers:
-                        self._calibrate(runner, members, observers, f"block {i + 1}/{len(blocks)}: calibrating",
-                                        stop_after=group[-1] if len(groups) > 1 else None)
-                    if members:
-                        stage.compress_block(i, block, prefix, members, observers, ctx, runner)
-                    del observers
-                # The next block sees this block's compressed outputs, as it will at inference.
-                if i + 1 < len(blocks):
-                    for j in range(len(records)):
-                        self.progress(f"block {i + 1}/{len(blocks)}: propagating", j, len(records))
-                        out = _block_output(block(store.get(j), **runner.kwargs(j)))
-                        self._replace(store, j, out)
-                block.to("cpu")
+                with on_device(block, self.device):
+                    on_device_params = sum(p.numel() for p in model.parameters() if p.device.type == self.device.type)
+                    peak_device_params = max(peak_device_params, on_device_params)
+                    runner = BlockRunner(block, store, records, self.device, i)
+                    # Usually one calibration pass serves every layer of the block. Sequentially, the
+                    # layers go in groups that read the same input (q/k/v, then o, gate/up, down), each
+                    # group calibrated on inputs that already carry the error of the groups before it.
+                    sequential = getattr(stage, "true_sequential", False)
+                    groups = self.sequential_groups(layers, runner) if sequential else [list(layers)]
+                    if len(groups) > 1 and first_groups is None:
+                        first_groups = [[n.removeprefix(prefix) for n in g] for g in groups]
+                    for group in groups:
+                        members = {n: layers[n] for n in group}
+                        observers = {n: obs for n, m in members.items() if (obs := stage.observe(n, m)) is not None}
+                        if observers:
+                            self._calibrate(runner, members, observers, f"block {i + 1}/{len(blocks)}: calibrating",
+                                            stop_after=group[-1] if len(groups) > 1 else None)
+                        if members:
+                            stage.compress_block(i, block, prefix, members, observers, ctx, runner)
+                        del observers
+                    # The next block sees this block's compressed outputs, as it will at inference.
+                    if i + 1 < len(blocks):
+                        for j in range(len(records)):
+                            self.progress(f"block {i + 1}/{len(blocks)}: propagating", j, len(records))
+                            out = _block_output(block(store.get(j), **runner.kwargs(j)))
+                            self._replace(store, j, out)
                 if self.offload is not None:
                     self.offload.release(prefix[:-1], shard=i + 1)
                 if self.device.type == "cuda":

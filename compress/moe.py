@@ -1,14 +1,17 @@
 """Mixture-of-experts plumbing: transformers stores a block's experts fused, as 3-D parameters
 (`gate_up_proj` [experts, 2·intermediate, hidden], `down_proj` [experts, hidden, intermediate];
 Mixtral, Qwen2-MoE, ...). For compression each expert is unfused into three ordinary Linear
-layers (`experts.3.gate_proj`, `.up_proj`, `.down_proj`) run by the same routing loop, so that
-target matching, observers and per-expert token counts work as for any layer; afterwards the
-compressed weights are written back into the fused parameters and the original module returns.
+layers (`experts.3.gate_proj`, `.up_proj`, `.down_proj`), views of the fused parameters, run by
+the same routing loop, so that target matching, observers and per-expert token counts work as for
+any layer; afterwards any weight that stopped being a view is written back into the fused
+parameters and the original module returns.
 A packed checkpoint stores each expert layer on its own, under the key transformers saves it as
 (expert_keys_on_disk).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -28,17 +31,34 @@ def routes_tokens(model: nn.Module) -> bool:
 
 
 class Expert(nn.Module):
+    """One expert as three Linear layers whose weights are views of the fused parameters' rows
+    (`gate_up` [2·intermediate, hidden] and `down` [hidden, intermediate] of one expert): unfusing
+    copies nothing, and a stage that writes a weight in place writes the fused parameter. A Mixtral's
+    experts are nearly all of its weights, so a copy would double the memory a run needs."""
+
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
         super().__init__()
-        inter2, hidden = gate_up.shape
-        self.gate_proj = nn.Linear(hidden, inter2 // 2, bias=False, dtype=gate_up.dtype, device=gate_up.device)
-        self.up_proj = nn.Linear(hidden, inter2 // 2, bias=False, dtype=gate_up.dtype, device=gate_up.device)
-        self.down_proj = nn.Linear(inter2 // 2, hidden, bias=False, dtype=down.dtype, device=down.device)
-        with torch.no_grad():
-            gate, up = gate_up.chunk(2, dim=0)  # the fused layout: gate rows first, then up
-            self.gate_proj.weight.copy_(gate)
-            self.up_proj.weight.copy_(up)
-            self.down_proj.weight.copy_(down)
+        inter = gate_up.shape[0] // 2
+        self.gate_proj = _linear_on(gate_up[:inter])  # the fused layout: gate rows first, then up
+        self.up_proj = _linear_on(gate_up[inter:])
+        self.down_proj = _linear_on(down)
+
+    def weights_in(self, gate_up: torch.Tensor, down: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(this expert's weight, where it lives in the fused parameters), for each layer."""
+        inter = gate_up.shape[0] // 2
+        return [(self.gate_proj.weight, gate_up[:inter]), (self.up_proj.weight, gate_up[inter:]),
+                (self.down_proj.weight, down)]
+
+
+def _linear_on(weight: torch.Tensor) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")  # meta: nothing allocated
+    layer.weight = nn.Parameter(weight)  # trainable, as any Linear's (QAT, distillation)
+    return layer
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
 
 
 class UnfusedExperts(nn.ModuleList):
@@ -47,7 +67,8 @@ class UnfusedExperts(nn.ModuleList):
     keep experts unfused."""
 
     def __init__(self, fused: nn.Module):
-        super().__init__(Expert(fused.gate_up_proj[e], fused.down_proj[e]) for e in range(fused.gate_up_proj.shape[0]))
+        gate_up, down = fused.gate_up_proj.detach(), fused.down_proj.detach()
+        super().__init__(Expert(gate_up[e], down[e]) for e in range(gate_up.shape[0]))
         self.fused = [fused]  # lists, so that neither is registered as a submodule (nor listed as an expert)
         self.act = [fused.act_fn]
 
@@ -63,13 +84,19 @@ class UnfusedExperts(nn.ModuleList):
             out.index_add_(0, token_idx, (h * top_k_weights[token_idx, slot, None]).to(out.dtype))
         return out
 
-    def fuse_back(self) -> nn.Module:
+    @torch.no_grad()
+    def sync(self, into_fused: bool = True) -> None:
+        """Copy between the experts and the fused parameters wherever an expert's weight is no
+        longer a view of its rows: a stage replaced it, or it went to another device and back."""
         fused = self.fused[0]
-        with torch.no_grad():
-            for e, expert in enumerate(self):
-                fused.gate_up_proj[e].copy_(torch.cat([expert.gate_proj.weight, expert.up_proj.weight], dim=0))
-                fused.down_proj[e].copy_(expert.down_proj.weight)
-        return fused
+        for e, expert in enumerate(self):
+            for weight, rows in expert.weights_in(fused.gate_up_proj[e], fused.down_proj[e]):
+                if not _same_memory(weight, rows):
+                    (rows if into_fused else weight).copy_(weight if into_fused else rows)
+
+    def fuse_back(self) -> nn.Module:
+        self.sync()
+        return self.fused[0]
 
 
 def unfuse_experts(model: nn.Module) -> list[tuple[nn.Module, str, UnfusedExperts]]:
@@ -88,6 +115,23 @@ def unfuse_experts(model: nn.Module) -> list[tuple[nn.Module, str, UnfusedExpert
 def fuse_experts(swaps: list[tuple[nn.Module, str, UnfusedExperts]]) -> None:
     for parent, attr, unfused in swaps:
         setattr(parent, attr, unfused.fuse_back())
+
+
+@contextlib.contextmanager
+def fused_layout(model: nn.Module):
+    """The fused experts back in place of the unfused ones for a while, holding the experts'
+    current weights, so that the model is saved, or loaded into, in its own layout and keys (the
+    stage cache). The experts see what was loaded."""
+    swaps = [(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], module)
+             for name, module in model.named_modules() if isinstance(module, UnfusedExperts)]
+    for parent, attr, unfused in swaps:
+        setattr(parent, attr, unfused.fuse_back())
+    try:
+        yield
+    finally:
+        for parent, attr, unfused in swaps:
+            setattr(parent, attr, unfused)
+            unfused.sync(into_fused=False)
 
 
 def expert_keys_on_disk(model: nn.Module) -> dict[str, str]:

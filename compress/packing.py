@@ -360,10 +360,17 @@ def pack_model(net: torch.nn.Module, layers: dict, kv_cache: dict | None = None)
     if on_disk:
         from transformers.core_model_loading import revert_weight_conversion
 
+        # A fused parameter all of whose expert layers are packed is left out before the
+        # conversion, which would otherwise copy every expert's dense matrix only to drop it.
+        for experts in {name.rsplit(".", 2)[0] for name in on_disk}:
+            for part, unfused in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+                mine = [n for n in on_disk if n.rsplit(".", 2)[0] == experts and n.rsplit(".", 1)[1] in unfused]
+                if all(n in packed for n in mine):
+                    state.pop(f"{experts}.{part}", None)
         state = revert_weight_conversion(net, state)  # every key as saved; the experts one matrix each
         for name, key in on_disk.items():
             if name in packed:  # an expert left unquantized stays as saved, dense
-                del state[f"{key}.weight"]
+                state.pop(f"{key}.weight", None)
                 state.update({f"{key}.{k}": v for k, v in packed[name][0].items()})
     linear = [n for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)]
     ignore = [n for n in linear if n not in formats]

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from compress import moe
 from compress.checkpoint import kill_point
 from compress.errors import CompressError
 
@@ -82,33 +83,43 @@ class StageCache:
     def restore(self, net: torch.nn.Module, ctx, reports: list[dict]) -> int:
         """Load the latest stored stage result that fits `net`; returns how many stages it covers
         (0: start from the beginning). Fills ctx.layers and `reports` for the restored stages."""
-        for last in range(len(self.keys) - 1, -1, -1):
-            state = self._read_entry(last)
-            if state is None or not _fits(net, self.entry(last) / "model.safetensors"):
-                continue
-            from safetensors.torch import load_file, load_model
+        found = self._load_latest(net)
+        if found is None:
+            return 0
+        last, state, rng = found
+        torch.set_rng_state(rng)
+        ctx.layers.clear()
+        ctx.layers.update(state["layers"])
+        ctx.kv_cache = state.get("kv_cache")
+        from compress import activations
 
-            try:  # load_model reads the whole file before touching net, so a failure leaves net as it was
-                rng = load_file(self.entry(last) / "rng.safetensors")["cpu"]
-                load_model(net, self.entry(last) / "model.safetensors", strict=True)
-            except Exception:  # a damaged entry is a cache miss, never a failed run
-                continue
-            torch.set_rng_state(rng)
-            ctx.layers.clear()
-            ctx.layers.update(state["layers"])
-            ctx.kv_cache = state.get("kv_cache")
-            from compress import activations
+        activations.reattach(net, ctx.layers, ctx.kv_cache)
+        for i in range(last + 1):
+            earlier = self._read_entry(i)
+            # an earlier entry may have been pruned by hand; the restored one carries the
+            # records, so only its report line would be missing
+            entry = dict(earlier["report"]) if earlier else {"name": self.names[i], "summary": {}}
+            reports.append({**entry, "from_cache": True})
+        self.restored = last + 1
+        ctx.progress(f"resuming after stage {last + 1} ({self.names[last]}) from the cache", 1, 1)
+        return last + 1
 
-            activations.reattach(net, ctx.layers, ctx.kv_cache)
-            for i in range(last + 1):
-                earlier = self._read_entry(i)
-                # an earlier entry may have been pruned by hand; the restored one carries the
-                # records, so only its report line would be missing
-                entry = dict(earlier["report"]) if earlier else {"name": self.names[i], "summary": {}}
-                reports.append({**entry, "from_cache": True})
-            self.restored = last + 1
-            ctx.progress(f"resuming after stage {last + 1} ({self.names[last]}) from the cache", 1, 1)
-            return last + 1
+    def _load_latest(self, net: torch.nn.Module) -> tuple[int, dict, torch.Tensor] | None:
+        """(index, state, generator state) of the latest entry that fits, loaded into `net`."""
+        from safetensors.torch import load_file, load_model
+
+        with moe.fused_layout(net):  # entries hold a mixture-of-experts model in its own layout
+            for last in range(len(self.keys) - 1, -1, -1):
+                state = self._read_entry(last)
+                if state is None or not _fits(net, self.entry(last) / "model.safetensors"):
+                    continue
+                try:  # load_model reads the whole file before touching net, so a failure leaves net as it was
+                    rng = load_file(self.entry(last) / "rng.safetensors")["cpu"]
+                    load_model(net, self.entry(last) / "model.safetensors", strict=True)
+                except Exception:  # a damaged entry is a cache miss, never a failed run
+                    continue
+                return last, state, rng
+        return None
         return 0
 
     def store(self, index: int, net: torch.nn.Module, ctx, report: dict) -> None:
@@ -127,7 +138,8 @@ class StageCache:
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
         try:
             tmp.mkdir(parents=True, exist_ok=True)
-            save_model(net, str(tmp / "model.safetensors"))
+            with moe.fused_layout(net):  # unfused experts are views of the fused parameters: saved as those
+                save_model(net, str(tmp / "model.safetensors"))
             save_file({"cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
             kill_point("cache-storing")
             (tmp / "state.json").write_text(text)

@@ -107,3 +107,33 @@ def test_layer_solves_across_the_gpu_and_the_cpu_match_one_device(ref_llama, sha
     kl_one = kl_to(ref_llama, tmp_path / "one", shared, "cuda")
     kl_two = kl_to(ref_llama, tmp_path / "two", shared, "cuda")
     assert kl_two == pytest.approx(kl_one, rel=0.1), (kl_one, kl_two)
+
+
+def test_a_block_comes_back_from_the_gpu_into_its_own_memory():
+    """engine.on_device copies results back into the tensors a module had on the CPU: unfused
+    experts stay views of the fused parameters through a GPU run, and a tied weight stays tied."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from compress.engine import on_device
+    from compress.moe import fuse_experts, unfuse_experts
+
+    model = MixtralForCausalLM(MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                                             num_key_value_heads=2, vocab_size=128, num_local_experts=4,
+                                             tie_word_embeddings=True))
+    gate_up = model.model.layers[0].mlp.experts.gate_up_proj
+    swaps = unfuse_experts(model)
+    block = model.model.layers[0]
+    expert = block.mlp.experts[2]
+    where = expert.up_proj.weight.data_ptr()
+    with on_device(block, torch.device("cuda")):
+        assert expert.up_proj.weight.is_cuda
+        with torch.no_grad():
+            expert.up_proj.weight.add_(1.0)
+            expected = expert.up_proj.weight.cpu()
+    assert expert.up_proj.weight.data_ptr() == where and torch.equal(expert.up_proj.weight, expected)
+    fuse_experts(swaps)
+    inter = gate_up.shape[1] // 2
+    assert torch.equal(gate_up[2, inter:], expected)
+    with on_device(model, torch.device("cuda")):
+        assert model.lm_head.weight.is_cuda
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_cuda

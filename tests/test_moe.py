@@ -53,6 +53,55 @@ def test_unfused_experts_compute_the_same(moe_model):
     assert torch.allclose(before, during, atol=1e-5) and torch.equal(before, after)
 
 
+def test_unfused_experts_are_views_of_the_fused_parameters(moe_model):
+    """Unfusing copies no expert weight (a Mixtral's experts are nearly all of its weights: a copy
+    doubled the memory a run needed). A weight written in place is in the fused parameter at once;
+    one a stage replaced is written back when the experts are fused again."""
+    _, _, model = moe_model
+    fused = model.model.layers[0].mlp.experts
+    gate_up, down = fused.gate_up_proj, fused.down_proj
+    inter = gate_up.shape[1] // 2
+    swaps = unfuse_experts(model)
+    expert = model.model.layers[0].mlp.experts[3]
+    assert expert.gate_proj.weight.data_ptr() == gate_up[3].data_ptr()
+    assert expert.up_proj.weight.data_ptr() == gate_up[3, inter:].data_ptr()
+    assert expert.down_proj.weight.data_ptr() == down[3].data_ptr()
+    with torch.no_grad():
+        doubled = gate_up[3, :inter] * 2
+        expert.gate_proj.weight.mul_(2)
+        assert torch.equal(gate_up[3, :inter], doubled)
+        replaced = torch.randn(down.shape[1:])
+        expert.down_proj.weight.data = replaced.clone()
+        assert not torch.equal(down[3], replaced)
+    fuse_experts(swaps)
+    assert model.model.layers[0].mlp.experts is fused and fused.down_proj is down
+    assert torch.equal(down[3], replaced) and torch.equal(gate_up[3, :inter], doubled)
+
+
+def test_stage_cache_stores_experts_in_the_model_layout_and_restores_them(moe_model, tmp_path):
+    """--resume on a mixture-of-experts model: the cache holds the fused parameters (the unfused
+    experts share their memory, which safetensors will not save as separate tensors), and a stage
+    restored from it hands the experts its weights: a later stage computes what an uncached run does."""
+    from safetensors import safe_open
+
+    family, path, _ = moe_model
+    first, second = "magnitude: {sparsity: 0.5}", "rtn: {scheme: W8A16}"
+    cache = tmp_path / "cache"
+    run_recipe(recipe_on(path, first, samples=2), output=str(tmp_path / "a"), device="cpu", cache_dir=str(cache))
+    [entry] = list((cache / "stages").iterdir())
+    with safe_open(entry / "model.safetensors", "pt") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+    resumed = run_recipe(recipe_on(path, first, second, samples=2), output=str(tmp_path / "b"), device="cpu",
+                         cache_dir=str(cache))
+    assert resumed["cache"]["restored_stages"] == 1
+    fresh = run_recipe(recipe_on(path, first, second, samples=2), output=str(tmp_path / "c"), device="cpu")
+    a, _, _ = modeling.load_model(str(tmp_path / "b"), dtype="float32")
+    b, _, _ = modeling.load_model(str(tmp_path / "c"), dtype="float32")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert fresh["layers"] == resumed["layers"]
+
+
 def test_gptq_on_moe(moe_model, tmp_path):
     family, path, _ = moe_model
     recipe = recipe_on(path, "gptq: {scheme: W4A16, weights: {group_size: 16}, min_tokens: 260}")
@@ -251,3 +300,37 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest(moe_model, tmp_path, m
             starved = layers[f"model.layers.{block}.mlp.experts.3.{part}"]
             assert starved["tokens"] == 0 and "round-to-nearest" in starved["note"]
             assert layers[f"model.layers.{block}.mlp.experts.0.{part}"]["tokens"] > 0
+
+
+def test_a_block_moved_away_and_back_keeps_its_memory(moe_model):
+    """engine.returned_home, the way back from the GPU (test_cuda runs it there): the values a
+    block ends with are copied into the memory its tensors had, so unfused experts stay views of
+    the fused parameters, and RAM is not allocated again block after block. Here the move is a copy
+    into new memory on the CPU."""
+    from compress.engine import returned_home
+
+    _, _, model = moe_model
+    gate_up = model.model.layers[0].mlp.experts.gate_up_proj
+    inter = gate_up.shape[1] // 2
+    swaps = unfuse_experts(model)
+    block = model.model.layers[0]
+    before = {n: t.data_ptr() for n, t in list(block.named_parameters()) + list(block.named_buffers())}
+
+    def move():
+        for module in block.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    p.data = p.data.clone()
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.clone()
+
+    expert = block.mlp.experts[2]
+    with returned_home(block, move):
+        assert expert.up_proj.weight.data_ptr() != gate_up[2, inter:].data_ptr()
+        with torch.no_grad():
+            expert.up_proj.weight.add_(1.0)
+            expected = expert.up_proj.weight.clone()
+    after = {n: t.data_ptr() for n, t in list(block.named_parameters()) + list(block.named_buffers())}
+    assert after == before and torch.equal(gate_up[2, inter:], expected)
+    fuse_experts(swaps)
