@@ -548,11 +548,14 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
         if key in expected_keys and value.is_floating_point():
             state[key] = value.to(dtype)
     result = model.load_state_dict(state, strict=False, assign=True)
-    for _, _, unfused in swaps:
+    del state  # the modules hold the weights now: each expert's goes once its block is fused
+    while swaps:
+        parent, attr, unfused = swaps.pop(0)
+        fused = unfused.fused[0]
         for part in ("gate_up_proj", "down_proj"):  # the fused parameters, still on meta, take the experts' values
-            fused = unfused.fused[0]
             setattr(fused, part, torch.nn.Parameter(torch.empty_like(getattr(fused, part), device="cpu"), requires_grad=False))
-    moe.fuse_experts(swaps)
+        setattr(parent, attr, unfused.fuse_back())
+        del unfused  # so that the block's expert weights are freed before the next block is fused
     if getattr(config, "tie_word_embeddings", False) or getattr(getattr(config, "get_text_config", lambda: config)(), "tie_word_embeddings", False):
         model.tie_weights()
     still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
