@@ -483,11 +483,20 @@ def plan(
 
     pick_devices(S.device)  # a device the run would refuse is refused here too
     p = make_plan(r, model_ref, S.dtype)
+    refused = p["refusals"]
+    if refused:  # the run would refuse the recipe before any work: so does its plan, after showing it
+        p.update({"error": refused[0], "hint": "the run would refuse it: fix the recipe", "exit_code": 2})
     if S.json:
         emit_json(p)
-        return
-    if S.quiet:  # no tables; the recipe's problems are errors, which still print
-        return
+    elif not S.quiet:  # no tables; the recipe's problems are errors, which still print
+        _print_plan(p, recipe, model_ref)
+    for message in refused:
+        console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
+    if refused:
+        raise typer.Exit(2)
+
+
+def _print_plan(p: dict, recipe: Path, model_ref: str) -> None:
     t = Table(title=f"plan: {recipe} on {model_ref} ({p['architecture']}, {p['parameters']:,} params, {p['dtype']})")
     for col in ("layer", "shape", "stage", "scheme"):
         t.add_column(col, **_name_column(col, [*p["assignments"], *p["unassigned"]]))
@@ -500,9 +509,15 @@ def plan(
         console.print(f"[yellow]warning:[/yellow] {w}")
     e = p["estimates"]
     training = f" (of which {e['training_bytes'] / 2**20:.0f} MiB training state and teacher)" if e.get("training_bytes") else ""
-    Console().print(f"peak memory ≈ {e['peak_memory_bytes'] / 2**20:.0f} MiB{training}; output ≈ {e['output_bytes_packed'] / 2**20:.1f} MiB "
-                    f"packed (the default format where every quantized layer can be packed), ≈ {e['output_bytes_dequantized'] / 2**20:.1f} MiB "
-                    f"dense (--format dense); {e['bits_per_parameter_packed']:.2f} bits/parameter packed")
+    packed, dense = f"{e['output_bytes_packed'] / 2**20:.1f} MiB packed", f"{e['output_bytes_dequantized'] / 2**20:.1f} MiB dense"
+    if p["format"] == "packed":
+        written = f"{packed} ({p['format_reason']}; {dense} with --format dense)"
+    elif any(a["weights"] for a in p["assignments"].values()):
+        written = f"{dense} ({p['format_reason']}; {packed} where it could)"
+    else:
+        written = f"{dense} ({p['format_reason']})"
+    Console().print(f"peak memory ≈ {e['peak_memory_bytes'] / 2**20:.0f} MiB{training}; output ≈ {written}; "
+                    f"{e['bits_per_parameter_packed']:.2f} bits/parameter packed")
 
 
 @app.command()

@@ -148,6 +148,9 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
 
     if requested == "packed":
         _check_packable(recipe, net)
+    refused = preflight(recipe, net)
+    if refused:
+        raise refused[0]
     calibration = None
     if recipe.calibration is not None:  # built even for stages that do not need it: its fingerprint is provenance
         progress("tokenizing calibration data", 0, 1)
@@ -363,6 +366,22 @@ def _check_packable(recipe: Recipe, net: torch.nn.Module) -> None:
     problems = packing.expressible(net, planned)
     if problems:
         raise packing.not_packable(problems)
+
+
+def preflight(recipe: Recipe, net: torch.nn.Module) -> list[CompressError]:
+    """What the stages would refuse of this architecture (Stage.preflight), found before any of
+    them runs, on the model as they see it (experts unfused: views, nothing is copied)."""
+    swaps = unfuse_experts(net)
+    refused = []
+    try:
+        for _, stage in recipe.stages:
+            try:
+                stage.preflight(net)
+            except CompressError as exc:
+                refused.append(exc)
+    finally:
+        fuse_experts(swaps)
+    return refused
 
 
 def _stage_weights(stage) -> QuantArgs | None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from compress import modeling
+from compress import modeling, packing
 from compress.errors import CompressError
-from compress.pipeline import check_sequence_lengths
+from compress.moe import fuse_experts, unfuse_experts
+from compress.pipeline import check_sequence_lengths, preflight
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
@@ -46,6 +47,23 @@ def _training_bytes(recipe: Recipe, params: int, model_bytes: int) -> int:
     return most
 
 
+def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict) -> tuple[str, str]:
+    """The format `auto` will write, as the run decides it (packing.decide), where the shapes are
+    known: after a stage that reshapes the model they are the run's to find out."""
+    if recipe.offload == "disk":
+        return "dense", "offload: disk writes the dense checkpoint block by block"
+    planned = {n: {"weights": a["weights"].model_dump(mode="json")} for n, a in assignments.items() if a["weights"]}
+    if not planned:
+        return "dense", "no layer is quantized"
+    if any(name == "structured" or getattr(stage, "keep_layers", None) for name, stage in recipe.stages):
+        return "packed", "if every quantized layer can be packed once the model is reshaped (decided when saving)"
+    problems = packing.expressible(net, planned)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return "dense", f"the packed format cannot express {problems[0]}{more}"
+    return "packed", "every quantized layer can be packed"
+
+
 def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     """`dtype`: --dtype as the run would get it (auto: the checkpoint's own)."""
     if dtype != "auto" and dtype not in modeling.DTYPES:
@@ -56,14 +74,18 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         saved = getattr(torch, saved, torch.float32)
     dtype = modeling.DTYPES[dtype] if dtype != "auto" else saved
     dtype_bits = dtype.itemsize * 8
-    linear = {n: m for n, m in net.named_modules() if type(m).__name__ in LINEAR_TYPES}
-    params = sum(p.numel() for p in net.parameters())
-    assignments: dict[str, dict] = {}
-    warnings: list[str] = []
-    try:  # the run refuses this before any work; the plan says it
+    # What the run refuses before any work, the plan refuses too (and exits as the run would).
+    refusals = [str(exc) for exc in preflight(recipe, net)]
+    try:
         check_sequence_lengths(recipe, config)
     except CompressError as exc:
-        warnings.append(f"{exc.message}: the run will refuse it")
+        refusals.insert(0, str(exc))
+    params = sum(p.numel() for p in net.parameters())
+    swaps = unfuse_experts(net)  # the layers stages see: each expert's own (views: nothing is allocated)
+    linear = {n: m for n, m in net.named_modules() if type(m).__name__ in LINEAR_TYPES}
+    assignments: dict[str, dict] = {}
+    warnings: list[str] = []
+    partial: dict[tuple[int, str, int], list[str]] = {}  # (stage, name, group size) -> layers with a partial last group
     for i, (name, stage) in enumerate(recipe.stages):
         targets = getattr(stage, "targets", None)
         if targets is None:
@@ -96,7 +118,13 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                     entry["weights"], entry["activations"] = before["weights"], before["activations"]
             assignments[n] = entry
             if scheme and scheme.weights and scheme.weights.strategy == "group" and in_f % scheme.weights.group_size:
-                warnings.append(f"layer {n}: width {in_f} is not a multiple of group_size {scheme.weights.group_size}; its last group is partial")
+                partial.setdefault((i, name, scheme.weights.group_size), []).append(f"{n} ({in_f})")
+    for (i, name, group), layers in partial.items():
+        listed = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+        warnings.append(f"stage {i + 1} ({name}): {len(layers)} layer{'s' if len(layers) > 1 else ''} with an input width "
+                        f"that is not a multiple of group_size {group}, whose last group is partial: {listed}")
+    fuse_experts(swaps)
+    fmt, fmt_reason = _format(recipe, net, assignments)
 
     quantized_params = sum(a["shape"][0] * a["shape"][1] for a in assignments.values() if a["weights"])
     packed_bits = sum(packed_weight_bits(*a["shape"], a["weights"]) for a in assignments.values() if a["weights"])
@@ -120,6 +148,9 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         "assignments": {n: {k: (v.describe() if isinstance(v, QuantArgs) else v) for k, v in a.items()} for n, a in assignments.items()},
         "unassigned": [n for n in linear if n not in assignments],
         "warnings": warnings,
+        "refusals": refusals,
+        "format": fmt,
+        "format_reason": fmt_reason,
         "estimates": {
             # The model in its dtype, a float32 working copy of the largest layer (x3: weight,
             # its quantized copy, and scratch), the calibration activations of one layer input,

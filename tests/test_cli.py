@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+from compress import parse_recipe, run_recipe
 from compress.cli import main
 
 HELDOUT = "calibration/heldout-tinyshakespeare.txt"
@@ -168,10 +169,28 @@ def test_plan_warns_on_patterns_matching_nothing(tmp_path, capsys, ref_llama):
     assert rc == 0 and any("re:.*qproj" in w for w in warnings) and any("selects no layer" in w for w in warnings)
     recipe.write_text("calibration: {dataset: calibration/default.txt, seq_len: 4096}\n"
                       "stages:\n  - wanda: {sparsity: 0.5, sparsity_overrides: {mlp.down_porj: 0.3}}\n")
+    rc, out, err = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    plan = json.loads(out)
+    assert any("sparsity_overrides key 'mlp.down_porj'" in w for w in plan["warnings"])
+    # what the run refuses before any work, the plan refuses: exit 2, the plan shown all the same
+    assert rc == 2 and plan["assignments"] and "calibration.seq_len 4096 is longer than the model's context (512" in plan["error"]
+    assert "error: calibration.seq_len 4096" in err
+
+
+def test_plan_tells_which_format_auto_writes(tmp_path, capsys, ref_llama):
+    """A group size that does not divide the layers: the run writes dense, and the plan says so,
+    with one warning for the stage rather than one per layer."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 7}}\n")
     rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
-    warnings = json.loads(out)["warnings"]
-    assert rc == 0 and any("sparsity_overrides key 'mlp.down_porj'" in w for w in warnings)
-    assert any("calibration.seq_len 4096 is longer than the model's context (512" in w for w in warnings)
+    plan = json.loads(out)
+    assert rc == 0 and plan["format"] == "dense" and "not a whole number of groups of 7" in plan["format_reason"]
+    [warning] = plan["warnings"]
+    assert "28 layers" in warning and "group_size 7" in warning
+    rc, out, _ = run(capsys, "plan", "--recipe", recipe, "--model", ref_llama)
+    assert rc == 0 and "MiB dense (the packed format cannot express" in " ".join(out.split())
+    report = run_recipe(parse_recipe(recipe.read_text(), "test"), model=str(ref_llama), output=str(tmp_path / "out"), device="cpu")
+    assert report["format"]["format"] == "dense"
 
 
 def test_recipes_lists_bundled(capsys, tmp_path, monkeypatch):

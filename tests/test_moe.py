@@ -334,3 +334,34 @@ def test_a_block_moved_away_and_back_keeps_its_memory(moe_model):
     after = {n: t.data_ptr() for n, t in list(block.named_parameters()) + list(block.named_buffers())}
     assert after == before and torch.equal(gate_up[2, inter:], expected)
     fuse_experts(swaps)
+
+
+def test_plan_shows_every_expert_layer_and_refuses_what_the_run_refuses(moe_model, tmp_path, capsys, monkeypatch):
+    """`compress plan` sees the layers the stages see (each expert's), so its size estimate is
+    the checkpoint's; and a recipe the run would refuse (mlp-channels pruning of experts) is
+    refused by the plan and by the run before any stage works, not after the stages before it."""
+    import json
+
+    from compress.cli import main
+    from compress.stages.gptq import GPTQ
+
+    family, path, _ = moe_model
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {path}\ncalibration: {{dataset: calibration/default.txt, num_samples: 2, seq_len: 64}}\n"
+                      "stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 16}}\n")
+    assert main(["--json", "plan", "--recipe", str(recipe)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    experts = [n for n in plan["assignments"] if ".experts." in n]
+    assert len(experts) == 2 * 4 * 3 and plan["format"] == "packed" and not plan["refusals"]
+    report = run_recipe(parse_recipe(recipe.read_text(), "test"), output=str(tmp_path / "out"), device="cpu")
+    written = report["output"]["bytes_on_disk"]
+    assert abs(plan["estimates"]["output_bytes_packed"] - written) < 0.05 * written
+
+    recipe.write_text(f"model: {path}\ncalibration: {{dataset: calibration/default.txt, num_samples: 2, seq_len: 64}}\n"
+                      "stages:\n  - gptq: {scheme: W4A16}\n  - structured: {structure: mlp-channels, ratio: 0.25}\n")
+    assert main(["--json", "plan", "--recipe", str(recipe)]) == 2
+    refused = json.loads(capsys.readouterr().out)
+    assert refused["exit_code"] == 2 and "mlp-channels pruning is not supported" in refused["error"]
+    monkeypatch.setattr(GPTQ, "apply", lambda *a: pytest.fail("a stage ran"))
+    assert main(["quantize", "--recipe", str(recipe), "--output", str(tmp_path / "refused")]) == 2
+    assert "mlp-channels pruning is not supported" in capsys.readouterr().err and not (tmp_path / "refused").exists()

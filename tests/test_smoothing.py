@@ -342,3 +342,21 @@ stages:
     ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
     before, after = outputs(tmp_path / "in", ids), outputs(tmp_path / "out", ids)
     assert (after - before).norm() / before.norm() < 1e-4
+
+
+def test_an_architecture_a_later_stage_refuses_is_refused_before_the_first_stage(gpt_neo, tmp_path, monkeypatch):
+    """Stage.preflight: the engine does not know gpt_neo's blocks, so gptq would refuse it; the
+    run says so before round-to-nearest, the stage before it, does any work."""
+    from compress.errors import CompressError
+    from compress.stages.rtn import RoundToNearest
+
+    monkeypatch.setattr(RoundToNearest, "apply", lambda *a: pytest.fail("the first stage ran"))
+    recipe = parse_recipe(f"""
+model: {tmp_path / 'in'}
+calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 32}}
+stages:
+  - rtn: {{scheme: W8A16}}
+  - gptq: {{scheme: W4A16, weights: {{group_size: 32}}}}
+""", "test")
+    with pytest.raises(CompressError, match="architecture 'gpt_neo' is not known to the calibration engine"):
+        run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")

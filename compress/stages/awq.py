@@ -324,6 +324,10 @@ class AWQ(EngineOptions, QuantizationStage):
                            "rtn_output_error": output_error(X0, W0, rtn) / X.shape[0], "tokens": observers[name].tokens,
                            "search_tokens": X.shape[0]})
 
+    def preflight(self, model: torch.nn.Module) -> None:
+        mappings_for(model, self.mappings, self.blocks)  # no map for the architecture, or one naming no module
+        super().preflight(model)
+
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = self.select(model, "awq")
         self._mappings = mappings_for(model, self.mappings, self.blocks)

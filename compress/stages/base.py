@@ -57,6 +57,12 @@ class Stage(BaseModel):
     def needs_calibration(self) -> bool:
         return False
 
+    def preflight(self, model: torch.nn.Module) -> None:
+        """Refuse (CompressError) what the stage would refuse of this architecture, from its config,
+        module names and shapes alone (a model on the meta device serves): the run checks every
+        stage so before the first one starts, not hours later when this one does, and
+        `compress plan` says so. The model is as stages see it: mixture-of-experts unfused."""
+
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         """Compress `model` in place; return a summary for the report."""
         raise NotImplementedError  # every registered stage overrides this
@@ -89,6 +95,11 @@ class EngineOptions(BaseModel):
     @property
     def needs_calibration(self) -> bool:
         return True  # the engine runs calibration samples through every block
+
+    def preflight(self, model: torch.nn.Module) -> None:
+        from compress.engine import find_blocks
+
+        find_blocks(model, self.blocks)  # an architecture the engine does not know, or a wrong `blocks:`
 
     def engine(self, ctx: StageContext):
         from compress.engine import Engine

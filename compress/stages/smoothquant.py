@@ -92,6 +92,10 @@ class SmoothQuant(EngineOptions, Stage):
             ctx.progress(f"block {index + 1}: smoothed {mapping.smooth} -> {', '.join(mapping.balance)}", 0, 1)
         fold_branches(branch_folds, block, runner, f"block {index}")
 
+    def preflight(self, model: torch.nn.Module) -> None:
+        mappings_for(model, self.mappings, self.blocks)  # no map for the architecture, or one naming no module
+        super().preflight(model)
+
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         self._mappings = mappings_for(model, self.mappings, self.blocks)
         selected = select_modules(model, ["Linear"], self.ignore)

@@ -297,6 +297,9 @@ class Structured(Stage):
 
     # -- checks
 
+    def preflight(self, model: torch.nn.Module) -> None:
+        self._family(model)
+
     def _family(self, model: torch.nn.Module) -> Family:
         model_type = getattr(model.config, "model_type", None)
         family = FAMILIES.get(model_type)
