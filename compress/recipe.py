@@ -212,7 +212,7 @@ def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: d
         return f"{path}{line}: missing required key '{key}'", _description_at(loc, stage_classes) or f"add '{loc[-1]}'"
     value = err.get("input")
     if not err["type"].startswith("value_error") and isinstance(value, (str, int, float, bool)) and not isinstance(value, type):
-        msg += f", got {value!r}"
+        msg += f", got {str(value).lower() if isinstance(value, bool) else repr(value)}"  # as the YAML spells it
     hint = err.get("hint") or _description_at(loc, stage_classes) or RECIPE_HELP
     return f"{path}{line}: {key}: {msg}", hint
 

@@ -23,12 +23,12 @@ class QuantArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_bits: int = Field(8, description="bit width: 2..8 for int; for float 8 (FP8 e4m3) or 4 (FP4 e2m1: NVFP4, MXFP4)")
+    num_bits: int = Field(8, strict=True, description="bit width: 2..8 for int; for float 8 (FP8 e4m3) or 4 (FP4 e2m1: NVFP4, MXFP4)")
     type: Literal["int", "float"] = "int"
     symmetric: bool = Field(True, description="true: absmax; false: zero-point (asymmetric)")
     strategy: Literal["tensor", "channel", "group", "tensor_group", "token"] = Field(
         "channel", description="tensor_group: NVFP4's blocks of 16 with e4m3 scales under one per-tensor scale")
-    group_size: Optional[int] = Field(None, description="columns per scale when strategy is group")
+    group_size: Optional[int] = Field(None, strict=True, description="columns per scale when strategy is group")
     dynamic: bool = Field(False, description="activations: ranges from each input (true) or from calibration (false)")
     full_range: bool = Field(False, description="symmetric int: all 2^b codes, [-2^(b-1), 2^(b-1)-1], step max|x|/(2^(b-1)-0.5) "
                              "(compressed-tensors' grid); false: absmax, codes symmetric about 0")

@@ -779,6 +779,9 @@ CASES = [
     Case("prune-no-model", lambda tmp: ["prune", "--output", str(tmp / "out")], ["no model", "--model"]),
     Case("recipe-duplicate-key", lambda tmp: quantize(tmp, "stages:\n  - rtn:\n      scheme: W4A16\n      scheme: W8A16\n"),
          ["r.yaml:4", "'scheme' appears twice"]),
+    Case("recipe-bool-as-bit-width", lambda tmp: quantize(tmp, "stages:\n  - rtn:\n      scheme: W4A16\n"
+                                                           "      weights: {num_bits: true}\n"),
+         ["r.yaml:4", "num_bits", "valid integer, got true"]),
     Case("recipe-self-referencing-alias", lambda tmp: quantize(tmp, "stages: &s [ {rtn: {scheme: W8A16}}, *s ]\n"),
          ["r.yaml:1", "stages"]),
     Case("pattern-unquoted-in-recipe", _pattern_unquoted, ["r.yaml:3", "pattern", "124", "quote"]),

@@ -155,11 +155,12 @@ class QuantArgsOverride(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_bits: Optional[int] = Field(None, ge=2, le=8)
+    # strict: a YAML true or false is not a width (lax pydantic reads it as 1 or 0)
+    num_bits: Optional[int] = Field(None, ge=2, le=8, strict=True)
     type: Optional[Literal["int", "float"]] = None
     symmetric: Optional[bool] = None
     strategy: Optional[Literal["tensor", "channel", "group", "tensor_group", "token"]] = None
-    group_size: Optional[int] = Field(None, gt=0)
+    group_size: Optional[int] = Field(None, gt=0, strict=True)
     dynamic: Optional[bool] = None
     full_range: Optional[bool] = None
 
