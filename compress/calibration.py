@@ -173,7 +173,8 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None, t
 
         ds = datasets.load_dataset(name, config_name, split=split, streaming=stream is not None)
     except Exception as exc:
-        raise CompressError(f"cannot load dataset '{name}' from the hub: {first_line(exc)}", unreachable) from None
+        raise CompressError(f"cannot load dataset '{name}' from the hub (nor is it a local file): {first_line(exc)}",
+                            unreachable) from None
     fields = ds.column_names  # a stream may not know its columns before the first record
     if fields is not None and text_field not in fields:
         raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(fields)})", TEXT_FIELD_HINT)

@@ -8,6 +8,7 @@ error.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -893,6 +894,9 @@ def _main(argv: list[str] | None) -> int:
         transformers.utils.logging.disable_progress_bar()
     except ImportError:
         pass
+    # huggingface_hub logs each failed request ("... thrown while requesting HEAD ...") before the
+    # exception that compress turns into its one-line error
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     try:
         # Without standalone mode click returns typer.Exit's code instead of raising it.
         rc = app(args=argv, prog_name="compress", standalone_mode=False)

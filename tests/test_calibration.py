@@ -75,7 +75,7 @@ def test_bundled_corpus_found_from_any_directory(tokenizer, tmp_path, monkeypatc
 
 
 def test_hub_dataset_unreachable_is_a_clear_error(tokenizer):
-    with pytest.raises(CompressError, match="cannot load dataset 'nonexistent-org/nonexistent-dataset'"):
+    with pytest.raises(CompressError, match=r"cannot load dataset 'nonexistent-org/nonexistent-dataset' from the hub \(nor is it a local file\)"):
         build_calibration(CalibrationConfig(dataset="nonexistent-org/nonexistent-dataset"), tokenizer)
 
 
