@@ -285,14 +285,30 @@ def distill(
                           num_samples, eval_samples, temperature, divergence, ce_weight, hidden, save_every, eval_data, no_eval)
     r = _parse_built_recipe(doc, "compress distill")
     modeling.check_context(modeling.load_config(r.model), seq_len, "--seq-len")  # named as the user typed it
-    with progress_bar() as progress:
-        report = run_recipe(r, force=force, device=S.device, dtype=S.dtype, seed=S.seed, progress=progress,
-                            resume=resume, baseline=teacher)
+    try:
+        with progress_bar() as progress:
+            report = run_recipe(r, force=force, device=S.device, dtype=S.dtype, seed=S.seed, progress=progress,
+                                resume=resume, baseline=teacher)
+    except CompressError as exc:  # the recipe was built from options: name those
+        raise _in_option_terms(exc, DISTILL_OPTIONS) from None
     if report.get("skipped"):
         return  # a process other than the main one under `accelerate launch`: the main one reports
     s = report["stages"][-1]["summary"]
     details = [f"held-out KD loss {s['held_out_kd_before']:.4g} -> {s['held_out_kd_after']:.4g}"] if "held_out_kd_after" in s else []
     _show_run(report, output, details=details)
+
+
+# The recipe keys `compress distill` sets, as its options (longest first: one key may prefix another).
+DISTILL_OPTIONS = {"data.generate.num_sequences": "--generate", "data.num_samples": "--num-samples",
+                   "data.eval_samples": "--eval-samples", "data.seq_len": "--seq-len", "eval_samples": "--eval-samples"}
+
+
+def _in_option_terms(exc: CompressError, options: dict[str, str]) -> CompressError:
+    """An error about a recipe a command built, with its keys named as the options that set them."""
+    message, hint = exc.message, exc.hint or ""
+    for key, option in options.items():
+        message, hint = message.replace(key, option), hint.replace(key, option)
+    return CompressError(message, hint or None)
 
 
 def _parse_built_recipe(doc: str, command: str, renamed: dict[str, str] = {}) -> "Recipe":  # noqa: B006
@@ -737,10 +753,9 @@ def analyze(
         modeling.check_context(config, seq_len, "--seq-len")
         try:
             cal = build_calibration(CalibrationConfig(**calibration), tokenizer)
-        except CompressError as exc:  # its hint names recipe keys; here they are options
-            hint = (exc.hint or "").replace("num_samples", "--windows").replace("seq_len", "--seq-len").replace(
-                "min_chars", "--windows").replace(TEXT_FIELD_HINT, "a 'text' field in each record")
-            raise CompressError(exc.message, hint) from None
+        except CompressError as exc:  # it names recipe keys; here they are options
+            raise _in_option_terms(exc, {TEXT_FIELD_HINT: "a 'text' field in each record", "num_samples": "--windows",
+                                         "seq_len": "--seq-len", "min_chars": "--windows"}) from None
         import torch
 
         ids = torch.cat([s["input_ids"] for s in cal.samples])
