@@ -357,21 +357,28 @@ def returned_home(module: torch.nn.Module, move: Callable[[], Any]):
     model's RAM is not allocated a second time, block by block, over a run on an accelerator."""
     home = [(owner, kind, name, tensor.data) for owner in module.modules() for kind in ("_parameters", "_buffers")
             for name, tensor in getattr(owner, kind).items() if tensor is not None and tensor.device.type == "cpu"]
-    move()
+    failed = True
     try:
+        move()
         yield module
+        failed = False
     finally:
-        with torch.no_grad():
-            for owner, kind, name, cpu in home:
-                now = getattr(owner, kind).get(name)
-                if now is None or now.shape != cpu.shape or now.dtype != cpu.dtype or now.data_ptr() == cpu.data_ptr():
-                    continue  # not moved, or replaced with another shape or type (moved below as it is)
-                cpu.copy_(now)
-                if kind == "_parameters":
-                    now.data = cpu  # the same Parameter object, as module.to() keeps it
-                else:
-                    owner._buffers[name] = cpu
-        module.to("cpu")
+        try:
+            with torch.no_grad():
+                for owner, kind, name, cpu in home:
+                    now = getattr(owner, kind).get(name)
+                    if now is None or now.shape != cpu.shape or now.dtype != cpu.dtype or now.data_ptr() == cpu.data_ptr():
+                        continue  # not moved, or replaced with another shape or type (moved below as it is)
+                    cpu.copy_(now)
+                    if kind == "_parameters":
+                        now.data = cpu  # the same Parameter object, as module.to() keeps it
+                    else:
+                        owner._buffers[name] = cpu
+            module.to("cpu")
+        except Exception:
+            if not failed:
+                raise
+            # already failing (a device error may fail every copy too): that error is the one to see
 
 
 def _move(value: Any, device: torch.device) -> Any:

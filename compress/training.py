@@ -33,6 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from compress.errors import CompressError
+from compress.moe import fused_layout
 
 Progress = Callable[[str, int, int], None]
 
@@ -169,7 +170,8 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
                 raise CompressError(f"stage {name}: the checkpoint in {found} was written by a different run "
                                     f"(model, recipe stage or data changed)",
                                     f"drop --resume to start over, or delete {checkpoint_dir}")
-            accelerator.load_state(str(found))
+            with fused_layout(objective):  # saved so: see _save
+                accelerator.load_state(str(found))
         elif accelerator.is_main_process and checkpoint_dir.exists():
             shutil.rmtree(checkpoint_dir)  # a fresh run does not keep an older run's checkpoints
     resumed_from = state.step
@@ -242,7 +244,7 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
             shown += f" ppl {math.exp(min(sums['ce'], 50)):.2f}"
         progress(f"{name} step {step}/{cfg.steps} {shown}", step, cfg.steps)
         if checkpoint_dir is not None and cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-            _save(accelerator, checkpoint_dir, step, fingerprint)
+            _save(accelerator, objective, checkpoint_dir, step, fingerprint)
         if stop_after is not None and step - resumed_from >= stop_after and step < cfg.steps:
             raise TrainingStopped(step)
 
@@ -264,11 +266,14 @@ class TrainingStopped(Exception):
         self.step = step
 
 
-def _save(accelerator, directory: Path, step: int, fingerprint: str) -> None:
+def _save(accelerator, objective: torch.nn.Module, directory: Path, step: int, fingerprint: str) -> None:
     """accelerate's save_state into step-N, marked complete only once written: a kill during the
-    save leaves an incomplete directory that resume ignores. Older checkpoints are then removed."""
+    save leaves an incomplete directory that resume ignores. Older checkpoints are then removed.
+    Mixture-of-experts weights are saved fused: the unfused experts share the fused parameters'
+    memory, and accelerate's safetensors writer would keep one tensor of each shared memory."""
     target = directory / f"step-{step}"
-    accelerator.save_state(str(target))
+    with fused_layout(objective):
+        accelerator.save_state(str(target))
     if accelerator.is_main_process:
         (target / "fingerprint").write_text(fingerprint)
         (target / "complete").write_text(str(step))

@@ -365,3 +365,29 @@ def test_plan_shows_every_expert_layer_and_refuses_what_the_run_refuses(moe_mode
     monkeypatch.setattr(GPTQ, "apply", lambda *a: pytest.fail("a stage ran"))
     assert main(["quantize", "--recipe", str(recipe), "--output", str(tmp_path / "refused")]) == 2
     assert "mlp-channels pruning is not supported" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+
+
+def test_training_stopped_and_resumed_on_experts_equals_the_run_never_stopped(moe_model, tmp_path, monkeypatch):
+    """Training checkpoints hold the experts fused: unfused they are views sharing the fused
+    parameters' memory, of which accelerate's safetensors writer keeps one tensor and drops the
+    rest. Distillation stopped after step 3 (a checkpoint at step 2) and resumed gives the weights
+    of the run that never stopped, bit for bit on the CPU."""
+    from safetensors.torch import load_file
+
+    import compress.stages.distill as distill
+    from compress.training import TrainingStopped
+
+    family, path, _ = moe_model
+    text = (f"model: {path}\ncalibration: {{dataset: calibration/default.txt, num_samples: 24, seq_len: 32}}\n"
+            "stages:\n  - distill:\n      data: {seq_len: 32, num_samples: 16, eval_samples: 4}\n"
+            "      train: {steps: 4, batch_size: 4, lr: 1e-3, warmup: 0, eval_every: 0, save_every: 2}\n")
+    run_recipe(parse_recipe(text, "t"), output=str(tmp_path / "whole"), device="cpu")
+    train = distill.train
+    monkeypatch.setattr(distill, "train", lambda *a, **k: train(*a, **{**k, "stop_after": 3}))
+    with pytest.raises(TrainingStopped):
+        run_recipe(parse_recipe(text, "t"), output=str(tmp_path / "resumed"), device="cpu")
+    monkeypatch.setattr(distill, "train", train)
+    report = run_recipe(parse_recipe(text, "t"), output=str(tmp_path / "resumed"), device="cpu", resume=True)
+    assert report["stages"][0]["summary"]["resumed_from_step"] == 2
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

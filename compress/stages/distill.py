@@ -26,6 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from compress import kd, modeling
+from compress.engine import on_device
 from compress.sparsity import pruned_zeros
 from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext
@@ -247,20 +248,20 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
     teacher_hash = modeling.weights_hash(teacher_ref) if teacher_ref else None
     train_ids, eval_ids, source = training_sequences(data, ctx.tokenizer, ctx.calibration, teacher, teacher_hash,
                                                      ctx.seed, name, ctx.progress)
-    model.to(ctx.device)
-    objective = DistillationObjective(model, teacher, loss_cfg, causal)
-    masks = pruning_masks(model, ctx) if masks is None else masks
-    groups = [{"params": trainable, "lr": cfg.lr}]
-    if len(objective.projections) and any(p.requires_grad for p in objective.projections.parameters()):
-        groups.append({"params": list(objective.projections.parameters()), "lr": cfg.lr})
-    groups += list(extra_groups)
-    fingerprint = run_fingerprint(name, stage.model_dump(mode="json"), ctx.source_hash, teacher_hash,
-                                  train_ids.shape, float(train_ids.float().sum()), ctx.seed, ctx.stage_index)
-    checkpoint_dir = ctx.work_dir / f"{ctx.stage_index}-{name}" if ctx.work_dir is not None else None
-    result = train(objective, train_ids, eval_ids, cfg, param_groups=groups, device=ctx.device, seed=ctx.seed,
-                   masks=masks, checkpoint_dir=checkpoint_dir, resume=ctx.resume, fingerprint=fingerprint,
-                   progress=ctx.progress, name=name, stop_after=ctx.stop_after_steps)
-    model.to("cpu").eval()
+    with on_device(model, ctx.device):  # back in the CPU memory it had (unfused experts stay views)
+        objective = DistillationObjective(model, teacher, loss_cfg, causal)
+        masks = pruning_masks(model, ctx) if masks is None else masks
+        groups = [{"params": trainable, "lr": cfg.lr}]
+        if len(objective.projections) and any(p.requires_grad for p in objective.projections.parameters()):
+            groups.append({"params": list(objective.projections.parameters()), "lr": cfg.lr})
+        groups += list(extra_groups)
+        fingerprint = run_fingerprint(name, stage.model_dump(mode="json"), ctx.source_hash, teacher_hash,
+                                      train_ids.shape, float(train_ids.float().sum()), ctx.seed, ctx.stage_index)
+        checkpoint_dir = ctx.work_dir / f"{ctx.stage_index}-{name}" if ctx.work_dir is not None else None
+        result = train(objective, train_ids, eval_ids, cfg, param_groups=groups, device=ctx.device, seed=ctx.seed,
+                       masks=masks, checkpoint_dir=checkpoint_dir, resume=ctx.resume, fingerprint=fingerprint,
+                       progress=ctx.progress, name=name, stop_after=ctx.stop_after_steps)
+    model.eval()
     if teacher is not None:
         teacher.to("cpu")
     masked_zero = all(bool((p[m.to(p.device) == 0] == 0).all()) for p, m in masks)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from compress import activations
+from compress.engine import on_device
 from compress.errors import CompressError
 from compress.quant import FP8_E4M3_MAX
 from compress.stages.base import Stage, StageContext
@@ -47,11 +48,8 @@ class KVCache(Stage):
             raise CompressError("kv_cache: calibrating the cache runs the whole model at once, which offload: disk avoids",
                                 "drop offload: disk, or drop the kv_cache stage")
         ctx.progress("kv_cache: observing keys and values", 0, 1)
-        model.to(ctx.device)
-        try:
+        with on_device(model, ctx.device):
             ranges = activations.observe_kv(model, modules, ctx.calibration.samples, ctx.device)
-        finally:
-            model.to("cpu")
         for name, module in modules.items():
             activations.attach_kv(module, *ranges[name])
         ctx.kv_cache = {"scheme": dict(activations.KV_SCHEME), "ranges": {n: list(r) for n, r in ranges.items()}}

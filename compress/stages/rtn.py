@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from compress import activations
+from compress.engine import on_device
 from compress.modeling import get_weight, set_weight
 from compress.quant import fake_quantize, fake_quantize_fp4, fake_quantize_fp8, nvfp4_global_scale, relative_error
 from compress.schemes import QuantArgs
@@ -76,9 +77,8 @@ class RoundToNearest(QuantizationStage):
             ranges = {}
             if not aargs.dynamic:
                 ctx.progress("rtn: observing activation ranges", 0, 1)
-                model.to(ctx.device)
-                ranges = activations.observe_ranges(model, modules, ctx.calibration.samples, ctx.device)
-                model.to("cpu")
+                with on_device(model, ctx.device):
+                    ranges = activations.observe_ranges(model, modules, ctx.calibration.samples, ctx.device)
             for name, module in modules.items():
                 activations.attach(module, aargs, ranges.get(name))
                 ctx.layers[name]["input_activations"] = aargs.model_dump(mode="json")

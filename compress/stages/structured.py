@@ -54,7 +54,7 @@ from typing import Literal, Optional
 import torch
 from pydantic import Field
 
-from compress.engine import find_blocks
+from compress.engine import find_blocks, on_device
 from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext
 
@@ -360,23 +360,21 @@ class Structured(Stage):
                 handles.append(o_proj.register_forward_pre_hook(_head_hook(stats, b, model.config.num_attention_heads)))
             else:
                 handles.append(block.register_forward_hook(_block_hook(stats, b), with_kwargs=True))
-        home = next(model.parameters()).device
         runner = getattr(model, "base_model", model)  # no lm_head: only the blocks' activations count
         samples = ctx.calibration.samples
         try:
-            model.to(ctx.device)
-            for j, sample in enumerate(samples):
-                ctx.progress("structured: measuring importance", j, len(samples))
-                stats.mask = sample.get("attention_mask")
-                kwargs = {k: v.to(ctx.device) for k, v in sample.items()}
-                if getattr(model.config, "use_cache", None) is not None:
-                    kwargs["use_cache"] = False
-                runner(**kwargs)
+            with on_device(model, ctx.device):
+                for j, sample in enumerate(samples):
+                    ctx.progress("structured: measuring importance", j, len(samples))
+                    stats.mask = sample.get("attention_mask")
+                    kwargs = {k: v.to(ctx.device) for k, v in sample.items()}
+                    if getattr(model.config, "use_cache", None) is not None:
+                        kwargs["use_cache"] = False
+                    runner(**kwargs)
             ctx.progress("structured: measuring importance", len(samples), len(samples))
         finally:
             for h in handles:
                 h.remove()
-            model.to(home)
         for b, s in enumerate(stats.sums):
             if s is None or not torch.isfinite(s).all():
                 raise CompressError(f"stage structured: block {b} saw no finite calibration activations",
