@@ -290,7 +290,7 @@ def distill(
             report = run_recipe(r, force=force, device=S.device, dtype=S.dtype, seed=S.seed, progress=progress,
                                 resume=resume, baseline=teacher)
     except CompressError as exc:  # the recipe was built from options: name those
-        raise _in_option_terms(exc, DISTILL_OPTIONS) from None
+        raise _in_option_terms(exc, DISTILL_OPTIONS) from exc  # --debug shows where it came from
     if report.get("skipped"):
         return  # a process other than the main one under `accelerate launch`: the main one reports
     s = report["stages"][-1]["summary"]
@@ -304,10 +304,14 @@ DISTILL_OPTIONS = {"data.generate.num_sequences": "--generate", "data.num_sample
 
 
 def _in_option_terms(exc: CompressError, options: dict[str, str]) -> CompressError:
-    """An error about a recipe a command built, with its keys named as the options that set them."""
+    """An error about a recipe a command built, with its keys named as the options that set them.
+    Only a whole key is replaced: not one inside a word or a path the user gave (runs/eval_samples/a.txt)."""
+    import re
+
     message, hint = exc.message, exc.hint or ""
     for key, option in options.items():
-        message, hint = message.replace(key, option), hint.replace(key, option)
+        whole = re.compile(rf"(?<![\w./~-]){re.escape(key)}(?![\w/-])")
+        message, hint = whole.sub(option, message), whole.sub(option, hint)
     return CompressError(message, hint or None)
 
 
@@ -755,7 +759,7 @@ def analyze(
             cal = build_calibration(CalibrationConfig(**calibration), tokenizer)
         except CompressError as exc:  # it names recipe keys; here they are options
             raise _in_option_terms(exc, {TEXT_FIELD_HINT: "a 'text' field in each record", "num_samples": "--windows",
-                                         "seq_len": "--seq-len", "min_chars": "--windows"}) from None
+                                         "seq_len": "--seq-len", "min_chars": "--windows"}) from exc
         import torch
 
         ids = torch.cat([s["input_ids"] for s in cal.samples])

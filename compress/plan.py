@@ -47,21 +47,20 @@ def _training_bytes(recipe: Recipe, params: int, model_bytes: int) -> int:
     return most
 
 
-def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict) -> tuple[str, str]:
-    """The format `auto` will write, as the run decides it (packing.decide), where the shapes are
-    known: after a stage that reshapes the model they are the run's to find out."""
-    if recipe.offload == "disk":
-        return "dense", "offload: disk writes the dense checkpoint block by block"
+def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict) -> tuple[str, str, str | None]:
+    """(format, why, refusal): what the run will write, decided as the run decides it
+    (packing.decide, on the recipe's `format`), where the shapes are known; after a stage that
+    reshapes the model, the run decides when saving. `refusal`: `format: packed` that cannot be."""
     planned = {n: {"weights": a["weights"].model_dump(mode="json")} for n, a in assignments.items() if a["weights"]}
-    if not planned:
-        return "dense", "no layer is quantized"
-    if any(name == "structured" or getattr(stage, "keep_layers", None) for name, stage in recipe.stages):
-        return "packed", "if every quantized layer can be packed once the model is reshaped (decided when saving)"
-    problems = packing.expressible(net, planned)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        return "dense", f"the packed format cannot express {problems[0]}{more}"
-    return "packed", "every quantized layer can be packed"
+    reshaped = any(name == "structured" or getattr(stage, "keep_layers", None) for name, stage in recipe.stages)
+    if reshaped and planned and recipe.format != "dense" and recipe.offload != "disk":
+        return "packed", "if every quantized layer can be packed once the model is reshaped (decided when saving)", None
+    kv_cache = any(name == "kv_cache" for name, _ in recipe.stages)
+    try:
+        decision = packing.decide(net, planned, recipe.format, offloaded=recipe.offload == "disk", kv_cache=kv_cache)
+    except CompressError as exc:  # format: packed, and some layer cannot be
+        return "packed", exc.message, str(exc)
+    return decision.format, decision.reason, None
 
 
 def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
@@ -124,7 +123,9 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         warnings.append(f"stage {i + 1} ({name}): {len(layers)} layer{'s' if len(layers) > 1 else ''} with an input width "
                         f"that is not a multiple of group_size {group}, whose last group is partial: {listed}")
     fuse_experts(swaps)
-    fmt, fmt_reason = _format(recipe, net, assignments)
+    fmt, fmt_reason, refused = _format(recipe, net, assignments)
+    if refused:
+        refusals.append(refused)
 
     quantized_params = sum(a["shape"][0] * a["shape"][1] for a in assignments.values() if a["weights"])
     packed_bits = sum(packed_weight_bits(*a["shape"], a["weights"]) for a in assignments.values() if a["weights"])

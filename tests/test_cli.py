@@ -191,6 +191,17 @@ def test_plan_tells_which_format_auto_writes(tmp_path, capsys, ref_llama):
     assert rc == 0 and "MiB dense (the packed format cannot express" in " ".join(out.split())
     report = run_recipe(parse_recipe(recipe.read_text(), "test"), model=str(ref_llama), output=str(tmp_path / "out"), device="cpu")
     assert report["format"]["format"] == "dense"
+    # the recipe's format: packed is refused as the run refuses it, dense is what was asked for
+    recipe.write_text("format: packed\nstages:\n  - rtn: {scheme: W4A16, weights: {group_size: 7}}\n")
+    rc, out, err = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    assert rc == 2 and "cannot write the packed format" in json.loads(out)["error"] and "cannot write the packed format" in err
+    recipe.write_text("format: dense\nstages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    assert rc == 0 and json.loads(out)["format"] == "dense" and "asked for" in json.loads(out)["format_reason"]
+    # a KV cache alone is written in the format (its scales need it)
+    recipe.write_text("calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 64}\nstages:\n  - kv_cache: {}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    assert rc == 0 and json.loads(out)["format"] == "packed"
 
 
 def test_recipes_lists_bundled(capsys, tmp_path, monkeypatch):
