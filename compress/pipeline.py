@@ -374,9 +374,11 @@ def preflight(recipe: Recipe, net: torch.nn.Module) -> list[CompressError]:
     swaps = unfuse_experts(net)
     refused = []
     try:
-        for _, stage in recipe.stages:
+        for name, stage in recipe.stages:
             try:
                 stage.preflight(net)
+                if hasattr(stage, "select"):  # targets that match nothing now match nothing after a reshaping stage either
+                    stage.select(net, name)
             except CompressError as exc:
                 refused.append(exc)
     finally:

@@ -98,7 +98,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             for p in unused_patterns(net, list(getattr(stage, key, None) or {})):
                 warnings.append(f"stage {i + 1} ({name}): {key} key '{p}' matches no linear layer")
         chosen = select_modules(net, targets, ignore)
-        if not chosen:
+        if not chosen and not hasattr(stage, "select"):  # one with select is refused (pipeline.preflight)
             warnings.append(f"stage {i + 1} ({name}): selects no layer at all")
         elif len(chosen) == len(linear):
             warnings.append(f"stage {i + 1} ({name}): selects every linear layer, lm_head included; is that meant?")

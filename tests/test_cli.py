@@ -166,7 +166,9 @@ def test_plan_warns_on_patterns_matching_nothing(tmp_path, capsys, ref_llama):
     recipe.write_text("stages:\n  - rtn: {scheme: W8A16, targets: ['re:.*qproj'], ignore: [lm_head]}\n")
     rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
     warnings = json.loads(out)["warnings"]
-    assert rc == 0 and any("re:.*qproj" in w for w in warnings) and any("selects no layer" in w for w in warnings)
+    assert any("re:.*qproj" in w for w in warnings)
+    # a stage that quantizes nothing is refused by the run before any stage works, and so by the plan
+    assert rc == 2 and "targets ['re:.*qproj'] minus ignore ['lm_head'] match no linear layer" in json.loads(out)["error"]
     recipe.write_text("calibration: {dataset: calibration/default.txt, seq_len: 4096}\n"
                       "stages:\n  - wanda: {sparsity: 0.5, sparsity_overrides: {mlp.down_porj: 0.3}}\n")
     rc, out, err = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
@@ -175,6 +177,18 @@ def test_plan_warns_on_patterns_matching_nothing(tmp_path, capsys, ref_llama):
     # what the run refuses before any work, the plan refuses: exit 2, the plan shown all the same
     assert rc == 2 and plan["assignments"] and "calibration.seq_len 4096 is longer than the model's context (512" in plan["error"]
     assert "error: calibration.seq_len 4096" in err
+
+
+def test_a_later_stage_matching_no_layer_is_refused_before_the_first_stage(tmp_path, capsys, ref_llama, monkeypatch):
+    from compress.stages.rtn import RoundToNearest
+
+    monkeypatch.setattr(RoundToNearest, "apply", lambda *a: pytest.fail("the first stage ran"))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 64}\n"
+                      "stages:\n  - rtn: {scheme: W8A16}\n  - gptq: {scheme: W4A16, targets: ['re:.*q_porj']}\n")
+    rc, _, err = run(capsys, "quantize", "--recipe", recipe, "--model", ref_llama, "--output", tmp_path / "out")
+    assert rc == 2 and "stage gptq: targets ['re:.*q_porj']" in err and "match no linear layer" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_plan_tells_which_format_auto_writes(tmp_path, capsys, ref_llama):
