@@ -86,7 +86,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     requested = format or recipe.format
     if requested not in ("auto", "packed", "dense"):
         raise CompressError(f"unknown format {requested!r}", "use packed, dense or auto")
-    if requested == "packed" and recipe.offload == "disk" and any(_stage_weights(st) for _, st in recipe.stages):
+    if requested == "packed" and recipe.offload == "disk" and any(stage_weights(st) for _, st in recipe.stages):
         raise packing.OFFLOADED_NOT_PACKABLE
     model_ref = model or recipe.model
     if not model_ref:
@@ -102,7 +102,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     # refuses a bad destination before any work
     atomic = AtomicOutput(out_dir, force=force, protect=protect) if main_process else nullcontext()
     dest = Path(out_dir).expanduser().resolve()
-    _check_data_files(recipe)
+    check_data_files(recipe)
     model_config = modeling.load_config(model_ref)
     check_sequence_lengths(recipe, model_config)
     task_request = recipe.evaluation.tasks if recipe.evaluation is not None else None
@@ -115,7 +115,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
 
         cache_root = stagecache.prepare(cache_dir, recipe)
     if recipe.offload == "disk":
-        _check_offloadable(recipe)
+        check_offloadable(recipe)
         if Path(model_path).is_dir() and packing.is_packed(model_path):
             raise CompressError(f"offload: disk reads dense checkpoints; {model_ref} is packed (compressed-tensors)",
                                 "drop offload: disk, or start from a checkpoint written with --format dense")
@@ -294,14 +294,14 @@ def _measure_sparsity(net: torch.nn.Module, layers: dict) -> None:
             rec["sparsity"] = 1 - int(torch.count_nonzero(w)) / w.numel()
 
 
-def _check_offloadable(recipe: Recipe) -> None:
+def check_offloadable(recipe: Recipe) -> None:
     if len(recipe.stages) != 1 or not hasattr(recipe.stages[0][1], "observe"):
         raise CompressError(f"{recipe.source}: offload: disk runs one block-by-block stage (e.g. gptq); "
                             f"this recipe has {', '.join(n for n, _ in recipe.stages)}",
                             "split the recipe, or drop offload: disk")
 
 
-def _check_data_files(recipe: Recipe) -> None:
+def check_data_files(recipe: Recipe) -> None:
     """Missing local data files are reported before any model is loaded or compressed."""
     specs = list(recipe.evaluation.datasets) if recipe.evaluation else []
     if recipe.calibration is not None:
@@ -360,7 +360,7 @@ def _check_packable(recipe: Recipe, net: torch.nn.Module) -> None:
         return
     planned: dict[str, dict] = {}
     for name, stage in recipe.stages:
-        weights = _stage_weights(stage)
+        weights = stage_weights(stage)
         if weights is not None and hasattr(stage, "select"):
             planned.update({n: {"weights": weights.model_dump(mode="json")} for n in stage.select(net, name)})
     problems = packing.expressible(net, planned)
@@ -378,7 +378,9 @@ def preflight(recipe: Recipe, net: torch.nn.Module) -> list[CompressError]:
             try:
                 stage.preflight(net)
                 if hasattr(stage, "select"):  # targets that match nothing now match nothing after a reshaping stage either
-                    stage.select(net, name)
+                    chosen = stage.select(net, name)
+                    if hasattr(stage, "check_overrides"):  # sparsity_overrides keys, likewise
+                        stage.check_overrides(chosen, name)
             except CompressError as exc:
                 refused.append(exc)
     finally:
@@ -386,7 +388,7 @@ def preflight(recipe: Recipe, net: torch.nn.Module) -> list[CompressError]:
     return refused
 
 
-def _stage_weights(stage) -> QuantArgs | None:
+def stage_weights(stage) -> QuantArgs | None:
     """The weight scheme a stage quantizes to: a quantization stage's, SparseGPT's joint one, or None."""
     if hasattr(stage, "resolved_scheme"):
         return stage.resolved_scheme().weights

@@ -10,7 +10,7 @@ import torch
 from compress import modeling, packing
 from compress.errors import CompressError
 from compress.moe import fuse_experts, unfuse_experts
-from compress.pipeline import check_sequence_lengths, preflight
+from compress.pipeline import check_data_files, check_offloadable, stage_weights, check_sequence_lengths, preflight
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
@@ -47,11 +47,18 @@ def _training_bytes(recipe: Recipe, params: int, model_bytes: int) -> int:
     return most
 
 
-def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict) -> tuple[str, str, str | None]:
+def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable: list[str]) -> tuple[str, str, str | None]:
     """(format, why, refusal): what the run will write, decided as the run decides it
     (packing.decide, on the recipe's `format`), where the shapes are known; after a stage that
-    reshapes the model, the run decides when saving. `refusal`: `format: packed` that cannot be."""
+    reshapes the model, the run decides when saving. `unpackable`: layers the stages will leave off
+    any grid the format holds. `refusal`: `format: packed` that cannot be."""
     planned = {n: {"weights": a["weights"].model_dump(mode="json")} for n, a in assignments.items() if a["weights"]}
+    if unpackable and planned and recipe.format != "dense" and recipe.offload != "disk":
+        if recipe.format == "packed":
+            error = packing.not_packable(unpackable)
+            return "packed", error.message, str(error)
+        return "dense", f"the packed format cannot express {unpackable[0]}" + (
+            f" (and {len(unpackable) - 1} more)" if len(unpackable) > 1 else ""), None
     reshaped = any(name == "structured" or getattr(stage, "keep_layers", None) for name, stage in recipe.stages)
     if reshaped and planned and recipe.format != "dense" and recipe.offload != "disk":
         return "packed", "if every quantized layer can be packed once the model is reshaped (decided when saving)", None
@@ -74,17 +81,21 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     dtype = modeling.DTYPES[dtype] if dtype != "auto" else saved
     dtype_bits = dtype.itemsize * 8
     # What the run refuses before any work, the plan refuses too (and exits as the run would).
-    refusals = [str(exc) for exc in preflight(recipe, net)]
-    try:
-        check_sequence_lengths(recipe, config)
-    except CompressError as exc:
-        refusals.insert(0, str(exc))
+    refusals = []
+    for check in (lambda: check_data_files(recipe), lambda: check_sequence_lengths(recipe, config),
+                  lambda: check_offloadable(recipe) if recipe.offload == "disk" else None):
+        try:
+            check()
+        except CompressError as exc:
+            refusals.append(str(exc))
+    refusals += [str(exc) for exc in preflight(recipe, net)]
     params = sum(p.numel() for p in net.parameters())
     swaps = unfuse_experts(net)  # the layers stages see: each expert's own (views: nothing is allocated)
     linear = {n: m for n, m in net.named_modules() if type(m).__name__ in LINEAR_TYPES}
     assignments: dict[str, dict] = {}
     warnings: list[str] = []
     partial: dict[tuple[int, str, int], list[str]] = {}  # (stage, name, group size) -> layers with a partial last group
+    unpackable: dict[str, str] = {}  # layer -> why the format cannot hold what its stages leave
     for i, (name, stage) in enumerate(recipe.stages):
         targets = getattr(stage, "targets", None)
         if targets is None:
@@ -94,7 +105,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             warnings.append(f"stage {i + 1} ({name}): target '{p}' matches no linear layer")
         for p in unused_patterns(net, ignore):
             warnings.append(f"stage {i + 1} ({name}): ignore entry '{p}' matches no linear layer")
-        for key in ("sparsity_overrides", "alpha_overrides"):  # the run refuses these; say so before it
+        for key in ("alpha_overrides",):  # unused sparsity_overrides keys are refused (pipeline.preflight)
             for p in unused_patterns(net, list(getattr(stage, key, None) or {})):
                 warnings.append(f"stage {i + 1} ({name}): {key} key '{p}' matches no linear layer")
         chosen = select_modules(net, targets, ignore)
@@ -103,12 +114,21 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         elif len(chosen) == len(linear):
             warnings.append(f"stage {i + 1} ({name}): selects every linear layer, lm_head included; is that meant?")
         scheme = stage.resolved_scheme() if hasattr(stage, "resolved_scheme") else None
+        joint = stage_weights(stage) if scheme is None else None  # SparseGPT's `quantize:`
+        # GPTQ's act-order without static groups mixes scales within a group: the run writes dense
+        mixed = (getattr(stage, "actorder", False) and not getattr(stage, "static_groups", False)
+                 and scheme is not None and scheme.weights.strategy in ("group", "tensor_group"))
         for n, m in chosen.items():
             w = m.weight
             out_f, in_f = (w.shape[1], w.shape[0]) if type(m).__name__ == "Conv1D" else tuple(w.shape)
-            entry = {"stage": name, "shape": [out_f, in_f], "scheme": scheme.describe() if scheme else _describe(name, stage),
-                     "weights": scheme.weights if scheme else None,
+            described = _describe(name, stage) + (f" + {joint.describe()}" if joint else "")
+            entry = {"stage": name, "shape": [out_f, in_f], "scheme": scheme.describe() if scheme else described,
+                     "weights": scheme.weights if scheme else joint,
                      "activations": scheme.input_activations if scheme else None}
+            if mixed:
+                unpackable[n] = f"{n}, solved by GPTQ with actorder but without static_groups (its groups mix scales)"
+            elif entry["weights"] is not None:
+                unpackable.pop(n, None)  # quantized again, on its own grid
             before = assignments.get(n)
             if before is not None:  # stages chain on a layer: pruned, then quantized, ...
                 entry["stage"] = f"{before['stage']} → {name}"
@@ -123,7 +143,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         warnings.append(f"stage {i + 1} ({name}): {len(layers)} layer{'s' if len(layers) > 1 else ''} with an input width "
                         f"that is not a multiple of group_size {group}, whose last group is partial: {listed}")
     fuse_experts(swaps)
-    fmt, fmt_reason, refused = _format(recipe, net, assignments)
+    fmt, fmt_reason, refused = _format(recipe, net, assignments, list(unpackable.values()))
     if refused:
         refusals.append(refused)
 

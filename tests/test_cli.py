@@ -173,10 +173,39 @@ def test_plan_warns_on_patterns_matching_nothing(tmp_path, capsys, ref_llama):
                       "stages:\n  - wanda: {sparsity: 0.5, sparsity_overrides: {mlp.down_porj: 0.3}}\n")
     rc, out, err = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
     plan = json.loads(out)
-    assert any("sparsity_overrides key 'mlp.down_porj'" in w for w in plan["warnings"])
+    assert any("sparsity_overrides key 'mlp.down_porj' matches no target layer" in r for r in plan["refusals"])
     # what the run refuses before any work, the plan refuses: exit 2, the plan shown all the same
     assert rc == 2 and plan["assignments"] and "calibration.seq_len 4096 is longer than the model's context (512" in plan["error"]
     assert "error: calibration.seq_len 4096" in err
+
+
+def test_plan_follows_what_each_stage_leaves_and_what_the_run_refuses(tmp_path, capsys, ref_llama):
+    """Cases an adversarial pass found where the plan and the run disagreed."""
+    calibration = "calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\n"
+
+    def plan_of(text):
+        (tmp_path / "r.yaml").write_text(calibration + text)
+        rc, out, _ = run(capsys, "--json", "plan", "--recipe", tmp_path / "r.yaml", "--model", ref_llama)
+        return rc, json.loads(out)
+
+    # SparseGPT's joint quantization quantizes its layers
+    rc, p = plan_of("stages:\n  - sparsegpt: {sparsity: 0.5, quantize: {scheme: W4A16, weights: {group_size: 64}}}\n")
+    assert rc == 0 and p["format"] == "packed" and all(a["weights"] for a in p["assignments"].values())
+    # GPTQ's act-order without static groups leaves groups of mixed scales: written dense
+    actorder = "stages:\n  - gptq: {scheme: W4A16, weights: {group_size: 64}, actorder: true}\n"
+    rc, p = plan_of(actorder)
+    assert rc == 0 and p["format"] == "dense" and "without static_groups" in p["format_reason"]
+    report = run_recipe(parse_recipe(calibration + actorder, "test"), model=str(ref_llama), output=str(tmp_path / "out"),
+                        device="cpu")
+    assert report["format"]["format"] == "dense"
+    rc, p = plan_of(actorder.replace("actorder: true", "actorder: true, static_groups: true"))
+    assert rc == 0 and p["format"] == "packed"
+    # what the run refuses before loading the model
+    rc, p = plan_of("offload: disk\nstages:\n  - rtn: {scheme: W8A16}\n")
+    assert rc == 2 and "offload: disk runs one block-by-block stage" in p["error"]
+    (tmp_path / "r.yaml").write_text("calibration: {dataset: calibration/nosuch.txt}\nstages:\n  - gptq: {scheme: W4A16}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", tmp_path / "r.yaml", "--model", ref_llama)
+    assert rc == 2 and "data file not found: calibration/nosuch.txt" in json.loads(out)["error"]
 
 
 def test_a_later_stage_matching_no_layer_is_refused_before_the_first_stage(tmp_path, capsys, ref_llama, monkeypatch):

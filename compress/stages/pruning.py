@@ -109,10 +109,7 @@ class PruningStage(Stage):
         """Each selected layer's target; an override key that matches none of them is a typo."""
         default = LayerTarget(self.sparsity, parse_pattern(self.pattern) if self.pattern else None)
         overrides = {k: _target_of(v) for k, v in self.sparsity_overrides.items()}
-        for key in overrides:
-            if not any(matches(key, n, m) for n, m in modules.items()):
-                raise CompressError(f"stage {stage_name}: sparsity_overrides key '{key}' matches no target layer",
-                                    "run `compress plan` to see the model's module names")
+        self.check_overrides(modules, stage_name)
         out = {}
         for name, module in modules.items():
             out[name] = next((t for k, t in overrides.items() if matches(k, name, module)), default)
@@ -121,6 +118,12 @@ class PruningStage(Stage):
                                     f"M = {out[name].nm[1]} (pattern {out[name].pattern})",
                                     "ignore that layer, or give it a sparsity_overrides entry")
         return out
+
+    def check_overrides(self, modules: dict[str, torch.nn.Module], stage_name: str) -> None:
+        for key in self.sparsity_overrides:
+            if not any(matches(key, n, m) for n, m in modules.items()):
+                raise CompressError(f"stage {stage_name}: sparsity_overrides key '{key}' matches no target layer",
+                                    "run `compress plan` to see the model's module names")
 
     def select(self, model: torch.nn.Module, stage_name: str) -> dict[str, torch.nn.Module]:
         return select_targets(model, self.targets, self.ignore, stage_name)
