@@ -47,6 +47,19 @@ def _training_bytes(recipe: Recipe, params: int, model_bytes: int) -> int:
     return most
 
 
+def _smoothed_layers(net: torch.nn.Module, stage) -> list[str]:
+    """The layers a smoothing stage rescales: each block's mapped smooth op and balance layers."""
+    from compress.engine import find_blocks
+    from compress.mappings import in_block, mappings_for
+
+    try:
+        path, blocks = find_blocks(net, stage.blocks)
+        mappings = mappings_for(net, stage.mappings, stage.blocks)
+    except CompressError:  # refused by preflight, and so by the plan
+        return []
+    return [f"{path}.{i}.{n}" for i, block in enumerate(blocks) for m in in_block(mappings, block) for n in (m.smooth, *m.balance)]
+
+
 def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable: list[str]) -> tuple[str, str, str | None]:
     """(format, why, refusal): what the run will write, decided as the run decides it
     (packing.decide, on the recipe's `format`), where the shapes are known; after a stage that
@@ -97,6 +110,10 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     partial: dict[tuple[int, str, int], list[str]] = {}  # (stage, name, group size) -> layers with a partial last group
     unpackable: dict[str, str] = {}  # layer -> why the format cannot hold what its stages leave
     for i, (name, stage) in enumerate(recipe.stages):
+        if name == "smoothquant":  # it rescales the layers its maps name: off any grid an earlier stage left
+            for n in _smoothed_layers(net, stage):
+                if (assignments.get(n) or {}).get("weights") is not None:
+                    unpackable[n] = f"{n}, rescaled by smoothquant after it was quantized"
         targets = getattr(stage, "targets", None)
         if targets is None:
             continue

@@ -200,6 +200,15 @@ def test_plan_follows_what_each_stage_leaves_and_what_the_run_refuses(tmp_path, 
     assert report["format"]["format"] == "dense"
     rc, p = plan_of(actorder.replace("actorder: true", "actorder: true, static_groups: true"))
     assert rc == 0 and p["format"] == "packed"
+    # smoothing after quantization rescales the quantized layers off their grid
+    smoothed = "stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n  - smoothquant: {alpha: 0.5}\n"
+    rc, p = plan_of(smoothed)
+    assert rc == 0 and p["format"] == "dense" and "rescaled by smoothquant after it was quantized" in p["format_reason"]
+    report = run_recipe(parse_recipe(calibration + smoothed, "test"), model=str(ref_llama), output=str(tmp_path / "out2"),
+                        device="cpu")
+    assert report["format"]["format"] == "dense"
+    rc, p = plan_of("stages:\n  - smoothquant: {alpha: 0.5}\n  - rtn: {scheme: W8A8}\n")  # the usual order
+    assert rc == 0 and p["format"] == "packed"
     # what the run refuses before loading the model
     rc, p = plan_of("offload: disk\nstages:\n  - rtn: {scheme: W8A16}\n")
     assert rc == 2 and "offload: disk runs one block-by-block stage" in p["error"]
