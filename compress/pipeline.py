@@ -374,15 +374,19 @@ def preflight(recipe: Recipe, net: torch.nn.Module) -> list[CompressError]:
     swaps = unfuse_experts(net)
     refused = []
     try:
+        reshaped = False  # shape-dependent checks hold until a stage reshapes the model
         for name, stage in recipe.stages:
             try:
                 stage.preflight(net)
+                if not reshaped and hasattr(stage, "preflight_shapes"):
+                    stage.preflight_shapes(net)
                 if hasattr(stage, "select"):  # targets that match nothing now match nothing after a reshaping stage either
                     chosen = stage.select(net, name)
                     if hasattr(stage, "check_overrides"):  # sparsity_overrides keys, likewise
                         stage.check_overrides(chosen, name)
             except CompressError as exc:
                 refused.append(exc)
+            reshaped = reshaped or name == "structured" or bool(getattr(stage, "keep_layers", None))
     finally:
         fuse_experts(swaps)
     return refused

@@ -217,6 +217,29 @@ def test_plan_follows_what_each_stage_leaves_and_what_the_run_refuses(tmp_path, 
     assert rc == 2 and "data file not found: calibration/nosuch.txt" in json.loads(out)["error"]
 
 
+def test_a_structured_ratio_the_config_rules_out_is_refused_before_the_first_stage(tmp_path, capsys, ref_llama, monkeypatch):
+    """What a structured stage's ratio removes follows from the config: a ratio that removes
+    nothing, or a head count the config rejects, is refused by the plan and by the run before
+    the stages before it work."""
+    from compress.stages.rtn import RoundToNearest
+
+    monkeypatch.setattr(RoundToNearest, "apply", lambda *a: pytest.fail("the first stage ran"))
+    recipe = tmp_path / "r.yaml"
+    for structured, words in (("{structure: heads, ratio: 0.25}", "gives a config that LlamaConfig rejects"),
+                              ("{structure: blocks, ratio: 0.1}", "ratio 0.1 of 4 blocks removes nothing")):
+        recipe.write_text("calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 64}\n"
+                          f"stages:\n  - rtn: {{scheme: W8A16}}\n  - structured: {structured}\n")
+        rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+        assert rc == 2 and words in json.loads(out)["error"], structured
+        rc, _, err = run(capsys, "quantize", "--recipe", recipe, "--model", ref_llama, "--output", tmp_path / "out")
+        assert rc == 2 and words in err and not (tmp_path / "out").exists()
+    # after a stage that reshapes the model, the counts are the run's to check
+    recipe.write_text("calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 64}\nstages:\n"
+                      "  - structured: {structure: blocks, ratio: 0.5}\n  - structured: {structure: blocks, ratio: 0.5}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    assert rc == 0, json.loads(out).get("error")
+
+
 def test_a_later_stage_matching_no_layer_is_refused_before_the_first_stage(tmp_path, capsys, ref_llama, monkeypatch):
     from compress.stages.rtn import RoundToNearest
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 from pydantic import Field
@@ -233,29 +233,7 @@ class Structured(Stage):
         if ctx.calibration is None or not ctx.calibration.samples:
             raise CompressError("stage structured needs calibration data to rank importance", "add a calibration section to the recipe")
         before, before_ne = sum(p.numel() for p in model.parameters()), non_embedding_parameters(model)
-
-        if self.structure == "mlp-channels":
-            total = _out_in(blocks[0].get_submodule(family.mlp_out))[1]
-            unit = "MLP channels"
-        elif self.structure == "heads":
-            total, unit = config.num_key_value_heads, "KV groups of heads"
-        else:
-            total, unit = len(blocks), "blocks"
-        n_remove = math.floor(self.ratio * total + 0.5)
-        if n_remove == 0 or n_remove >= total:
-            what = "nothing" if n_remove == 0 else "all of them"
-            raise CompressError(f"stage structured: ratio {self.ratio:g} of {total} {unit} removes {what}",
-                                f"it removes round(ratio · {total}); choose a ratio that removes 1 to {total - 1}, "
-                                f"e.g. {1 / total:.3g} to {(total - 1) / total:.3g}")
-        # A config transformers would refuse to save or load is found before any work.
-        changes = lambda n: self._config_changes(config, family, blocks, total, n)  # noqa: E731
-        problem = _config_problem(config, changes(n_remove))
-        if problem is not None:
-            valid = [n for n in range(1, total) if _config_problem(config, changes(n)) is None]
-            raise CompressError(f"stage structured: removing {n_remove} of {total} {unit} gives a config that "
-                                f"{type(config).__name__} rejects: {problem}",
-                                f"ratios that give a valid config: {', '.join(f'{n / total:.3g}' for n in valid)}"
-                                if valid else f"{self.structure} pruning cannot give a valid config for this model")
+        total, unit, n_remove, changes = self._removal(model, family, blocks)
 
         self._check_earlier_stages(blocks, path, family, config, ctx)
         stats = self._collect(model, blocks, family, ctx)
@@ -299,6 +277,36 @@ class Structured(Stage):
 
     def preflight(self, model: torch.nn.Module) -> None:
         self._family(model)
+
+    def preflight_shapes(self, model: torch.nn.Module) -> None:
+        """What the ratio removes, on the model's shapes (valid while no earlier stage reshaped it)."""
+        self._removal(model, self._family(model), find_blocks(model)[1])
+
+    def _removal(self, model: torch.nn.Module, family: Family, blocks) -> tuple[int, str, int, Callable[[int], dict]]:
+        """(total units, their name, units removed, config changes for n removed); refuses a ratio that removes
+        nothing or everything, and a config transformers would refuse to save or load."""
+        config = model.config
+        if self.structure == "mlp-channels":
+            total, unit = _out_in(blocks[0].get_submodule(family.mlp_out))[1], "MLP channels"
+        elif self.structure == "heads":
+            total, unit = config.num_key_value_heads, "KV groups of heads"
+        else:
+            total, unit = len(blocks), "blocks"
+        n_remove = math.floor(self.ratio * total + 0.5)
+        if n_remove == 0 or n_remove >= total:
+            what = "nothing" if n_remove == 0 else "all of them"
+            raise CompressError(f"stage structured: ratio {self.ratio:g} of {total} {unit} removes {what}",
+                                f"it removes round(ratio · {total}); choose a ratio that removes 1 to {total - 1}, "
+                                f"e.g. {1 / total:.3g} to {(total - 1) / total:.3g}")
+        changes = lambda n: self._config_changes(config, family, blocks, total, n)  # noqa: E731
+        problem = _config_problem(config, changes(n_remove))
+        if problem is not None:
+            valid = [n for n in range(1, total) if _config_problem(config, changes(n)) is None]
+            raise CompressError(f"stage structured: removing {n_remove} of {total} {unit} gives a config that "
+                                f"{type(config).__name__} rejects: {problem}",
+                                f"ratios that give a valid config: {', '.join(f'{n / total:.3g}' for n in valid)}"
+                                if valid else f"{self.structure} pruning cannot give a valid config for this model")
+        return total, unit, n_remove, changes
 
     def _family(self, model: torch.nn.Module) -> Family:
         model_type = getattr(model.config, "model_type", None)
