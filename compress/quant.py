@@ -344,7 +344,9 @@ def _search_groups(w: torch.Tensor, top: list[float], ends: int, total: int, qmi
     most of the weight's `total` groups are off any grid (not a quantized weight, or not this
     scheme)."""
     scale = zp = ok = None
-    too_many = 0.5 * total
+    # A weight of a few groups (a [1, 64] gate, per channel: one group) is always searched in
+    # full: one group off the grid's ends is then no sign that the weight is off every grid.
+    too_many = 0.5 * total if total > 8 else float("inf")
     for i, t in enumerate(top):
         for start in range(_STARTS):
             if ok is None:

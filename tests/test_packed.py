@@ -98,8 +98,18 @@ def test_recovered_scales_reproduce_weights_exactly(dtype):
     scale = torch.rand(64, 4, 1) * 0.01 + 1e-3
     w = (codes.reshape(64, 4, 64) * scale).reshape(64, 256).to(dtype)
     assert recover_qparams(w, 4, True, "group", 64)[2] == 0
+    # a weight of one group whose extreme stops short of the grid's end (SparseGPT pruned or moved
+    # it: Qwen2-MoE's [1, 64] shared_expert_gate), found although the only group misses the ends
+    # (its codes as SparseGPT left them: half pruned, none small, the largest 126)
+    kept = [-86, -76, -68, -64, 70, -65, -68, -100, 100, 45, -106, 85, 72, 67, 90, 112, 67, 62, -64, 126, 93, 88, 59,
+            -105, 109, 57, -111, 46, -97, 47, -107, 75]
+    codes = torch.zeros(1, 64)
+    codes[0, ::2] = torch.tensor(kept, dtype=torch.float32)
+    one = codes * torch.tensor(0.00039408524753525853)
+    assert recover_qparams(one, 8, True, "channel")[2] == 0
     # a weight off the grid is refused, not approximated
     assert recover_qparams(W.to(dtype), 4, True, "group", 64)[2] > 0
+    assert recover_qparams(W[:1].to(dtype), 8, True, "channel")[2] == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
