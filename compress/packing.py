@@ -162,9 +162,11 @@ KV_IN_META_ONLY = " (the KV cache's scales are in compress.json only)"  # a dens
 
 
 def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloaded: bool = False,
-           kv_cache: dict | None = None) -> Decision:
+           kv_cache: dict | None = None, known: list[str] = ()) -> Decision:
     """`auto`: packed when every quantized layer can be expressed, else dense; `packed` insists.
-    A KV cache alone (no quantized layer) is written in the format too: its scales need it."""
+    A KV cache alone (no quantized layer) is written in the format too: its scales need it.
+    `known`: layers the caller already knows the format cannot hold (compress plan: a grid the
+    stages will leave, which the weights before them cannot show)."""
     quantized = [n for n, r in layers.items() if "weights" in r]
     kv_note = KV_IN_META_ONLY if kv_cache else ""
     if requested == "dense":
@@ -179,7 +181,7 @@ def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloade
         if requested == "packed":
             raise OFFLOADED_NOT_PACKABLE
         return Decision("dense", "offload: disk writes the dense checkpoint block by block" + kv_note)
-    problems = expressible(net, layers)
+    problems = [*known, *expressible(net, layers)]
     if not problems:
         try:
             _ct()

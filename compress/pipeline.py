@@ -294,6 +294,12 @@ def _measure_sparsity(net: torch.nn.Module, layers: dict) -> None:
             rec["sparsity"] = 1 - int(torch.count_nonzero(w)) / w.numel()
 
 
+def reshapes(name: str, stage) -> bool:
+    """Whether a stage changes the model's shapes (structured pruning; distillation into kept layers):
+    checks on the shapes before it do not hold after it."""
+    return name == "structured" or bool(getattr(stage, "keep_layers", None))
+
+
 def check_offloadable(recipe: Recipe) -> None:
     if len(recipe.stages) != 1 or not hasattr(recipe.stages[0][1], "observe"):
         raise CompressError(f"{recipe.source}: offload: disk runs one block-by-block stage (e.g. gptq); "
@@ -356,7 +362,7 @@ def _check_packable(recipe: Recipe, net: torch.nn.Module) -> None:
     stage's scheme cannot be written for its layers (a group size that does not divide them, a
     tied weight). Skipped when a stage reshapes the model first (structured pruning, keep_layers):
     the shapes checked would not be the quantized ones; saving checks again either way."""
-    if any(name == "structured" or getattr(stage, "keep_layers", None) for name, stage in recipe.stages):
+    if any(reshapes(name, stage) for name, stage in recipe.stages):
         return
     planned: dict[str, dict] = {}
     for name, stage in recipe.stages:
@@ -386,7 +392,7 @@ def preflight(recipe: Recipe, net: torch.nn.Module) -> list[CompressError]:
                         stage.check_overrides(chosen, name)
             except CompressError as exc:
                 refused.append(exc)
-            reshaped = reshaped or name == "structured" or bool(getattr(stage, "keep_layers", None))
+            reshaped = reshaped or reshapes(name, stage)
     finally:
         fuse_experts(swaps)
     return refused

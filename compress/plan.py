@@ -10,7 +10,7 @@ import torch
 from compress import modeling, packing
 from compress.errors import CompressError
 from compress.moe import fuse_experts, unfuse_experts
-from compress.pipeline import check_data_files, check_offloadable, stage_weights, check_sequence_lengths, preflight
+from compress.pipeline import check_data_files, check_offloadable, check_sequence_lengths, preflight, reshapes, stage_weights
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
@@ -66,18 +66,13 @@ def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable:
     reshapes the model, the run decides when saving. `unpackable`: layers the stages will leave off
     any grid the format holds. `refusal`: `format: packed` that cannot be."""
     planned = {n: {"weights": a["weights"].model_dump(mode="json")} for n, a in assignments.items() if a["weights"]}
-    if unpackable and planned and recipe.format != "dense" and recipe.offload != "disk":
-        if recipe.format == "packed":
-            error = packing.not_packable(unpackable)
-            return "packed", error.message, str(error)
-        return "dense", f"the packed format cannot express {unpackable[0]}" + (
-            f" (and {len(unpackable) - 1} more)" if len(unpackable) > 1 else ""), None
-    reshaped = any(name == "structured" or getattr(stage, "keep_layers", None) for name, stage in recipe.stages)
-    if reshaped and planned and recipe.format != "dense" and recipe.offload != "disk":
+    reshaped = any(reshapes(name, stage) for name, stage in recipe.stages)
+    if reshaped and not unpackable and planned and recipe.format != "dense" and recipe.offload != "disk":
         return "packed", "if every quantized layer can be packed once the model is reshaped (decided when saving)", None
     kv_cache = any(name == "kv_cache" for name, _ in recipe.stages)
     try:
-        decision = packing.decide(net, planned, recipe.format, offloaded=recipe.offload == "disk", kv_cache=kv_cache)
+        decision = packing.decide(net, planned, recipe.format, offloaded=recipe.offload == "disk", kv_cache=kv_cache,
+                                  known=unpackable)
     except CompressError as exc:  # format: packed, and some layer cannot be
         return "packed", exc.message, str(exc)
     return decision.format, decision.reason, None
