@@ -188,25 +188,24 @@ def test_plan_follows_what_each_stage_leaves_and_what_the_run_refuses(tmp_path, 
         rc, out, _ = run(capsys, "--json", "plan", "--recipe", tmp_path / "r.yaml", "--model", ref_llama)
         return rc, json.loads(out)
 
+    def dense_in_both(text, why, out):
+        rc, p = plan_of(text)
+        assert rc == 0 and p["format"] == "dense" and why in p["format_reason"]
+        report = run_recipe(parse_recipe(calibration + text, "test"), model=str(ref_llama), output=str(tmp_path / out),
+                            device="cpu")
+        assert report["format"]["format"] == "dense"
+
     # SparseGPT's joint quantization quantizes its layers
     rc, p = plan_of("stages:\n  - sparsegpt: {sparsity: 0.5, quantize: {scheme: W4A16, weights: {group_size: 64}}}\n")
     assert rc == 0 and p["format"] == "packed" and all(a["weights"] for a in p["assignments"].values())
     # GPTQ's act-order without static groups leaves groups of mixed scales: written dense
     actorder = "stages:\n  - gptq: {scheme: W4A16, weights: {group_size: 64}, actorder: true}\n"
-    rc, p = plan_of(actorder)
-    assert rc == 0 and p["format"] == "dense" and "without static_groups" in p["format_reason"]
-    report = run_recipe(parse_recipe(calibration + actorder, "test"), model=str(ref_llama), output=str(tmp_path / "out"),
-                        device="cpu")
-    assert report["format"]["format"] == "dense"
+    dense_in_both(actorder, "without static_groups", "out")
     rc, p = plan_of(actorder.replace("actorder: true", "actorder: true, static_groups: true"))
     assert rc == 0 and p["format"] == "packed"
     # smoothing after quantization rescales the quantized layers off their grid
     smoothed = "stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n  - smoothquant: {alpha: 0.5}\n"
-    rc, p = plan_of(smoothed)
-    assert rc == 0 and p["format"] == "dense" and "rescaled by smoothquant after it was quantized" in p["format_reason"]
-    report = run_recipe(parse_recipe(calibration + smoothed, "test"), model=str(ref_llama), output=str(tmp_path / "out2"),
-                        device="cpu")
-    assert report["format"]["format"] == "dense"
+    dense_in_both(smoothed, "rescaled by smoothquant after it was quantized", "out2")
     rc, p = plan_of("stages:\n  - smoothquant: {alpha: 0.5}\n  - rtn: {scheme: W8A8}\n")  # the usual order
     assert rc == 0 and p["format"] == "packed"
     # what the run refuses before loading the model
