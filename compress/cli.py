@@ -518,7 +518,8 @@ def plan(
 
 
 def _print_plan(p: dict, recipe: Path, model_ref: str) -> None:
-    t = Table(title=f"plan: {recipe} on {model_ref} ({p['architecture']}, {p['parameters']:,} params, {p['dtype']})")
+    after = f" → {p['parameters_after']:,}" if p["parameters_after"] != p["parameters"] else ""
+    t = Table(title=f"plan: {recipe} on {model_ref} ({p['architecture']}, {p['parameters']:,}{after} params, {p['dtype']})")
     for col in ("layer", "shape", "stage", "scheme"):
         t.add_column(col, **_name_column(col, [*p["assignments"], *p["unassigned"]]))
     for n, a in p["assignments"].items():

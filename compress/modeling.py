@@ -3,7 +3,9 @@ linear weights (GPT-2's Conv1D stores them transposed), hashing weights for prov
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import itertools
 import json
 import os
 from pathlib import Path
@@ -241,3 +243,13 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 def model_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` on the meta device: its modules, names, shapes and config, no memory
+    (each parameter and buffer is replaced by an empty meta tensor of its shape before copying)."""
+    memo: dict[int, object] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = torch.nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+    return copy.deepcopy(model, memo)

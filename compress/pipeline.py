@@ -146,9 +146,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         "architecture": (getattr(config, "architectures", None) or [type(net).__name__])[0],
     }
 
-    if requested == "packed":
-        _check_packable(recipe, net)
-    refused = preflight(recipe, net)
+    refused = preflight(recipe, net, packed=requested == "packed")
     if refused:
         raise refused[0]
     calibration = None
@@ -294,10 +292,46 @@ def _measure_sparsity(net: torch.nn.Module, layers: dict) -> None:
             rec["sparsity"] = 1 - int(torch.count_nonzero(w)) / w.numel()
 
 
-def reshapes(name: str, stage) -> bool:
-    """Whether a stage changes the model's shapes (structured pruning; distillation into kept layers):
-    checks on the shapes before it do not hold after it."""
-    return name == "structured" or bool(getattr(stage, "keep_layers", None))
+def reshapes(stage) -> bool:
+    """Whether a stage changes the model's shapes (structured pruning; distillation into kept layers)."""
+    return getattr(stage, "reshapes", False)
+
+
+class StageShapes:
+    """Each stage of a recipe with the model as that stage will see it, before any of them runs:
+    `net` itself (experts unfused, as the stages see them) until a stage reshapes the model, then a
+    meta-device twin cut as that stage will cut it (`stage.reshape`), so that checks and the plan
+    of later stages see the shapes they will get. `records` (per layer, as StageContext.layers)
+    follow the cuts. `exact` turns False if a cut cannot be made (its stage is refused anyway);
+    after the walk, `model` is the model as it will be saved (experts fused again).
+
+        with StageShapes(recipe, net, records) as walk:
+            for name, stage, model in walk: ...
+    """
+
+    def __init__(self, recipe: Recipe, net: torch.nn.Module, records: dict[str, dict]):
+        self.recipe, self.net, self.records = recipe, net, records
+        self.model, self.exact = net, True
+
+    def __enter__(self) -> "StageShapes":
+        # The twin is taken before unfusing, so that it can be fused again for the format decision.
+        self.twin = modeling.meta_twin(self.net) if any(reshapes(s) for _, s in self.recipe.stages) else None
+        self.swaps = [unfuse_experts(self.net)] + ([unfuse_experts(self.twin)] if self.twin is not None else [])
+        return self
+
+    def __iter__(self):
+        for name, stage in self.recipe.stages:
+            yield name, stage, self.model
+            if reshapes(stage) and self.exact:
+                self.model = self.twin
+                try:
+                    stage.reshape(self.model, self.records)
+                except CompressError:  # refused by the stage's own checks (preflight_shapes)
+                    self.exact = False
+
+    def __exit__(self, *exc) -> None:
+        for swaps in reversed(self.swaps):
+            fuse_experts(swaps)
 
 
 def check_offloadable(recipe: Recipe) -> None:
@@ -357,45 +391,45 @@ def size_summary(net: torch.nn.Module, layers: dict, checkpoint_dir: Path | None
     }
 
 
-def _check_packable(recipe: Recipe, net: torch.nn.Module) -> None:
-    """`--format packed` refused before calibration, not after hours of it, when a quantizing
-    stage's scheme cannot be written for its layers (a group size that does not divide them, a
-    tied weight). Skipped when a stage reshapes the model first (structured pruning, keep_layers):
-    the shapes checked would not be the quantized ones; saving checks again either way."""
-    if any(reshapes(name, stage) for name, stage in recipe.stages):
-        return
-    planned: dict[str, dict] = {}
-    for name, stage in recipe.stages:
-        weights = stage_weights(stage)
-        if weights is not None and hasattr(stage, "select"):
-            planned.update({n: {"weights": weights.model_dump(mode="json")} for n in stage.select(net, name)})
-    problems = packing.expressible(net, planned)
-    if problems:
-        raise packing.not_packable(problems)
-
-
-def preflight(recipe: Recipe, net: torch.nn.Module) -> list[CompressError]:
-    """What the stages would refuse of this architecture (Stage.preflight), found before any of
-    them runs, on the model as they see it (experts unfused: views, nothing is copied)."""
-    swaps = unfuse_experts(net)
+def preflight(recipe: Recipe, net: torch.nn.Module, packed: bool = False) -> list[CompressError]:
+    """What the stages would refuse, found before any of them runs: of the architecture
+    (Stage.preflight), of the shapes each will see and of what the stages before it will have done
+    (Stage.preflight_shapes), targets matching nothing; and with `packed` (--format packed), a
+    quantized layer the format cannot write (a group size that does not divide it, a tied weight),
+    not after hours of calibration."""
     refused = []
-    try:
-        reshaped = False  # shape-dependent checks hold until a stage reshapes the model
-        for name, stage in recipe.stages:
+    records: dict[str, dict] = {}  # what the stages will do to each layer: quantize (weights), prune N:M (pattern)
+    with StageShapes(recipe, net, records) as walk:
+        for name, stage, model in walk:
             try:
-                stage.preflight(net)
-                if not reshaped and hasattr(stage, "preflight_shapes"):
-                    stage.preflight_shapes(net)
-                if hasattr(stage, "select"):  # targets that match nothing now match nothing after a reshaping stage either
-                    chosen = stage.select(net, name)
+                stage.preflight(model)
+                if walk.exact and hasattr(stage, "preflight_shapes"):
+                    stage.preflight_shapes(model, records)
+                if hasattr(stage, "select"):
+                    chosen = stage.select(model, name)
                     if hasattr(stage, "check_overrides"):  # sparsity_overrides keys, likewise
                         stage.check_overrides(chosen, name)
+                    _plan_records(records, stage, name, chosen)
             except CompressError as exc:
                 refused.append(exc)
-            reshaped = reshaped or reshapes(name, stage)
-    finally:
-        fuse_experts(swaps)
+    if packed and walk.exact:
+        problems = packing.expressible(walk.model, {n: r for n, r in records.items() if "weights" in r})
+        if problems:
+            refused.append(packing.not_packable(problems))
     return refused
+
+
+def _plan_records(records: dict[str, dict], stage, name: str, chosen: dict) -> None:
+    """What a stage will record of its layers, as far as later checks need it: the weight scheme
+    it quantizes to, the N:M pattern it prunes to."""
+    weights = stage_weights(stage)
+    targets = stage.layer_targets(chosen, name) if hasattr(stage, "layer_targets") else {}
+    for n in chosen:
+        rec = records.setdefault(n, {})
+        if weights is not None:
+            rec["weights"] = weights.model_dump(mode="json")
+        if n in targets and targets[n].pattern:
+            rec["pattern"] = targets[n].pattern
 
 
 def stage_weights(stage) -> QuantArgs | None:

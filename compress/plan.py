@@ -1,6 +1,10 @@
 """`compress plan`: what a recipe would do to a model, from its config alone (no weights loaded).
 
 The model is built on the meta device, so shapes and names are exact while no memory is used.
+After a stage that reshapes the model (structured pruning, distillation into kept layers) the
+later stages are planned on the shapes it leaves (pipeline.StageShapes): the first channels, heads
+or blocks stand in for those calibration will keep, which gives the same shapes (only the names of
+the kept blocks' per-layer kinds, on models whose blocks differ, may differ from the run's).
 """
 
 from __future__ import annotations
@@ -9,8 +13,8 @@ import torch
 
 from compress import modeling, packing
 from compress.errors import CompressError
-from compress.moe import fuse_experts, unfuse_experts
-from compress.pipeline import check_data_files, check_offloadable, check_sequence_lengths, preflight, reshapes, stage_weights
+from compress.pipeline import (StageShapes, check_data_files, check_offloadable, check_sequence_lengths, preflight,
+                               stage_weights)
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
@@ -62,13 +66,10 @@ def _smoothed_layers(net: torch.nn.Module, stage) -> list[str]:
 
 def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable: list[str]) -> tuple[str, str, str | None]:
     """(format, why, refusal): what the run will write, decided as the run decides it
-    (packing.decide, on the recipe's `format`), where the shapes are known; after a stage that
-    reshapes the model, the run decides when saving. `unpackable`: layers the stages will leave off
-    any grid the format holds. `refusal`: `format: packed` that cannot be."""
+    (packing.decide, on the recipe's `format`), on the model as it will be saved. `unpackable`:
+    layers the stages will leave off any grid the format holds. `refusal`: `format: packed` that
+    cannot be."""
     planned = {n: {"weights": a["weights"].model_dump(mode="json")} for n, a in assignments.items() if a["weights"]}
-    reshaped = any(reshapes(name, stage) for name, stage in recipe.stages)
-    if reshaped and not unpackable and planned and recipe.format != "dense" and recipe.offload != "disk":
-        return "packed", "if every quantized layer can be packed once the model is reshaped (decided when saving)", None
     kv_cache = any(name == "kv_cache" for name, _ in recipe.stages)
     try:
         decision = packing.decide(net, planned, recipe.format, offloaded=recipe.offload == "disk", kv_cache=kv_cache,
@@ -98,70 +99,72 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             refusals.append(str(exc))
     refusals += [str(exc) for exc in preflight(recipe, net)]
     params = sum(p.numel() for p in net.parameters())
-    swaps = unfuse_experts(net)  # the layers stages see: each expert's own (views: nothing is allocated)
-    linear = {n: m for n, m in net.named_modules() if type(m).__name__ in LINEAR_TYPES}
-    assignments: dict[str, dict] = {}
+    assignments: dict[str, dict] = {}  # layer -> what the stages do to it; names and shapes follow reshaping stages
     warnings: list[str] = []
     partial: dict[tuple[int, str, int], list[str]] = {}  # (stage, name, group size) -> layers with a partial last group
     unpackable: dict[str, str] = {}  # layer -> why the format cannot hold what its stages leave
-    for i, (name, stage) in enumerate(recipe.stages):
-        if name == "smoothquant":  # it rescales the layers its maps name: off any grid an earlier stage left
-            for n in _smoothed_layers(net, stage):
-                if (assignments.get(n) or {}).get("weights") is not None:
-                    unpackable[n] = f"{n}, rescaled by smoothquant after it was quantized"
-        targets = getattr(stage, "targets", None)
-        if targets is None:
-            continue
-        ignore = getattr(stage, "ignore", [])
-        for p in unused_patterns(net, targets):
-            warnings.append(f"stage {i + 1} ({name}): target '{p}' matches no linear layer")
-        for p in unused_patterns(net, ignore):
-            warnings.append(f"stage {i + 1} ({name}): ignore entry '{p}' matches no linear layer")
-        for key in ("alpha_overrides",):  # unused sparsity_overrides keys are refused (pipeline.preflight)
-            for p in unused_patterns(net, list(getattr(stage, key, None) or {})):
-                warnings.append(f"stage {i + 1} ({name}): {key} key '{p}' matches no linear layer")
-        chosen = select_modules(net, targets, ignore)
-        if not chosen and not hasattr(stage, "select"):  # one with select is refused (pipeline.preflight)
-            warnings.append(f"stage {i + 1} ({name}): selects no layer at all")
-        elif len(chosen) == len(linear):
-            warnings.append(f"stage {i + 1} ({name}): selects every linear layer, lm_head included; is that meant?")
-        scheme = stage.resolved_scheme() if hasattr(stage, "resolved_scheme") else None
-        joint = stage_weights(stage) if scheme is None else None  # SparseGPT's `quantize:`
-        # GPTQ's act-order without static groups mixes scales within a group: the run writes dense
-        mixed = (getattr(stage, "actorder", False) and not getattr(stage, "static_groups", False)
-                 and scheme is not None and scheme.weights.strategy in ("group", "tensor_group"))
-        for n, m in chosen.items():
-            w = m.weight
-            out_f, in_f = (w.shape[1], w.shape[0]) if type(m).__name__ == "Conv1D" else tuple(w.shape)
-            described = _describe(name, stage) + (f" + {joint.describe()}" if joint else "")
-            entry = {"stage": name, "shape": [out_f, in_f], "scheme": scheme.describe() if scheme else described,
-                     "weights": scheme.weights if scheme else joint,
-                     "activations": scheme.input_activations if scheme else None}
-            if mixed:
-                unpackable[n] = f"{n}, solved by GPTQ with actorder but without static_groups (its groups mix scales)"
-            elif entry["weights"] is not None:
-                unpackable.pop(n, None)  # quantized again, on its own grid
-            before = assignments.get(n)
-            if before is not None:  # stages chain on a layer: pruned, then quantized, ...
-                entry["stage"] = f"{before['stage']} → {name}"
-                entry["scheme"] = f"{before['scheme']} → {entry['scheme']}"
-                if entry["weights"] is None:  # a later stage that does not quantize keeps the earlier grid
-                    entry["weights"], entry["activations"] = before["weights"], before["activations"]
-            assignments[n] = entry
-            if scheme and scheme.weights and scheme.weights.strategy == "group" and in_f % scheme.weights.group_size:
-                partial.setdefault((i, name, scheme.weights.group_size), []).append(f"{n} ({in_f})")
+    with StageShapes(recipe, net, assignments) as walk:
+        for i, (name, stage, model) in enumerate(walk):
+            if name == "smoothquant":  # it rescales the layers its maps name: off any grid an earlier stage left
+                for n in _smoothed_layers(model, stage):
+                    if (assignments.get(n) or {}).get("weights") is not None:
+                        unpackable[n] = f"{n}, rescaled by smoothquant after it was quantized"
+            targets = getattr(stage, "targets", None)
+            if targets is None:
+                continue
+            linear = [n for n, m in model.named_modules() if type(m).__name__ in LINEAR_TYPES]
+            ignore = getattr(stage, "ignore", [])
+            for p in unused_patterns(model, targets):
+                warnings.append(f"stage {i + 1} ({name}): target '{p}' matches no linear layer")
+            for p in unused_patterns(model, ignore):
+                warnings.append(f"stage {i + 1} ({name}): ignore entry '{p}' matches no linear layer")
+            chosen = select_modules(model, targets, ignore)
+            if not chosen and not hasattr(stage, "select"):  # one with select is refused (pipeline.preflight)
+                warnings.append(f"stage {i + 1} ({name}): selects no layer at all")
+            elif len(chosen) == len(linear):
+                warnings.append(f"stage {i + 1} ({name}): selects every linear layer, lm_head included; is that meant?")
+            scheme = stage.resolved_scheme() if hasattr(stage, "resolved_scheme") else None
+            joint = stage_weights(stage) if scheme is None else None  # SparseGPT's `quantize:`
+            # GPTQ's act-order without static groups mixes scales within a group: the run writes dense
+            mixed = (getattr(stage, "actorder", False) and not getattr(stage, "static_groups", False)
+                     and scheme is not None and scheme.weights.strategy in ("group", "tensor_group"))
+            for n, m in chosen.items():
+                w = m.weight
+                out_f, in_f = (w.shape[1], w.shape[0]) if type(m).__name__ == "Conv1D" else tuple(w.shape)
+                described = _describe(name, stage) + (f" + {joint.describe()}" if joint else "")
+                entry = {"stage": name, "shape": [out_f, in_f], "scheme": scheme.describe() if scheme else described,
+                         "weights": scheme.weights if scheme else joint,
+                         "activations": scheme.input_activations if scheme else None}
+                if mixed:
+                    unpackable[n] = f"{n}, solved by GPTQ with actorder but without static_groups (its groups mix scales)"
+                elif entry["weights"] is not None:
+                    unpackable.pop(n, None)  # quantized again, on its own grid
+                before = assignments.get(n)
+                if before is not None and "scheme" in before:  # stages chain on a layer: pruned, then quantized, ...
+                    entry["stage"] = f"{before['stage']} → {name}"
+                    entry["scheme"] = f"{before['scheme']} → {entry['scheme']}"
+                    if entry["weights"] is None:  # a later stage that does not quantize keeps the earlier grid
+                        entry["weights"], entry["activations"] = before["weights"], before["activations"]
+                assignments[n] = entry
+                if scheme and scheme.weights and scheme.weights.strategy == "group" and in_f % scheme.weights.group_size:
+                    partial.setdefault((i, name, scheme.weights.group_size), []).append(f"{n} ({in_f})")
+        linear = [n for n, m in walk.model.named_modules() if type(m).__name__ in LINEAR_TYPES]
+    for n in [n for n, a in assignments.items() if "scheme" not in a]:
+        del assignments[n]  # the shape a cut recorded of a layer no stage selects
+    unpackable = {n: why for n, why in unpackable.items() if n in assignments}  # layers of removed blocks go
     for (i, name, group), layers in partial.items():
         listed = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
         warnings.append(f"stage {i + 1} ({name}): {len(layers)} layer{'s' if len(layers) > 1 else ''} with an input width "
                         f"that is not a multiple of group_size {group}, whose last group is partial: {listed}")
-    fuse_experts(swaps)
-    fmt, fmt_reason, refused = _format(recipe, net, assignments, list(unpackable.values()))
+    saved = walk.model  # as it will be saved: reshaped, experts fused
+    fmt, fmt_reason, refused = _format(recipe, saved, assignments, list(unpackable.values()))
     if refused:
         refusals.append(refused)
+    params_after = sum(p.numel() for p in saved.parameters())
 
     quantized_params = sum(a["shape"][0] * a["shape"][1] for a in assignments.values() if a["weights"])
     packed_bits = sum(packed_weight_bits(*a["shape"], a["weights"]) for a in assignments.values() if a["weights"])
-    packed_bits += (params - quantized_params) * dtype_bits
+    packed_bits += (params_after - quantized_params) * dtype_bits
     model_bytes = params * dtype.itemsize
     largest = max((a["shape"][0] * a["shape"][1] for a in assignments.values()), default=0)
     cal = recipe.calibration
@@ -177,6 +180,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         "architecture": (getattr(config, "architectures", None) or ["?"])[0],
         "dtype": str(dtype).removeprefix("torch."),
         "parameters": params,
+        "parameters_after": params_after,  # fewer where a stage removes channels, heads or blocks
         "linear_layers": len(linear),
         "assignments": {n: {k: (v.describe() if isinstance(v, QuantArgs) else v) for k, v in a.items()} for n, a in assignments.items()},
         "unassigned": [n for n in linear if n not in assignments],
@@ -191,8 +195,8 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             # Training stages add their optimizer state and teacher (_training_bytes).
             "peak_memory_bytes": model_bytes + 3 * largest * 4 + act_bytes + eval_bytes + train_bytes,
             "training_bytes": train_bytes,
-            "output_bytes_dequantized": model_bytes,
+            "output_bytes_dequantized": params_after * dtype.itemsize,
             "output_bytes_packed": packed_bits // 8,
-            "bits_per_parameter_packed": packed_bits / params,
+            "bits_per_parameter_packed": packed_bits / params_after,
         },
     }

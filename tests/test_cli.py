@@ -177,6 +177,12 @@ def test_plan_warns_on_patterns_matching_nothing(tmp_path, capsys, ref_llama):
     # what the run refuses before any work, the plan refuses: exit 2, the plan shown all the same
     assert rc == 2 and plan["assignments"] and "calibration.seq_len 4096 is longer than the model's context (512" in plan["error"]
     assert "error: calibration.seq_len 4096" in err
+    # an alpha_overrides key smoothing no layer would leave them all at alpha, silently: refused
+    for key, refused in (("re:.*down_porj", True), ("re:.*down_proj", False)):
+        recipe.write_text("calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 64}\n"
+                          f"stages:\n  - smoothquant: {{alpha: 0.5, alpha_overrides: {{'{key}': 0.8}}}}\n  - rtn: {{scheme: W8A8}}\n")
+        rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+        assert (rc == 2) == refused and (f"alpha_overrides key '{key}' matches none of the layers it smooths" in out) == refused
 
 
 def test_plan_follows_what_each_stage_leaves_and_what_the_run_refuses(tmp_path, capsys, ref_llama):
@@ -232,11 +238,62 @@ def test_a_structured_ratio_the_config_rules_out_is_refused_before_the_first_sta
         assert rc == 2 and words in json.loads(out)["error"], structured
         rc, _, err = run(capsys, "quantize", "--recipe", recipe, "--model", ref_llama, "--output", tmp_path / "out")
         assert rc == 2 and words in err and not (tmp_path / "out").exists()
-    # after a stage that reshapes the model, the counts are the run's to check
+    # after a stage that reshapes the model, on the shapes it leaves: 4 blocks, then 2
     recipe.write_text("calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 64}\nstages:\n"
                       "  - structured: {structure: blocks, ratio: 0.5}\n  - structured: {structure: blocks, ratio: 0.5}\n")
     rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
     assert rc == 0, json.loads(out).get("error")
+    recipe.write_text(recipe.read_text()[:-len("ratio: 0.5}\n")] + "ratio: 0.75}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    assert rc == 2 and "ratio 0.75 of 2 blocks removes all of them" in json.loads(out)["error"]
+    recipe.write_text(recipe.read_text().replace("ratio: 0.5}", "ratio: 0.75}"))  # 4 blocks, 1 left, then none
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    assert rc == 2 and "stage structured: the model has 1 block left: there is nothing to remove" in json.loads(out)["error"]
+
+
+def test_stages_after_a_structured_one_are_planned_and_checked_on_the_shapes_it_leaves(tmp_path, capsys, ref_llama, monkeypatch):
+    """Structured pruning changes the widths and the blocks later stages quantize: the plan, and
+    the checks the run makes before the first stage, use the shapes it leaves (ref-llama's MLP is
+    640 wide: a quarter removed leaves 480, not a multiple of 64)."""
+    from compress.stages.rtn import RoundToNearest
+    from compress.stages.structured import Structured
+
+    calibration = "calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 64}\n"
+    recipe = tmp_path / "r.yaml"
+    mlp_then_g64 = "stages:\n  - structured: {structure: mlp-channels, ratio: 0.25}\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n"
+    recipe.write_text(calibration + mlp_then_g64)
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    plan = json.loads(out)
+    assert rc == 0 and plan["format"] == "dense" and "480 input features are not a whole number of groups of 64" in plan["format_reason"]
+    assert plan["assignments"]["model.layers.0.mlp.down_proj"]["shape"] == [256, 480]
+    report = run_recipe(parse_recipe(calibration + mlp_then_g64, "test"), model=str(ref_llama), output=str(tmp_path / "a"), device="cpu")
+    assert report["format"]["format"] == "dense"
+    assert plan["parameters_after"] == report["stages"][0]["summary"]["parameters_after"]
+
+    # blocks: the later stage quantizes the two blocks left, under their new names
+    recipe.write_text(calibration + "stages:\n  - structured: {structure: blocks, ratio: 0.5}\n  - rtn: {scheme: W4A16, weights: {group_size: 32}}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    plan = json.loads(out)
+    assert rc == 0 and plan["format"] == "packed" and len(plan["assignments"]) == 14
+    assert {n.split(".")[2] for n in plan["assignments"]} == {"0", "1"} and plan["linear_layers"] == 15
+    report = run_recipe(parse_recipe(recipe.read_text(), "test"), model=str(ref_llama), output=str(tmp_path / "b"), device="cpu")
+    assert report["format"]["format"] == "packed" and plan["parameters_after"] == report["stages"][0]["summary"]["parameters_after"]
+
+    # refused before any stage works: --format packed that the cut makes impossible, group
+    # quantization that the cut would break, distillation of a student an earlier stage quantized
+    monkeypatch.setattr(Structured, "_collect", lambda *a: pytest.fail("the structured stage ran"))
+    monkeypatch.setattr(RoundToNearest, "apply", lambda *a: pytest.fail("the first stage ran"))
+    for text, words in (("format: packed\n" + mlp_then_g64, "cannot write the packed format: model.layers.0.mlp.down_proj, "
+                                                             "whose 480 input features"),
+                        ("stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n  - structured: {structure: mlp-channels, ratio: 0.25}\n",
+                         "layer model.layers.0.mlp.down_proj was quantized in groups of 64 input columns by an earlier stage"),
+                        ("stages:\n  - rtn: {scheme: W8A16}\n  - distill: {train: {steps: 1}}\n",
+                         "stage distill: an earlier stage quantized (28 layers)")):
+        recipe.write_text(calibration + text)
+        rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+        assert rc == 2 and words in json.loads(out)["error"], text
+        rc, _, err = run(capsys, "quantize", "--recipe", recipe, "--model", ref_llama, "--output", tmp_path / "out")
+        assert rc == 2 and words in err and not (tmp_path / "out").exists(), text
 
 
 def test_a_later_stage_matching_no_layer_is_refused_before_the_first_stage(tmp_path, capsys, ref_llama, monkeypatch):

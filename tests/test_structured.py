@@ -318,6 +318,24 @@ def test_newer_layouts_blocks(family, tmp_path):
     assert saved.config.num_hidden_layers == 2
 
 
+def test_distillation_into_kept_layers_rewrites_which_have_experts(tmp_path):
+    """distill's keep_layers removes blocks as the structured stage does, config included: Qwen2-MoE
+    with experts every other layer (0 dense, 1 experts, 2 dense), keeping 1 and 2, has experts first."""
+    from compress.stages.distill import keep_blocks
+
+    model, prompt = tiny_newer("qwen2_moe", layers=3), ids(1, 6, seed=3)
+    block = model.model.layers[0]  # writes nothing to the residual stream: removing it changes nothing
+    block.self_attn.o_proj.weight.data.zero_()
+    block.mlp.down_proj.weight.data.zero_()
+    before, gen_before = outputs(model, prompt)
+    records = {"model.layers.2.mlp.down_proj": {"weights": None}, "model.layers.0.mlp.down_proj": {}}
+    keep_blocks(model, [1, 2], records, "distill")
+    assert list(records) == ["model.layers.1.mlp.down_proj"]  # records follow their block; the removed one's go
+    assert (model.config.mlp_only_layers, model.config.decoder_sparse_step) == ([1], 1)
+    saved = assert_unchanged_and_reloads(model, before, gen_before, prompt, tmp_path)
+    assert saved.config.num_hidden_layers == 2
+
+
 def test_mixture_of_experts_mlp_channels_are_refused():
     with pytest.raises(CompressError, match="mlp-channels pruning is not supported for the mixture-of-experts 'mixtral'.*heads or blocks"):
         Structured(structure="mlp-channels", ratio=0.25).apply(tiny_newer("mixtral"), calib_ctx())

@@ -130,27 +130,40 @@ class Distill(DistillLoss, Stage):
     def needs_calibration(self) -> bool:
         return self.data.dataset is None and self.data.generate is None  # trains on the calibration windows
 
-    def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
-        refuse_quantized_student(ctx)
+    @property
+    def reshapes(self) -> bool:
+        return self.keep_layers is not None
+
+    def preflight_shapes(self, model: torch.nn.Module, records: dict[str, dict]) -> None:
+        refuse_quantized_student(records)
         if self.keep_layers is not None:
-            keep_blocks(model, self.keep_layers, ctx, "distill")
+            check_keep_layers(model, self.keep_layers, "distill")
+
+    def reshape(self, model: torch.nn.Module, records: dict[str, dict]) -> None:
+        keep_blocks(model, self.keep_layers, records, "distill")
+
+    def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
+        refuse_quantized_student(ctx.layers, ctx.source_model)
+        if self.keep_layers is not None:
+            keep_blocks(model, self.keep_layers, ctx.layers, "distill")
         teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "distill")
         return run_training(self, "distill", model, teacher, teacher_ref, ctx, self.data, self.train,
                             trainable=trainable_parameters(model, self.freeze, "distill"))
 
 
-def refuse_quantized_student(ctx: StageContext) -> None:
+def refuse_quantized_student(layers: dict[str, dict], source_model: Optional[str] = None) -> None:
     """Distillation trains float weights: a quantized student would come out dense, its grid lost
-    (and its rounded zeros mistaken for a pruning mask). QAT is the stage that trains through a grid."""
-    quantized = [n for n, r in ctx.layers.items() if r.get("weights")]
+    (and its rounded zeros mistaken for a pruning mask). QAT is the stage that trains through a grid.
+    `layers`: what earlier stages did (StageContext.layers) or will do (before the first stage)."""
+    quantized = [n for n, r in layers.items() if r.get("weights")]
     where = "an earlier stage quantized" if quantized else None
-    source = Path(modeling.resolve_model(ctx.source_model)) if ctx.source_model else None
+    source = Path(modeling.resolve_model(source_model)) if source_model else None
     config, meta = (source / "config.json", source / "compress.json") if source is not None else (None, None)
     packed = config is not None and config.is_file() and json.loads(config.read_text()).get("quantization_config")
     # a compress output saved dense (dequantized) says so only in its compress.json
     dense = meta is not None and meta.is_file() and any(r.get("weights") for r in json.loads(meta.read_text()).get("layers", {}).values())
     if not quantized and (packed or dense):
-        where = f"the input model {ctx.source_model} is quantized"
+        where = f"the input model {source_model} is quantized"
     if where:
         raise CompressError(f"stage distill: {where}" + (f" ({len(quantized)} layers)" if quantized else "")
                             + "; distillation trains float weights and would save a dense model",
@@ -208,21 +221,28 @@ def pruning_masks(model: torch.nn.Module, ctx: StageContext) -> list[tuple[torch
     return masks
 
 
-def keep_blocks(model: torch.nn.Module, keep: list[int], ctx: StageContext, stage: str) -> None:
-    """Make `model` a shallower copy of itself from the blocks in `keep` (in that order)."""
+def check_keep_layers(model: torch.nn.Module, keep: list[int], stage: str) -> None:
     from compress.engine import find_blocks
-    from compress.stages.structured import Structured
 
-    path, blocks = find_blocks(model)
+    blocks = find_blocks(model)[1]
     bad = [i for i in keep if not 0 <= i < len(blocks)]
     if bad or not keep or len(set(keep)) != len(keep):
         raise CompressError(f"stage {stage}: keep_layers {keep} is not a list of distinct blocks of the model's {len(blocks)}",
                             f"choose indices from 0 to {len(blocks) - 1}")
-    layer_types = getattr(model.config, "layer_types", None)
-    Structured._remove_blocks(model, path, blocks, list(keep), ctx)
-    model.config.num_hidden_layers = len(keep)
-    if isinstance(layer_types, list):
-        model.config.layer_types = [layer_types[i] for i in keep]
+
+
+def keep_blocks(model: torch.nn.Module, keep: list[int], records: dict[str, dict], stage: str) -> None:
+    """Make `model` a shallower copy of itself from the blocks in `keep` (in that order); `records`
+    (per layer, as StageContext.layers) follow their blocks."""
+    from compress.engine import find_blocks
+    from compress.stages.structured import Structured, per_layer_config
+
+    check_keep_layers(model, keep, stage)
+    path, blocks = find_blocks(model)
+    changes = {"num_hidden_layers": len(keep), **per_layer_config(model.config, list(keep))}
+    Structured._remove_blocks(model, path, blocks, list(keep), records)
+    for key, value in changes.items():
+        setattr(model.config, key, value)
 
 
 def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: Optional[torch.nn.Module],

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from pydantic import Field, PrivateAttr
 
-from compress.engine import token_rows
+from compress.engine import find_blocks, token_rows
 from compress.errors import CompressError
 from compress.mappings import Mapping, fold, fold_branches, in_block, mappings_for
 from compress.modeling import get_weight
@@ -93,8 +93,15 @@ class SmoothQuant(EngineOptions, Stage):
         fold_branches(branch_folds, block, runner, f"block {index}")
 
     def preflight(self, model: torch.nn.Module) -> None:
-        mappings_for(model, self.mappings, self.blocks)  # no map for the architecture, or one naming no module
+        mappings = mappings_for(model, self.mappings, self.blocks)  # no map for the architecture, or one naming no module
         super().preflight(model)
+        path, blocks = find_blocks(model, self.blocks)
+        balance = {f"{path}.{i}.{n}": block.get_submodule(n) for i, block in enumerate(blocks)
+                   for m in in_block(mappings, block) for n in m.balance}
+        for key in self.alpha_overrides:  # a typo would leave its layers at `alpha`, silently
+            if not any(matches(key, n, module) for n, module in balance.items()):
+                raise CompressError(f"stage smoothquant: alpha_overrides key '{key}' matches none of the layers it smooths "
+                                    f"(e.g. {', '.join(list(balance)[:3])})", "run `compress plan` to see the model's module names")
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         self._mappings = mappings_for(model, self.mappings, self.blocks)

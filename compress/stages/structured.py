@@ -235,27 +235,30 @@ class Structured(Stage):
         before, before_ne = sum(p.numel() for p in model.parameters()), non_embedding_parameters(model)
         total, unit, n_remove, changes = self._removal(model, family, blocks)
 
-        self._check_earlier_stages(blocks, path, family, config, ctx)
+        self._check_earlier_stages(blocks, path, family, config, ctx.layers)
         stats = self._collect(model, blocks, family, ctx)
         details: dict = {}
         if self.structure == "mlp-channels":
-            self._prune_mlp(blocks, path, family, stats, n_remove, ctx)
+            keep = [keep_most_important(channel_importance(stats.sums[b], stats.tokens[b]), n_remove) for b in range(len(blocks))]
             details["kept_per_block"] = f"{total - n_remove} of {total} MLP channels"
         elif self.structure == "heads":
-            self._prune_heads(blocks, path, family, config, stats, n_remove, ctx)
+            keep = [keep_most_important(group_importance(stats.sums[b], stats.tokens[b], total), n_remove) for b in range(len(blocks))]
             new = changes(n_remove)
             details["kept_per_block"] = (f"{new['num_key_value_heads']} of {total} KV groups "
                                          f"({new['num_attention_heads']} query heads, head_dim {new['head_dim']})")
         else:
             scores = torch.tensor([1 - s.item() / max(t, 1) for s, t in zip(stats.sums, stats.tokens)])
             keep = keep_most_important(scores, n_remove).tolist()
-            self._remove_blocks(model, path, blocks, keep, ctx)
             details["kept_blocks"] = f"{len(keep)} of {total}"
             details["removed_blocks"] = [i for i in range(total) if i not in keep]
             details["block_importance"] = [round(float(s), 5) for s in scores]
-        per_layer = per_layer_config(config, keep) if self.structure == "blocks" else {}
-        for key, value in {**changes(n_remove), **per_layer}.items():
-            setattr(config, key, value)
+        self._cut(model, path, blocks, family, keep, changes(n_remove), ctx.layers)
+        if self.structure != "blocks":  # which channels / heads each block kept, in its record
+            layer = family.mlp_out if self.structure == "mlp-channels" else family.attention[3]
+            for b, kept in enumerate(keep):
+                what = {"kept_channels": kept.tolist()} if self.structure == "mlp-channels" else \
+                    {"kept_kv_heads": kept.tolist(), "kept_heads": self._query_heads(kept, config).tolist()}
+                ctx.layers[f"{path}.{b}.{layer}"].update({"stage": "structured", **what})
 
         after, after_ne = sum(p.numel() for p in model.parameters()), non_embedding_parameters(model)
         return {
@@ -273,14 +276,48 @@ class Structured(Stage):
             "non_embedding_removed_pct": 100 * (before_ne - after_ne) / max(before_ne, 1),
         }
 
+    @property
+    def reshapes(self) -> bool:
+        return True
+
+    def reshape(self, model: torch.nn.Module, records: dict[str, dict]) -> None:
+        """The cut `apply` makes, with the first channels, KV groups or blocks standing in for the
+        ones calibration will rank highest (the shapes are the same): what later stages will see,
+        for `compress plan` and the checks made before the first stage (on a meta-device model)."""
+        family = self._family(model)
+        path, blocks = find_blocks(model)
+        total, _, n_remove, changes = self._removal(model, family, blocks)
+        first = torch.arange(total - n_remove)
+        keep = first.tolist() if self.structure == "blocks" else [first] * len(blocks)
+        self._cut(model, path, blocks, family, keep, changes(n_remove), records)
+
+    def _cut(self, model: torch.nn.Module, path: str, blocks, family: Family, keep, config_changes: dict,
+             records: dict[str, dict]) -> None:
+        """Remove all but `keep` (per block: channel or KV group indices; for blocks, the block
+        indices) and update the config; `records` (per-layer, as StageContext.layers) follow."""
+        config = model.config
+        if self.structure == "mlp-channels":
+            self._prune_mlp(blocks, path, family, keep, records)
+        elif self.structure == "heads":
+            self._prune_heads(blocks, path, family, config, keep, records)
+        else:
+            self._remove_blocks(model, path, blocks, keep, records)
+        per_layer = per_layer_config(config, keep) if self.structure == "blocks" else {}
+        for key, value in {**config_changes, **per_layer}.items():
+            setattr(config, key, value)
+
     # -- checks
 
     def preflight(self, model: torch.nn.Module) -> None:
         self._family(model)
 
-    def preflight_shapes(self, model: torch.nn.Module) -> None:
-        """What the ratio removes, on the model's shapes (valid while no earlier stage reshaped it)."""
-        self._removal(model, self._family(model), find_blocks(model)[1])
+    def preflight_shapes(self, model: torch.nn.Module, records: dict[str, dict]) -> None:
+        """What the ratio removes, on the shapes the stage will see, and whether what earlier
+        stages will do to the layers it cuts (`records`, as StageContext.layers) allows the cut."""
+        family = self._family(model)
+        path, blocks = find_blocks(model)
+        self._removal(model, family, blocks)
+        self._check_earlier_stages(blocks, path, family, model.config, records)
 
     def _removal(self, model: torch.nn.Module, family: Family, blocks) -> tuple[int, str, int, Callable[[int], dict]]:
         """(total units, their name, units removed, config changes for n removed); refuses a ratio that removes
@@ -293,6 +330,10 @@ class Structured(Stage):
         else:
             total, unit = len(blocks), "blocks"
         n_remove = math.floor(self.ratio * total + 0.5)
+        if total == 1:
+            one = unit.replace("channels", "channel").replace("groups", "group").replace("blocks", "block")
+            raise CompressError(f"stage structured: the model has 1 {one} left: there is nothing to remove",
+                                "drop this stage")
         if n_remove == 0 or n_remove >= total:
             what = "nothing" if n_remove == 0 else "all of them"
             raise CompressError(f"stage structured: ratio {self.ratio:g} of {total} {unit} removes {what}",
@@ -325,16 +366,17 @@ class Structured(Stage):
                                 "prune heads or blocks instead")
         return family
 
-    def _check_earlier_stages(self, blocks, path: str, family: Family, config, ctx: StageContext) -> None:
+    def _check_earlier_stages(self, blocks, path: str, family: Family, config, records: dict[str, dict]) -> None:
         """Input columns cut out of a layer quantized in groups (or pruned N:M) by an earlier stage
-        would leave its groups misaligned: refused, unless whole heads span whole groups."""
+        would leave its groups misaligned: refused, unless whole heads span whole groups. `records`:
+        what earlier stages did (or, before the first stage, will do) to each layer."""
         if self.structure == "blocks":
             return
         layer, unit = (family.mlp_out, 1) if self.structure == "mlp-channels" else \
             (family.attention[3], _head_dim(blocks[0].get_submodule(family.attention[0].rsplit(".", 1)[0]), config))
         for b in range(len(blocks)):
             name = f"{path}.{b}.{layer}"
-            rec = ctx.layers.get(name, {})
+            rec = records.get(name, {})
             group = (rec.get("weights") or {}).get("group_size") if (rec.get("weights") or {}).get("strategy") == "group" else None
             pattern = rec.get("pattern")
             if (group and unit % group) or pattern:
@@ -391,29 +433,32 @@ class Structured(Stage):
 
     # -- cutting
 
-    def _prune_mlp(self, blocks, path: str, family: Family, stats: _Stats, n_remove: int, ctx: StageContext) -> None:
+    @staticmethod
+    def _query_heads(groups: torch.Tensor, config) -> torch.Tensor:
+        """The query heads reading the KV heads `groups`, in order."""
+        n_rep = config.num_attention_heads // config.num_key_value_heads
+        return (groups[:, None] * n_rep + torch.arange(n_rep)[None, :]).reshape(-1)
+
+    def _prune_mlp(self, blocks, path: str, family: Family, keep: list[torch.Tensor], records: dict[str, dict]) -> None:
         for b, block in enumerate(blocks):
-            keep = keep_most_important(channel_importance(stats.sums[b], stats.tokens[b]), n_remove)
-            width = len(keep) + n_remove
-            rows = torch.cat([keep, keep + width]) if family.fused else keep  # [gate; up] stacked
+            width = _out_in(block.get_submodule(family.mlp_out))[1]
+            rows = torch.cat([keep[b], keep[b] + width]) if family.fused else keep[b]  # [gate; up] stacked
             for name in family.mlp_in:
                 prune_outputs(block.get_submodule(name), rows)
             down = block.get_submodule(family.mlp_out)
-            prune_inputs(down, keep)
+            prune_inputs(down, keep[b])
             mlp = block.get_submodule(family.mlp_out.rsplit(".", 1)[0]) if "." in family.mlp_out else block
             if isinstance(getattr(mlp, "intermediate_size", None), int):
-                mlp.intermediate_size = len(keep)  # LlamaMLP keeps its width
-            _update_shapes(ctx, f"{path}.{b}.", block, family.mlp_in)
-            ctx.layers.setdefault(f"{path}.{b}.{family.mlp_out}", {}).update(
-                {"stage": "structured", "shape": list(_out_in(down)), "kept_channels": keep.tolist()})
+                mlp.intermediate_size = len(keep[b])  # LlamaMLP keeps its width
+            _update_shapes(records, f"{path}.{b}.", block, family.mlp_in)
+            records.setdefault(f"{path}.{b}.{family.mlp_out}", {})["shape"] = list(_out_in(down))
 
-    def _prune_heads(self, blocks, path: str, family: Family, config, stats: _Stats, n_remove: int, ctx: StageContext) -> None:
+    def _prune_heads(self, blocks, path: str, family: Family, config, keep: list[torch.Tensor], records: dict[str, dict]) -> None:
         heads, kv = config.num_attention_heads, config.num_key_value_heads
-        n_rep = heads // kv
         d = _head_dim(blocks[0].get_submodule(family.attention[0].rsplit(".", 1)[0]), config)
         for b, block in enumerate(blocks):
-            groups = keep_most_important(group_importance(stats.sums[b], stats.tokens[b], kv), n_remove)
-            q_heads = (groups[:, None] * n_rep + torch.arange(n_rep)[None, :]).reshape(-1)
+            groups = keep[b]
+            q_heads = self._query_heads(groups, config)
             q_rows, kv_rows = rows_of(q_heads, d), rows_of(groups, d)
             q, k, v, o = (block.get_submodule(n) for n in family.attention)
             if family.fused:  # one layer, [q; k; v] rows: heads · d, then kv · d twice
@@ -428,14 +473,12 @@ class Structured(Stage):
                                 ("num_key_value_heads", len(groups)), ("head_dim", d)):
                 if isinstance(getattr(attn, attr, None), int):
                     setattr(attn, attr, value)
-            _update_shapes(ctx, f"{path}.{b}.", block, family.attention[:3])
-            ctx.layers.setdefault(f"{path}.{b}.{family.attention[3]}", {}).update(
-                {"stage": "structured", "shape": list(_out_in(o)), "kept_kv_heads": groups.tolist(),
-                 "kept_heads": q_heads.tolist()})
+            _update_shapes(records, f"{path}.{b}.", block, family.attention[:3])
+            records.setdefault(f"{path}.{b}.{family.attention[3]}", {})["shape"] = list(_out_in(o))
 
     @staticmethod
     def _remove_blocks(model: torch.nn.Module, path: str, blocks: torch.nn.ModuleList, keep: list[int],
-                       ctx: StageContext) -> None:
+                       records: dict[str, dict]) -> None:
         parent_path, attr = path.rsplit(".", 1) if "." in path else ("", path)
         kept = torch.nn.ModuleList([blocks[i] for i in keep])
         for new, block in enumerate(kept):
@@ -445,15 +488,15 @@ class Structured(Stage):
         setattr(model.get_submodule(parent_path), attr, kept)
         # Records of earlier stages follow their block to its new index; those of removed blocks go.
         renamed = {}
-        for name, rec in ctx.layers.items():
+        for name, rec in records.items():
             if name.startswith(path + "."):
                 old, rest = name[len(path) + 1:].split(".", 1)
                 if int(old) not in keep:
                     continue
                 name = f"{path}.{keep.index(int(old))}.{rest}"
             renamed[name] = rec
-        ctx.layers.clear()
-        ctx.layers.update(renamed)
+        records.clear()
+        records.update(renamed)
 
 
 def per_layer_config(config, keep: list[int]) -> dict:
@@ -499,10 +542,10 @@ def _config_problem(config, changes: dict) -> Optional[str]:
     return problem(trial)
 
 
-def _update_shapes(ctx: StageContext, prefix: str, block: torch.nn.Module, names) -> None:
+def _update_shapes(records: dict[str, dict], prefix: str, block: torch.nn.Module, names) -> None:
     """Records of earlier stages (a quantized layer's shape counts its packed size) follow the cut."""
     for name in names:
-        rec = ctx.layers.get(prefix + name)
+        rec = records.get(prefix + name)
         if rec is not None and "shape" in rec:
             rec["shape"] = list(_out_in(block.get_submodule(name)))
 
