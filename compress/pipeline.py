@@ -464,10 +464,20 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     if not datasets and not (tasks and tasks.names):
         raise CompressError("no evaluation data given", "pass --data FILE, a text file (e.g. calibration/heldout-tinyshakespeare.txt), "
                             "or --tasks NAMES")
+    on_data = next((k for k, v in thresholds.items() if v is not None), None)
+    if on_data and not datasets:  # a gate that checks nothing must not pass
+        raise CompressError(f"--{on_data.replace('_', '-')} is checked on the evaluation text, and none was given (--data)",
+                            "pass --data FILE, or drop the threshold")
     if task_thresholds["max_task_drop"] is not None and baseline is None:
         raise CompressError("--max-task-drop compares against the uncompressed model", "pass --baseline")
     progress("loading model", 0, 1)
     model_config = modeling.load_config(model)
+    # A threshold the model's kind has no metric for is refused before any model is loaded.
+    wrong = ("min_cosine",) if modeling.is_causal_lm(model_config) else ("max_ppl_increase", "max_kl", "min_top1")
+    for key in (k for k in wrong if thresholds.get(k) is not None):
+        kind = "a causal language model" if modeling.is_causal_lm(model_config) else "an encoder"
+        fits = "--max-kl, --min-top1, --max-ppl-increase" if modeling.is_causal_lm(model_config) else "--min-cosine"
+        raise CompressError(f"--{key.replace('_', '-')} cannot be checked on {model}: it is {kind}", f"use {fits}")
     manager = None
     if tasks and tasks.names:
         manager = lm_tasks.prepare(tasks, modeling.is_causal_lm(model_config), model)

@@ -91,6 +91,16 @@ def test_eval_gate_pass_and_fail(w8_output, ref_llama, tmp_path, capsys):
     assert rc == 1 and not out and err.count("\n") == 1 and err.startswith("FAIL: ") and "kl_divergence" in err
 
 
+def test_eval_refuses_a_threshold_the_model_has_no_metric_for_before_loading(ref_llama, minilm, capsys, monkeypatch):
+    from compress import modeling
+
+    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    for model, flag, words in ((ref_llama, "--min-cosine", "it is a causal language model (use --max-kl"),
+                               (minilm, "--max-kl", "it is an encoder (use --min-cosine)")):
+        rc, _, err = run(capsys, "eval", "--model", model, "--baseline", model, "--data", HELDOUT, flag, 0.5)
+        assert rc == 2 and f"{flag} cannot be checked on {model}: {words}" in err
+
+
 def test_eval_identical_model_has_zero_kl(ref_llama, capsys):
     rc, out, _ = run(capsys, "--json", "eval", "--model", ref_llama, "--baseline", ref_llama, "--data", HELDOUT, "--max-windows", 8)
     r = json.loads(out)["results"][HELDOUT]

@@ -168,6 +168,11 @@ def test_thresholds_that_cannot_fail_or_need_a_baseline_are_refused(task_dir, re
     monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("model loaded"))
     with pytest.raises(CompressError, match="--max-task-drop compares against the uncompressed model"):
         evaluate_model(str(ref_llama), [], tasks=TaskRequest(names=[TASK], include_path=str(task_dir)), thresholds={"max_task_drop": 0.01})
+    # thresholds on the evaluation text, with tasks and no text, would check nothing and pass the gate
+    monkeypatch.undo()
+    rc, out, _ = run(capsys, "--json", "eval", "--model", ref_llama, "--baseline", ref_llama, "--tasks", TASK,
+                     "--include-path", task_dir, "--limit", 2, "--max-kl", 1e-4, "--max-ppl-increase", 0.01)
+    assert rc == 2 and "--max-ppl-increase is checked on the evaluation text, and none was given (--data)" in json.loads(out)["error"]
 
 
 def test_chat_template_puts_prompts_through_the_template(task_dir, ref_llama, instruct_llama, capsys, monkeypatch):
