@@ -921,7 +921,7 @@ def _main(argv: list[str] | None) -> int:
         # Without standalone mode click returns typer.Exit's code instead of raising it.
         rc = app(args=argv, prog_name="compress", standalone_mode=False)
         if rc == 130:  # typer turns Ctrl-C into a returned 130; no command of ours exits with it
-            _interrupted(argv)
+            return _interrupted(argv)
         return rc if isinstance(rc, int) else 0
     except CompressError as exc:
         if debug:  # the traceback, and still the exit code a script tells bad input by
@@ -935,8 +935,7 @@ def _main(argv: list[str] | None) -> int:
         console.print("aborted")
         return 130
     except KeyboardInterrupt:
-        _interrupted(argv)
-        return 130
+        return _interrupted(argv)
     except Exception as exc:  # click usage errors come here too
         if isinstance(exc, _usage_error_types()):
             message = exc.format_message()
@@ -960,15 +959,17 @@ def _json_error(argv: list[str], code: int, message: str, hint: str | None) -> i
     return code
 
 
-def _interrupted(argv: list[str]) -> None:
-    """Ctrl-C: the output is written atomically, so nothing partial exists; say how to go on."""
-    if not {"quantize", "prune", "distill"} & set(argv):  # eval, analyze, bench: nothing to resume
-        console.print("interrupted", soft_wrap=True, highlight=False)
-        return
-    resuming = "--resume" in argv or any(a.split("=", 1)[0] == "--cache-dir" for a in argv)
-    hint = ("the completed stages are in the stage cache: rerun the same command to continue" if resuming
-            else "rerun with --resume to keep completed stages across interruptions")
-    console.print(f"interrupted: no output was written [dim]({hint})[/dim]", soft_wrap=True, highlight=False)
+def _interrupted(argv: list[str]) -> int:
+    """Ctrl-C (or SIGTERM): the output is written atomically, so nothing partial exists; say how
+    to go on, on stderr and, with --json, on stdout as any failure is. Returns the exit code, 130."""
+    message, hint = "interrupted", None
+    if {"quantize", "prune", "distill"} & set(argv):  # eval, analyze, bench: nothing to resume
+        resuming = "--resume" in argv or any(a.split("=", 1)[0] == "--cache-dir" for a in argv)
+        message = "interrupted: no output was written"
+        hint = ("the completed stages are in the stage cache: rerun the same command to continue" if resuming
+                else "rerun with --resume to keep completed stages across interruptions")
+    console.print(message + (f" [dim]({hint})[/dim]" if hint else ""), soft_wrap=True, highlight=False)
+    return _json_error(argv, 130, message, hint)
 
 
 def _usage_error_types() -> tuple:

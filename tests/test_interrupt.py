@@ -201,10 +201,13 @@ def test_interrupted_replace_keeps_the_existing_output(runs, tmp_path, repo):
     out = tmp_path / "out"
     shutil.copytree(runs["cached_out"], out)
     before = tree_digest(out)
-    proc = run_killed(argv_for(runs["recipe"], out, "--force", "--resume", "--cache-dir", str(runs["cache"])), repo,
+    proc = run_killed(["--json", *argv_for(runs["recipe"], out, "--force", "--resume", "--cache-dir", str(runs["cache"]))], repo,
                       "before-move", "INT")
     assert proc.returncode == 130, proc.stderr
     assert tree_digest(out) == before
+    # with --json the failure is JSON on stdout too, as any other
+    assert json.loads(proc.stdout) == {"error": "interrupted: no output was written", "exit_code": 130,
+                                       "hint": "the completed stages are in the stage cache: rerun the same command to continue"}
     assert list(tmp_path.glob(".out.*")) == []
 
 
