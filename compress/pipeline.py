@@ -404,7 +404,7 @@ def preflight(recipe: Recipe, net: torch.nn.Module, packed: bool = False) -> lis
             try:
                 stage.preflight(model)
                 if walk.exact and hasattr(stage, "preflight_shapes"):
-                    stage.preflight_shapes(model, records)
+                    stage.preflight_shapes(model, records, source=net)
                 if hasattr(stage, "select"):
                     chosen = stage.select(model, name)
                     if hasattr(stage, "check_overrides"):  # sparsity_overrides keys, likewise

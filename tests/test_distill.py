@@ -157,6 +157,35 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys):
         assert not (tmp_path / "bad").exists()
 
 
+def test_a_training_stage_after_another_is_checked_before_the_first_one_runs(ref_llama, tmp_path, capsys, monkeypatch):
+    """Hidden-state indices, freeze patterns and the objective are known from the recipe and the
+    configs: refused by the plan and by the run before the stage before them works, on the depth
+    the student will have (keep_layers) and the teacher's."""
+    from compress.stages.sparsegpt import SparseGPT
+
+    monkeypatch.setattr(SparseGPT, "apply", lambda *a: pytest.fail("the first stage ran"))
+    head = ("calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\n"
+            "stages:\n  - sparsegpt: {sparsity: 0.5}\n")
+    train = "data: {dataset: calibration/default.txt, seq_len: 64, num_samples: 4, eval_samples: 2}, train: {steps: 1}"
+    for stage, words in (
+        (f"distill: {{hidden: [{{student: 9, teacher: 4}}], {train}}}", "hidden student index 9 is out of range: the student has hidden states 0..4"),
+        (f"distill: {{keep_layers: [0, 1], hidden: [{{student: 3, teacher: 4}}], {train}}}", "hidden student index 3 is out of range: the student has hidden states 0..2"),
+        (f"distill: {{hidden: [{{student: 2, teacher: -6}}], {train}}}", "hidden teacher index -6 is out of range"),
+        (f"distill: {{freeze: [embed_tokenz], {train}}}", "freeze patterns ['embed_tokenz'] match no parameter"),
+        (f"qat: {{scheme: W4A16, kd_weight: 0, ce_weight: 0, {train}}}", "kd_weight and ce_weight are both 0"),
+        (f"qat: {{scheme: W4A16, hidden: [{{student: 5, teacher: 5}}], {train}}}", "hidden student index 5 is out of range"),
+    ):
+        (tmp_path / "r.yaml").write_text(head + f"  - {stage}\n")
+        rc = main(["--json", "plan", "--recipe", str(tmp_path / "r.yaml"), "--model", str(ref_llama)])
+        assert rc == 2 and words in json.loads(capsys.readouterr().out)["error"], stage
+        rc = main(["quantize", "--recipe", str(tmp_path / "r.yaml"), "--model", str(ref_llama), "--output", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert rc == 2 and words in err and not (tmp_path / "out").exists(), (stage, err)
+    # and what is right passes: the student's last state against the teacher's
+    (tmp_path / "r.yaml").write_text(head + f"  - distill: {{keep_layers: [0, 1], hidden: [{{student: 2, teacher: 4}}], {train}}}\n")
+    assert main(["--json", "plan", "--recipe", str(tmp_path / "r.yaml"), "--model", str(ref_llama)]) == 0
+
+
 def test_kill_then_resume_matches_an_uninterrupted_run(tmp_path, repo):
     teacher, _ = tiny_pair(tmp_path)
     data = str(repo / "calibration" / "default.txt")

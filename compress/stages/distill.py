@@ -134,10 +134,12 @@ class Distill(DistillLoss, Stage):
     def reshapes(self) -> bool:
         return self.keep_layers is not None
 
-    def preflight_shapes(self, model: torch.nn.Module, records: dict[str, dict]) -> None:
+    def preflight_shapes(self, model: torch.nn.Module, records: dict[str, dict], source: torch.nn.Module) -> None:
         refuse_quantized_student(records)
         if self.keep_layers is not None:
             check_keep_layers(model, self.keep_layers, "distill")
+        depth = len(self.keep_layers) if self.keep_layers is not None else int(model.config.num_hidden_layers)
+        check_training(self, "distill", model, depth, source.config)
 
     def reshape(self, model: torch.nn.Module, records: dict[str, dict]) -> None:
         keep_blocks(model, self.keep_layers, records, "distill")
@@ -187,24 +189,65 @@ def load_teacher(ref: Optional[str], student: torch.nn.Module, ctx: StageContext
     return teacher, ref
 
 
-def trainable_parameters(model: torch.nn.Module, freeze: list[str], stage: str) -> list[torch.nn.Parameter]:
-    """Every parameter not matched by a `freeze` pattern (a parameter's name, or its module's)."""
-    kept, used = [], set()
+def _frozen(model: torch.nn.Module, freeze: list[str], stage: str) -> dict[str, bool]:
+    """Whether each parameter is matched by a `freeze` pattern (its name, or its module's);
+    refuses patterns that match none, and freezing everything."""
+    frozen, used = {}, set()
     for name, param in model.named_parameters():
         module_name = name.rsplit(".", 1)[0]
         hit = [p for p in freeze if matches(p, name, param) or matches(p, module_name, param)]
         used.update(hit)
-        if hit:
-            param.requires_grad_(False)
-        else:
-            kept.append(param)
+        frozen[name] = bool(hit)
     unused = [p for p in freeze if p not in used]
     if unused:
         raise CompressError(f"stage {stage}: freeze patterns {unused} match no parameter",
                             "use parameter or module names as `compress plan` shows them, e.g. embed_tokens")
-    if not kept:
+    if all(frozen.values()):
         raise CompressError(f"stage {stage}: every parameter is frozen", "freeze fewer parameters")
-    return kept
+    return frozen
+
+
+def trainable_parameters(model: torch.nn.Module, freeze: list[str], stage: str) -> list[torch.nn.Parameter]:
+    """Every parameter not matched by a `freeze` pattern; the others stop requiring gradients."""
+    frozen = _frozen(model, freeze, stage)
+    for name, param in model.named_parameters():
+        param.requires_grad_(not frozen[name])
+    return [param for name, param in model.named_parameters() if not frozen[name]]
+
+
+def check_loss(stage: str, loss: "DistillLoss", causal: bool, student_layers: int, teacher_layers: Optional[int]) -> None:
+    """What the objective needs of the student and the teacher (None: no teacher)."""
+    if not causal and not loss.hidden:
+        raise CompressError(f"stage {stage}: the model has no language-model logits to distill (an encoder)",
+                            "match hidden states instead: hidden: [{student: -1, teacher: -1}]")
+    if not causal and loss.ce_weight:
+        raise CompressError(f"stage {stage}: ce_weight needs a causal language model", "set ce_weight: 0")
+    if loss.hidden and teacher_layers is None:
+        raise CompressError(f"stage {stage}: hidden-state matching needs a teacher", "set kd_weight > 0 or a teacher")
+    for pair in loss.hidden:
+        for side, layers, index in (("student", student_layers, pair.student), ("teacher", teacher_layers, pair.teacher)):
+            states = layers + 1  # the embeddings, then one per block
+            if not -states <= index < states:
+                raise CompressError(f"stage {stage}: hidden {side} index {index} is out of range: the {side} has "
+                                    f"hidden states 0..{states - 1} (0: embeddings, i: after block i; -1: the last)",
+                                    f"give a {side} index from {-states} to {states - 1}")
+
+
+def uses_teacher(stage: "DistillLoss", name: str) -> bool:
+    return name == "distill" or stage.kd_weight > 0 or bool(stage.hidden)
+
+
+def check_training(stage, name: str, model: torch.nn.Module, student_layers: int, source_config) -> None:
+    """A training stage's checks on the model it will get, made before any stage runs: the loss
+    (check_loss; the teacher's depth from its config: `teacher`, or the input model's,
+    `source_config`), and the freeze patterns (on the names before any keep_layers cut, of which
+    the names after it are a subset: a pattern refused here is refused then too)."""
+    teacher_config = None
+    if uses_teacher(stage, name):
+        teacher_config = modeling.load_config(stage.teacher) if stage.teacher else source_config
+    teacher_layers = int(teacher_config.num_hidden_layers) if teacher_config is not None else None
+    check_loss(name, stage, modeling.is_causal_lm(model.config), student_layers, teacher_layers)
+    _frozen(model, stage.freeze, name)
 
 
 def pruning_masks(model: torch.nn.Module, ctx: StageContext) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -251,20 +294,8 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
     """Data, objective, loop, and the summary both training stages report."""
     causal = modeling.is_causal_lm(model.config)
     loss_cfg = DistillLoss(**{k: getattr(stage, k) for k in DistillLoss.model_fields})
-    if not causal and not loss_cfg.hidden:
-        raise CompressError(f"stage {name}: {type(model).__name__} has no language-model logits to distill",
-                            "match hidden states instead: hidden: [{student: -1, teacher: -1}]")
-    if not causal and loss_cfg.ce_weight:
-        raise CompressError(f"stage {name}: ce_weight needs a causal language model", "set ce_weight: 0")
-    if loss_cfg.hidden and teacher is None:
-        raise CompressError(f"stage {name}: hidden-state matching needs a teacher", "set kd_weight > 0 or a teacher")
-    for pair in loss_cfg.hidden:
-        for side, net, index in (("student", model, pair.student), ("teacher", teacher, pair.teacher)):
-            states = int(net.config.num_hidden_layers) + 1  # the embeddings, then one per block
-            if not -states <= index < states:
-                raise CompressError(f"stage {name}: hidden {side} index {index} is out of range: the {side} has "
-                                    f"hidden states 0..{states - 1} (0: embeddings, i: after block i; -1: the last)",
-                                    f"give a {side} index from {-states} to {states - 1}")
+    check_loss(name, loss_cfg, causal, int(model.config.num_hidden_layers),
+               int(teacher.config.num_hidden_layers) if teacher is not None else None)
     teacher_hash = modeling.weights_hash(teacher_ref) if teacher_ref else None
     train_ids, eval_ids, source = training_sequences(data, ctx.tokenizer, ctx.calibration, teacher, teacher_hash,
                                                      ctx.seed, name, ctx.progress)

@@ -36,7 +36,8 @@ from compress.quant import (QParams, compute_qparams, fake_quantize, fake_quanti
                             recover_qparams, relative_error, scale_gradient, storable_scale)
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext, check_weight
-from compress.stages.distill import DistillLoss, load_teacher, pruning_masks, run_training, trainable_parameters
+from compress.stages.distill import (DistillLoss, check_training, load_teacher, pruning_masks, run_training, trainable_parameters,
+                                     uses_teacher)
 from compress.targets import Pattern
 from compress.training import TrainingConfig
 from compress.training_data import TrainingData
@@ -105,16 +106,22 @@ class QAT(DistillLoss, QuantizationStage):
     def needs_calibration(self) -> bool:
         return self.data.dataset is None and self.data.generate is None
 
+    def preflight_shapes(self, model: torch.nn.Module, records: dict[str, dict], source: torch.nn.Module) -> None:
+        self._check_objective()
+        check_training(self, "qat", model, int(model.config.num_hidden_layers), source.config)
+
+    def _check_objective(self) -> None:
+        if not uses_teacher(self, "qat") and self.ce_weight == 0:
+            raise CompressError("stage qat: kd_weight and ce_weight are both 0: nothing to train on",
+                                "set kd_weight (distill from the input model) or ce_weight (the text itself)")
+
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         scheme = self.resolved_scheme()
         wargs = scheme.weights
         modules = self.select(model, "qat")
         masks = pruning_masks(model, ctx)  # before the weights become parametrized
-        teacher, teacher_ref = (load_teacher(self.teacher, model, ctx, "qat") if self.kd_weight > 0 or self.hidden
-                                else (None, None))
-        if teacher is None and self.ce_weight == 0:
-            raise CompressError("stage qat: kd_weight and ce_weight are both 0: nothing to train on",
-                                "set kd_weight (distill from the input model) or ce_weight (the text itself)")
+        self._check_objective()
+        teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "qat") if uses_teacher(self, "qat") else (None, None)
         before, scales, hooks = {}, [], []
         for name, module in modules.items():
             weight = get_weight(module)

@@ -311,7 +311,7 @@ class Structured(Stage):
     def preflight(self, model: torch.nn.Module) -> None:
         self._family(model)
 
-    def preflight_shapes(self, model: torch.nn.Module, records: dict[str, dict]) -> None:
+    def preflight_shapes(self, model: torch.nn.Module, records: dict[str, dict], source: torch.nn.Module) -> None:
         """What the ratio removes, on the shapes the stage will see, and whether what earlier
         stages will do to the layers it cuts (`records`, as StageContext.layers) allows the cut."""
         family = self._family(model)
