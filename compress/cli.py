@@ -156,8 +156,8 @@ def prune(
     structured: Optional[str] = typer.Option(None, help="structured pruning instead: mlp-channels, heads or blocks (the `structured` stage)."),
     ratio: Optional[float] = typer.Option(None, help="with --structured: the share of channels / heads / blocks removed."),
     recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="run this recipe instead of building one from the options."),
-    calibration: str = typer.Option("calibration/default.txt", help="calibration text (wanda, sparsegpt, structured)."),
-    num_samples: int = typer.Option(128, min=1, help="calibration windows of 256 tokens."),
+    calibration: Optional[str] = typer.Option(None, help="calibration text (wanda, sparsegpt, structured; default: calibration/default.txt)."),
+    num_samples: Optional[int] = typer.Option(None, min=1, help="calibration windows of 256 tokens (default 128)."),
     data: list[str] = typer.Option([], "--data", "-d", help="evaluation text(s) (default: the bundled held-out text)."),
     no_eval: bool = typer.Option(False, "--no-eval", help="skip the evaluation against the original."),
     force: bool = typer.Option(False, "--force", help="replace an existing output directory."),
@@ -174,11 +174,13 @@ def prune(
     from compress.recipe import load_recipe
 
     if recipe is not None:
-        given = [f"--{k}" for k, v in {"method": method, "sparsity": sparsity, "pattern": pattern,
-                                       "structured": structured, "ratio": ratio}.items() if v is not None]
+        given = [f"--{k.replace('_', '-')}" for k, v in {
+            "method": method, "sparsity": sparsity, "pattern": pattern, "structured": structured, "ratio": ratio,
+            "calibration": calibration, "num_samples": num_samples, "data": data or None, "no_eval": no_eval or None}.items()
+            if v is not None]
         if given:
-            raise CompressError(f"--recipe runs the recipe's stages as written; {', '.join(given)} would be ignored",
-                                "drop them, or edit the recipe")
+            raise CompressError(f"--recipe runs the recipe's stages, calibration and evaluation as written; "
+                                f"{', '.join(given)} would be ignored", "drop them, or edit the recipe")
         r = load_recipe(recipe)
     else:
         r = _parse_built_recipe(_prune_recipe(model, output, method, sparsity, pattern, structured, ratio, calibration,
@@ -206,6 +208,8 @@ def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, c
         raise CompressError("no model given", "pass --model: a local directory, a hub id, or `default`")
     if not output:
         raise CompressError("no output directory given", "pass --output")
+    calibration = calibration or "calibration/default.txt"
+    num_samples = 128 if num_samples is None else num_samples
     if num_samples <= 0:
         raise CompressError(f"--num-samples {num_samples} must be positive", "e.g. --num-samples 128")
     if structured is not None:

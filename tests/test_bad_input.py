@@ -511,6 +511,11 @@ def _prune_recipe_with_method(tmp):
     return ["prune", "--recipe", str(r), "--method", "wanda", "--model", "default", "--output", str(tmp / "out")]
 
 
+def _prune_recipe_with_eval_options(tmp):
+    r = write(tmp / "r.yaml", "stages:\n  - magnitude: {sparsity: 0.5}\n")
+    return ["prune", "--recipe", str(r), "--no-eval", "--num-samples", "4", "--model", "default", "--output", str(tmp / "out")]
+
+
 def _pattern_unquoted(tmp):
     return quantize(tmp, "stages:\n  - magnitude:\n      pattern: 2:4\n")
 
@@ -776,6 +781,7 @@ CASES = [
     Case("prune-ratio-without-structured", _prune("--ratio", "0.25"), ["--ratio", "--structured"]),
     Case("prune-unknown-structure", _prune("--structured", "mlp", "--ratio", "0.25"), ["compress prune --structured", "mlp-channels"]),
     Case("prune-recipe-and-method", _prune_recipe_with_method, ["--recipe", "--method"]),
+    Case("prune-recipe-and-eval-options", _prune_recipe_with_eval_options, ["--num-samples, --no-eval would be ignored"]),
     Case("prune-no-model", lambda tmp: ["prune", "--output", str(tmp / "out")], ["no model", "--model"]),
     Case("recipe-duplicate-key", lambda tmp: quantize(tmp, "stages:\n  - rtn:\n      scheme: W4A16\n      scheme: W8A16\n"),
          ["r.yaml:4", "'scheme' appears twice"]),
