@@ -28,7 +28,7 @@ from compress.recipe import EvaluationConfig, Recipe
 from compress.report import versions, write_json, write_reports
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.stages import STAGES
-from compress.stages.base import StageContext
+from compress.stages.base import INPUT_MODEL, StageContext
 
 Progress = Callable[[str, int, int], None]
 
@@ -146,7 +146,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         "architecture": (getattr(config, "architectures", None) or [type(net).__name__])[0],
     }
 
-    refused = preflight(recipe, net, packed=requested == "packed")
+    inherited = inherited_records(model_ref)
+    refused = preflight(recipe, net, packed=requested == "packed", inherited=inherited)
     if refused:
         raise refused[0]
     calibration = None
@@ -177,6 +178,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     ctx = StageContext(device=dev, devices=devices, calibration=calibration, seed=seed, progress=progress, tokenizer=tokenizer,
                        source_model=model_ref, source_hash=source["weights_sha256"], resume=resume or bool(cache_dir),
                        work_dir=dest.parent / f".{dest.name}.work")
+    for name, record in inherited.items():
+        ctx.layers[name] = dict(record)
     # An input written by compress with quantized activations or an FP8 KV cache keeps them, as it
     # is evaluated: the records start from what its load attached.
     ctx.kv_cache = activations.attached_kv(net)
@@ -302,8 +305,10 @@ class StageShapes:
     `net` itself (experts unfused, as the stages see them) until a stage reshapes the model, then a
     meta-device twin cut as that stage will cut it (`stage.reshape`), so that checks and the plan
     of later stages see the shapes they will get. `records` (per layer, as StageContext.layers)
-    follow the cuts. `exact` turns False if a cut cannot be made (its stage is refused anyway);
-    after the walk, `model` is the model as it will be saved (experts fused again).
+    follow the cuts. `exact` turns False when the shapes after a cut are not known: the cut cannot
+    be made (its stage is refused anyway), or they depend on what calibration keeps (blocks that
+    differ from each other; `reshape` returns False), after which the twin is a guess. After the
+    walk, `model` is the model as it will be saved (experts fused again).
 
         with StageShapes(recipe, net, records) as walk:
             for name, stage, model in walk: ...
@@ -325,7 +330,7 @@ class StageShapes:
             if reshapes(stage) and self.exact:
                 self.model = self.twin
                 try:
-                    stage.reshape(self.model, self.records)
+                    self.exact = stage.reshape(self.model, self.records)
                 except CompressError:  # refused by the stage's own checks (preflight_shapes)
                     self.exact = False
 
@@ -391,19 +396,42 @@ def size_summary(net: torch.nn.Module, layers: dict, checkpoint_dir: Path | None
     }
 
 
-def preflight(recipe: Recipe, net: torch.nn.Module, packed: bool = False) -> list[CompressError]:
+INHERITED_KEYS = ("weights", "sparsity", "target_sparsity", "pattern")
+
+
+def inherited_records(model_ref: str) -> dict[str, dict]:
+    """What a compress output's compress.json says its layers came with: the grid its weights are
+    on and the zeros its pruning left ({} for any other model). A run on it starts from them as a
+    stage starts from an earlier stage's records, so pruned weights stay zero through training, a
+    grid that a later cut or update would break is refused, and one that is kept is written packed.
+    Each keeps its stage, marked as the input model's (stages.base.from_input)."""
+    path = Path(modeling.resolve_model(model_ref))
+    layers = modeling.read_meta(path).get("layers", {}) if path.is_dir() else {}
+    inherited = {}
+    for name, record in layers.items():
+        kept = {k: record[k] for k in INHERITED_KEYS if record.get(k) is not None}
+        if kept:
+            stage = str(record.get("stage", "compress"))
+            inherited[name] = {"stage": stage if stage.endswith(INPUT_MODEL) else stage + INPUT_MODEL, **kept}
+    return inherited
+
+
+def preflight(recipe: Recipe, net: torch.nn.Module, packed: bool = False, inherited: dict | None = None) -> list[CompressError]:
     """What the stages would refuse, found before any of them runs: of the architecture
-    (Stage.preflight), of the shapes each will see and of what the stages before it will have done
-    (Stage.preflight_shapes), targets matching nothing; and with `packed` (--format packed), a
-    quantized layer the format cannot write (a group size that does not divide it, a tied weight),
-    not after hours of calibration."""
+    (Stage.preflight), of the shapes each will see and of what the stages before it, or the input
+    model (`inherited`), will have done (Stage.preflight_shapes), targets matching nothing; and with
+    `packed` (--format packed), a quantized layer the format cannot write (a group size that does
+    not divide it, a tied weight), not after hours of calibration."""
     refused = []
-    records: dict[str, dict] = {}  # what the stages will do to each layer: quantize (weights), prune N:M (pattern)
+    # what the stages will do to each layer: its grid (weights), N:M pattern, and which stage
+    records: dict[str, dict] = {n: dict(r) for n, r in (inherited or {}).items()}
     with StageShapes(recipe, net, records) as walk:
         for name, stage, model in walk:
+            if not walk.exact:  # the model this stage gets is not known: it is checked when it starts
+                continue
             try:
                 stage.preflight(model)
-                if walk.exact and hasattr(stage, "preflight_shapes"):
+                if hasattr(stage, "preflight_shapes"):
                     stage.preflight_shapes(model, records, source=net)
                 if hasattr(stage, "select"):
                     chosen = stage.select(model, name)
@@ -427,15 +455,16 @@ def _plan_records(records: dict[str, dict], stage, name: str, chosen: dict) -> N
     for n in chosen:
         rec = records.setdefault(n, {})
         if weights is not None:
-            rec["weights"] = weights.model_dump(mode="json")
+            rec.update({"stage": name, "weights": weights.model_dump(mode="json")})
         if n in targets and targets[n].pattern:
-            rec["pattern"] = targets[n].pattern
+            rec.update({"stage": name, "pattern": targets[n].pattern})
 
 
 def stage_weights(stage) -> QuantArgs | None:
-    """The weight scheme a stage quantizes to: a quantization stage's, SparseGPT's joint one, or None."""
+    """The weight scheme a stage quantizes to: a quantization stage's (None for AWQ's `quantize:
+    false`, which only scales), SparseGPT's joint one, or None."""
     if hasattr(stage, "resolved_scheme"):
-        return stage.resolved_scheme().weights
+        return stage.resolved_scheme().weights if getattr(stage, "quantize", True) is not False else None
     joint = getattr(stage, "quantize", None)
     return joint.args() if joint is not None and hasattr(joint, "args") else None
 

@@ -13,8 +13,8 @@ import torch
 
 from compress import modeling, packing
 from compress.errors import CompressError
-from compress.pipeline import (StageShapes, check_data_files, check_offloadable, check_sequence_lengths, preflight,
-                               stage_weights)
+from compress.pipeline import (StageShapes, check_data_files, check_offloadable, check_sequence_lengths, inherited_records,
+                               preflight, stage_weights)
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
@@ -64,12 +64,14 @@ def _smoothed_layers(net: torch.nn.Module, stage) -> list[str]:
     return [f"{path}.{i}.{n}" for i, block in enumerate(blocks) for m in in_block(mappings, block) for n in (m.smooth, *m.balance)]
 
 
-def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable: list[str]) -> tuple[str, str, str | None]:
+def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable: list[str], exact: bool) -> tuple[str, str, str | None]:
     """(format, why, refusal): what the run will write, decided as the run decides it
     (packing.decide, on the recipe's `format`), on the model as it will be saved. `unpackable`:
     layers the stages will leave off any grid the format holds. `refusal`: `format: packed` that
-    cannot be."""
+    cannot be. Not `exact`: the shapes saved depend on what calibration keeps; the run decides."""
     planned = {n: {"weights": a["weights"].model_dump(mode="json")} for n, a in assignments.items() if a["weights"]}
+    if not exact and planned and recipe.format != "dense" and recipe.offload != "disk":
+        return "packed", "if every quantized layer can be packed once the model is reshaped (decided when saving)", None
     kv_cache = any(name == "kv_cache" for name, _ in recipe.stages)
     try:
         decision = packing.decide(net, planned, recipe.format, offloaded=recipe.offload == "disk", kv_cache=kv_cache,
@@ -97,14 +99,29 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             check()
         except CompressError as exc:
             refusals.append(str(exc))
-    refusals += [str(exc) for exc in preflight(recipe, net)]
+    inherited = inherited_records(model_ref)  # a compress output: what its layers came with
+    refusals += [str(exc) for exc in preflight(recipe, net, inherited=inherited)]
     params = sum(p.numel() for p in net.parameters())
     assignments: dict[str, dict] = {}  # layer -> what the stages do to it; names and shapes follow reshaping stages
     warnings: list[str] = []
     partial: dict[tuple[int, str, int], list[str]] = {}  # (stage, name, group size) -> layers with a partial last group
     unpackable: dict[str, str] = {}  # layer -> why the format cannot hold what its stages leave
+    guessed = False
     with StageShapes(recipe, net, assignments) as walk:
+        modules = dict(walk.model.named_modules())
+        for n, rec in inherited.items():
+            if n in modules:
+                weights = QuantArgs(**rec["weights"]) if rec.get("weights") else None
+                w = modules[n].weight
+                assignments[n] = {"stage": rec["stage"], "shape": list(w.shape[::-1] if type(modules[n]).__name__ == "Conv1D" else w.shape),
+                                  "scheme": weights.describe() if weights else f"pruned {rec.get('pattern') or rec.get('sparsity')}",
+                                  "weights": weights, "activations": None}
         for i, (name, stage, model) in enumerate(walk):
+            if not walk.exact and not guessed:
+                guessed = True
+                warnings.append(f"stage {i + 1} ({name}) and later ones are planned on a guess: the blocks an earlier "
+                                "structured stage removes are chosen by calibration, and this model's blocks differ "
+                                "(the plan keeps the first ones); the run checks them when they start")
             if name == "smoothquant":  # it rescales the layers its maps name: off any grid an earlier stage left
                 for n in _smoothed_layers(model, stage):
                     if (assignments.get(n) or {}).get("weights") is not None:
@@ -125,13 +142,17 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 warnings.append(f"stage {i + 1} ({name}): selects every linear layer, lm_head included; is that meant?")
             scheme = stage.resolved_scheme() if hasattr(stage, "resolved_scheme") else None
             joint = stage_weights(stage) if scheme is None else None  # SparseGPT's `quantize:`
+            rescales = scheme is not None and stage_weights(stage) is None  # AWQ's quantize: false scales only
+            if rescales:
+                scheme, described = None, f"{name} scales for {scheme.describe()} (quantize: false)"
+            else:
+                described = _describe(name, stage) + (f" + {joint.describe()}" if joint else "")
             # GPTQ's act-order without static groups mixes scales within a group: the run writes dense
             mixed = (getattr(stage, "actorder", False) and not getattr(stage, "static_groups", False)
                      and scheme is not None and scheme.weights.strategy in ("group", "tensor_group"))
             for n, m in chosen.items():
                 w = m.weight
                 out_f, in_f = (w.shape[1], w.shape[0]) if type(m).__name__ == "Conv1D" else tuple(w.shape)
-                described = _describe(name, stage) + (f" + {joint.describe()}" if joint else "")
                 entry = {"stage": name, "shape": [out_f, in_f], "scheme": scheme.describe() if scheme else described,
                          "weights": scheme.weights if scheme else joint,
                          "activations": scheme.input_activations if scheme else None}
@@ -140,6 +161,8 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 elif entry["weights"] is not None:
                     unpackable.pop(n, None)  # quantized again, on its own grid
                 before = assignments.get(n)
+                if rescales and (before or {}).get("weights") is not None:
+                    unpackable[n] = f"{n}, rescaled by {name} after it was quantized"
                 if before is not None and "scheme" in before:  # stages chain on a layer: pruned, then quantized, ...
                     entry["stage"] = f"{before['stage']} → {name}"
                     entry["scheme"] = f"{before['scheme']} → {entry['scheme']}"
@@ -157,7 +180,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         warnings.append(f"stage {i + 1} ({name}): {len(layers)} layer{'s' if len(layers) > 1 else ''} with an input width "
                         f"that is not a multiple of group_size {group}, whose last group is partial: {listed}")
     saved = walk.model  # as it will be saved: reshaped, experts fused
-    fmt, fmt_reason, refused = _format(recipe, saved, assignments, list(unpackable.values()))
+    fmt, fmt_reason, refused = _format(recipe, saved, assignments, list(unpackable.values()), walk.exact)
     if refused:
         refusals.append(refused)
     params_after = sum(p.numel() for p in saved.parameters())

@@ -258,7 +258,7 @@ def test_a_structured_ratio_the_config_rules_out_is_refused_before_the_first_sta
     assert rc == 2 and "ratio 0.75 of 2 blocks removes all of them" in json.loads(out)["error"]
     recipe.write_text(recipe.read_text().replace("ratio: 0.5}", "ratio: 0.75}"))  # 4 blocks, 1 left, then none
     rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
-    assert rc == 2 and "stage structured: the model has 1 block left: there is nothing to remove" in json.loads(out)["error"]
+    assert rc == 2 and "stage structured: the model has only 1 block: there is nothing to remove" in json.loads(out)["error"]
 
 
 def test_stages_after_a_structured_one_are_planned_and_checked_on_the_shapes_it_leaves(tmp_path, capsys, ref_llama, monkeypatch):
@@ -288,6 +288,16 @@ def test_stages_after_a_structured_one_are_planned_and_checked_on_the_shapes_it_
     assert {n.split(".")[2] for n in plan["assignments"]} == {"0", "1"} and plan["linear_layers"] == 15
     report = run_recipe(parse_recipe(recipe.read_text(), "test"), model=str(ref_llama), output=str(tmp_path / "b"), device="cpu")
     assert report["format"]["format"] == "packed" and plan["parameters_after"] == report["stages"][0]["summary"]["parameters_after"]
+
+    # AWQ with quantize: false only scales: the cut after it is not refused, and neither layer is quantized by it
+    recipe.write_text(calibration + "stages:\n  - awq: {scheme: W4A16, weights: {group_size: 64}, quantize: false}\n"
+                      "  - structured: {structure: mlp-channels, ratio: 0.25}\n  - rtn: {scheme: W4A16, weights: {group_size: 32}}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    plan = json.loads(out)
+    assert rc == 0 and plan["format"] == "packed", plan.get("error")
+    assert plan["assignments"]["model.layers.0.mlp.down_proj"] == {
+        "stage": "awq → rtn", "shape": [256, 480], "weights": "int4 g32 sym", "activations": None,
+        "scheme": "awq scales for W[int4 g64 sym] A[none] (quantize: false) → W[int4 g32 sym] A[none]"}
 
     # refused before any stage works: --format packed that the cut makes impossible, group
     # quantization that the cut would break, distillation of a student an earlier stage quantized

@@ -385,3 +385,69 @@ def test_wanda_masks_follow_the_activations_the_engine_feeds(tiny, target, tmp_p
         differs_from_float_inputs += not torch.equal(kept, wanda_prune(W, clean[short].diagonal().sqrt(), layer_target) != 0)
     assert differs_from_magnitude == len(carried)
     assert differs_from_float_inputs > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# A run on a compress output starts from what its compress.json says its layers came with (its
+# grid, its zeros), as a stage starts from an earlier stage's records.
+
+CALIBRATION = "calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\n"
+
+
+def test_a_run_on_a_compress_output_keeps_its_grid_and_its_zeros(ref_llama, tmp_path, capsys, monkeypatch):
+    w4 = tmp_path / "w4"
+    run_recipe(parse_recipe("stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n", "t"), model=str(ref_llama),
+               output=str(w4), device="cpu")
+    # magnitude pruning only sets weights to zero, which is on the grid: written packed, sparse
+    pruned = tmp_path / "w4-magnitude"
+    report = run_recipe(parse_recipe("stages:\n  - magnitude: {sparsity: 0.5}\n", "t"), model=str(w4), output=str(pruned), device="cpu")
+    assert report["format"]["format"] == "packed"
+    before, after = modeling.load_model(str(w4))[0].state_dict(), modeling.load_model(str(pruned))[0].state_dict()
+    q = "model.layers.0.self_attn.q_proj.weight"
+    kept = after[q] != 0
+    assert 0.49 < 1 - kept.float().mean() < 0.51 and torch.equal(after[q][kept], before[q][kept])
+    assert (pruned / "model.safetensors").stat().st_size <= (w4 / "model.safetensors").stat().st_size
+
+    # refused before any stage works, by the plan and the run: SparseGPT's updates would leave
+    # the grid; an mlp-channels cut would break the groups (and, below, a 2:4 pattern)
+    from compress.stages.magnitude import Magnitude
+
+    two_four = tmp_path / "2-4"
+    run_recipe(parse_recipe("stages:\n  - magnitude: {pattern: \"2:4\"}\n", "t"), model=str(ref_llama), output=str(two_four), device="cpu")
+    monkeypatch.setattr(Magnitude, "apply", lambda *a: pytest.fail("the first stage ran"))
+    for model, stages, words in (
+        (w4, "  - magnitude: {sparsity: 0.1}\n  - sparsegpt: {sparsity: 0.5}\n",
+         "layer model.layers.0.self_attn.q_proj was quantized (int4 g64 sym) by the input model; SparseGPT's updates"),
+        (w4, "  - magnitude: {sparsity: 0.1}\n  - structured: {structure: mlp-channels, ratio: 0.25}\n",
+         "model.layers.0.mlp.down_proj was quantized in groups of 64 input columns by the input model"),
+        (two_four, "  - magnitude: {sparsity: 0.1}\n  - structured: {structure: mlp-channels, ratio: 0.25}\n",
+         "model.layers.0.mlp.down_proj was pruned 2:4 by the input model"),
+    ):
+        (tmp_path / "r.yaml").write_text(CALIBRATION + "stages:\n" + stages)
+        rc = main(["--json", "plan", "--recipe", str(tmp_path / "r.yaml"), "--model", str(model)])
+        assert rc == 2 and words in json.loads(capsys.readouterr().out)["error"], stages
+        rc = main(["quantize", "--recipe", str(tmp_path / "r.yaml"), "--model", str(model), "--output", str(tmp_path / "out")])
+        assert rc == 2 and words in capsys.readouterr().err and not (tmp_path / "out").exists(), stages
+
+
+def test_sparsegpt_after_quantization_is_refused_unless_it_quantizes_again(ref_llama, tmp_path, capsys):
+    """[rtn W4, sparsegpt] was planned packed and written dense, its compress.json still claiming W4."""
+    for joint, refused in (("", True), (", quantize: {scheme: W4A16, weights: {group_size: 64}}", False)):
+        (tmp_path / "r.yaml").write_text(CALIBRATION + "stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n"
+                                         f"  - sparsegpt: {{sparsity: 0.5{joint}}}\n")
+        rc = main(["--json", "plan", "--recipe", str(tmp_path / "r.yaml"), "--model", str(ref_llama)])
+        out = json.loads(capsys.readouterr().out)
+        assert (rc == 2) == refused and ("SparseGPT's updates to the weights it keeps" in out.get("error", "")) == refused
+        assert out["format"] == "packed"
+
+
+def test_distillation_keeps_the_zeros_of_an_input_pruned_below_ten_percent(ref_llama, shared, tmp_path):
+    """Without the input's records only layers at least 10 % zero were masked: 8 % came back dense."""
+    pruned, student = tmp_path / "pruned", tmp_path / "student"
+    run_recipe(parse_recipe("stages:\n  - magnitude: {sparsity: 0.08}\n", "t"), model=str(ref_llama), output=str(pruned), device="cpu")
+    data = shared / "data/tinyshakespeare/train.txt"
+    report = run_recipe(parse_recipe(f"stages:\n  - distill: {{data: {{dataset: {data}, seq_len: 64, num_samples: 8, eval_samples: 2}}, "
+                                     "train: {steps: 2, batch_size: 2}}\n", "t"), model=str(pruned), output=str(student), device="cpu")
+    assert report["stages"][0]["summary"]["masked_layers"] == 28
+    zeros = lambda d: {k: int((v == 0).sum()) for k, v in load_file(d / "model.safetensors").items() if k.endswith("proj.weight")}  # noqa: E731
+    assert zeros(student) == zeros(pruned) and sum(zeros(pruned).values()) > 0

@@ -2,6 +2,8 @@
 plain transformers and computes what the pruned model computed in memory; importance ranks what it
 should; heads keep GQA consistent; blocks go with their cache indices renumbered."""
 
+import json
+
 import pytest
 import torch
 from transformers import (AutoModel, AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma2ForCausalLM,
@@ -334,6 +336,27 @@ def test_distillation_into_kept_layers_rewrites_which_have_experts(tmp_path):
     assert (model.config.mlp_only_layers, model.config.decoder_sparse_step) == ([1], 1)
     saved = assert_unchanged_and_reloads(model, before, gen_before, prompt, tmp_path)
     assert saved.config.num_hidden_layers == 2
+
+
+def test_stages_after_removing_blocks_that_differ_are_not_judged_on_a_guess(tmp_path, capsys):
+    """Qwen2-MoE here has dense MLPs (96 wide) in blocks 0 and 2 and experts in block 1: which
+    blocks calibration removes decides the widths left, so what comes after is checked when it
+    starts, not refused up front on the first blocks standing in (the plan says it guesses)."""
+    from compress.cli import main
+    from compress.pipeline import preflight
+
+    model = tiny_newer("qwen2_moe", layers=3)
+    text = ("calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 32}\nformat: packed\nstages:\n"
+            "  - structured: {structure: blocks, ratio: 0.34}\n  - rtn: {scheme: W4A16, weights: {group_size: 64}, targets: ['re:.*mlp.*']}\n")
+    assert preflight(parse_recipe(text, "t"), model, packed=True) == []
+    # the same on a model whose blocks are alike is exact: the dense 96-wide MLPs cannot be packed in groups of 64
+    assert "96 input features" in str(preflight(parse_recipe(text, "t"), tiny_newer("qwen3"), packed=True)[0])
+    model.save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(tmp_path / "m")
+    (tmp_path / "r.yaml").write_text(text)
+    assert main(["--json", "plan", "--recipe", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m")]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert any("planned on a guess" in w for w in plan["warnings"]) and "decided when saving" in plan["format_reason"]
 
 
 def test_mixture_of_experts_mlp_channels_are_refused():

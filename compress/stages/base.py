@@ -15,6 +15,19 @@ from compress.schemes import PRESETS, QuantScheme, resolve_scheme
 from compress.targets import Pattern
 
 
+INPUT_MODEL = " (input model)"  # a record's `stage` suffix: what the input model came with (inherited_records)
+
+
+def from_input(record: dict) -> bool:
+    """Whether a layer record describes what the input model came with, rather than this run's work."""
+    return str(record.get("stage", "")).endswith(INPUT_MODEL)
+
+
+def done_by(record: dict) -> str:
+    """Who left a layer as its record says, for messages: the input model, or an earlier stage."""
+    return "the input model" if from_input(record) else "an earlier stage"
+
+
 @dataclass
 class StageContext:
     """Everything a stage may use besides the model itself."""

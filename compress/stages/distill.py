@@ -29,7 +29,7 @@ from compress import kd, modeling
 from compress.engine import on_device
 from compress.sparsity import pruned_zeros
 from compress.errors import CompressError
-from compress.stages.base import Stage, StageContext
+from compress.stages.base import Stage, StageContext, from_input
 from compress.targets import LINEAR_TYPES, Pattern, matches
 from compress.training import TrainingConfig, run_fingerprint, train
 from compress.training_data import TrainingData, training_sequences
@@ -141,8 +141,9 @@ class Distill(DistillLoss, Stage):
         depth = len(self.keep_layers) if self.keep_layers is not None else int(model.config.num_hidden_layers)
         check_training(self, "distill", model, depth, source.config)
 
-    def reshape(self, model: torch.nn.Module, records: dict[str, dict]) -> None:
+    def reshape(self, model: torch.nn.Module, records: dict[str, dict]) -> bool:
         keep_blocks(model, self.keep_layers, records, "distill")
+        return True  # the blocks kept are named
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         refuse_quantized_student(ctx.layers, ctx.source_model)
@@ -157,15 +158,15 @@ def refuse_quantized_student(layers: dict[str, dict], source_model: Optional[str
     """Distillation trains float weights: a quantized student would come out dense, its grid lost
     (and its rounded zeros mistaken for a pruning mask). QAT is the stage that trains through a grid.
     `layers`: what earlier stages did (StageContext.layers) or will do (before the first stage)."""
-    quantized = [n for n, r in layers.items() if r.get("weights")]
+    quantized = [n for n, r in layers.items() if r.get("weights") and not from_input(r)]
     where = "an earlier stage quantized" if quantized else None
     source = Path(modeling.resolve_model(source_model)) if source_model else None
-    config, meta = (source / "config.json", source / "compress.json") if source is not None else (None, None)
+    config = source / "config.json" if source is not None else None
+    # a compress output says so in its compress.json (the records it came with, even saved dense);
+    # another tool's quantized checkpoint in its config
     packed = config is not None and config.is_file() and json.loads(config.read_text()).get("quantization_config")
-    # a compress output saved dense (dequantized) says so only in its compress.json
-    dense = meta is not None and meta.is_file() and any(r.get("weights") for r in json.loads(meta.read_text()).get("layers", {}).values())
-    if not quantized and (packed or dense):
-        where = f"the input model {source_model} is quantized"
+    if not where and (packed or any(r.get("weights") for r in layers.values())):
+        where = "the input model" + (f" {source_model}" if source_model else "") + " is quantized"
     if where:
         raise CompressError(f"stage distill: {where}" + (f" ({len(quantized)} layers)" if quantized else "")
                             + "; distillation trains float weights and would save a dense model",

@@ -47,7 +47,7 @@ from compress.modeling import get_weight, set_weight
 from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
 from compress.schemes import PRESETS, QuantArgs, resolve_scheme
 from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count
-from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext
+from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext, done_by
 from compress.stages.gptq import HessianObserver, columns_ahead, enough_tokens, hessian_loss, inverse_hessian_cholesky, weight_and_hessian
 from compress.stages.magnitude import magnitude_prune
 from compress.stages.pruning import LayerTarget, PruningStage, check_weight, count_nonzero, prune_summary, record_layer
@@ -231,8 +231,27 @@ class SparseGPT(EngineOptions, PruningStage):
                      tokens=tokens, damp_retries=0, note=note, **extra)
         self._done.add(name)
 
+    def preflight_shapes(self, model: torch.nn.Module, records: dict[str, dict], source: torch.nn.Module) -> None:
+        self._refuse_quantized(self.select(model, "sparsegpt"), records)
+
+    def _refuse_quantized(self, selected: dict, records: dict[str, dict]) -> None:
+        """SparseGPT updates the weights it keeps to make up for those it prunes: on a layer an
+        earlier stage (or the input model) quantized, that moves them off the grid, and the output
+        would be written dense with the grid lost; unless it quantizes them again (`quantize:`)."""
+        if self.quantize is not None:
+            return
+        for name in selected:
+            rec = records.get(name) or {}
+            if rec.get("weights"):
+                raise CompressError(f"stage sparsegpt: layer {name} was quantized ({QuantArgs(**rec['weights']).describe()}) by "
+                                    f"{done_by(rec)}; SparseGPT's updates to the weights it keeps "
+                                    "would move them off that grid",
+                                    "prune before quantizing, or give sparsegpt `quantize:` to prune and quantize in one pass "
+                                    "(magnitude and wanda only set weights to zero, which keeps the grid)")
+
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = self.select(model, "sparsegpt")
+        self._refuse_quantized(selected, ctx.layers)
         self._targets, self._done = self.layer_targets(selected, "sparsegpt"), set()
         nonzero_before = count_nonzero(model)
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)

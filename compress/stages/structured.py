@@ -56,7 +56,7 @@ from pydantic import Field
 
 from compress.engine import find_blocks, on_device
 from compress.errors import CompressError
-from compress.stages.base import Stage, StageContext
+from compress.stages.base import Stage, StageContext, done_by, from_input
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -280,16 +280,20 @@ class Structured(Stage):
     def reshapes(self) -> bool:
         return True
 
-    def reshape(self, model: torch.nn.Module, records: dict[str, dict]) -> None:
+    def reshape(self, model: torch.nn.Module, records: dict[str, dict]) -> bool:
         """The cut `apply` makes, with the first channels, KV groups or blocks standing in for the
-        ones calibration will rank highest (the shapes are the same): what later stages will see,
-        for `compress plan` and the checks made before the first stage (on a meta-device model)."""
+        ones calibration will rank highest: what later stages will see, for `compress plan` and the
+        checks made before the first stage (on a meta-device model). Returns whether the shapes
+        are the run's: not when blocks are removed from a model whose blocks differ (a Qwen-MoE's
+        dense and expert layers), where which ones go decides the shapes left."""
         family = self._family(model)
         path, blocks = find_blocks(model)
         total, _, n_remove, changes = self._removal(model, family, blocks)
         first = torch.arange(total - n_remove)
         keep = first.tolist() if self.structure == "blocks" else [first] * len(blocks)
+        alike = len({tuple((n, tuple(p.shape)) for n, p in b.named_parameters()) for b in blocks}) == 1
         self._cut(model, path, blocks, family, keep, changes(n_remove), records)
+        return self.structure != "blocks" or alike
 
     def _cut(self, model: torch.nn.Module, path: str, blocks, family: Family, keep, config_changes: dict,
              records: dict[str, dict]) -> None:
@@ -332,7 +336,7 @@ class Structured(Stage):
         n_remove = math.floor(self.ratio * total + 0.5)
         if total == 1:
             one = unit.replace("channels", "channel").replace("groups", "group").replace("blocks", "block")
-            raise CompressError(f"stage structured: the model has 1 {one} left: there is nothing to remove",
+            raise CompressError(f"stage structured: the model has only 1 {one}: there is nothing to remove",
                                 "drop this stage")
         if n_remove == 0 or n_remove >= total:
             what = "nothing" if n_remove == 0 else "all of them"
@@ -381,9 +385,10 @@ class Structured(Stage):
             pattern = rec.get("pattern")
             if (group and unit % group) or pattern:
                 what = f"quantized in groups of {group} input columns" if group else f"pruned {pattern}"
-                raise CompressError(f"stage structured: layer {name} was {what} by an earlier stage; removing "
+                raise CompressError(f"stage structured: layer {name} was {what} by {done_by(rec)}; removing "
                                     f"{self.structure} cuts its input columns and breaks that layout",
-                                    "put the structured stage before quantization and N:M pruning")
+                                    "start from the model before it was compressed, with the structured stage first"
+                                    if from_input(rec) else "put the structured stage before quantization and N:M pruning")
 
     def _config_changes(self, config, family: Family, blocks, total: int, n_remove: int) -> dict:
         """The config values after removing `n_remove` of `total` structures."""
