@@ -266,7 +266,7 @@ def distill(
     batch_size: int = typer.Option(8, min=1, help="sequences per step."),
     seq_len: int = typer.Option(256, min=2, help="tokens per training sequence."),
     num_samples: Optional[int] = typer.Option(None, min=1, help="training sequences taken from --data (default: all)."),
-    eval_samples: int = typer.Option(16, min=0, help="sequences held out for the held-out loss during training."),
+    eval_samples: int = typer.Option(16, min=1, help="sequences held out for the held-out loss during training."),
     temperature: float = typer.Option(1.0, help="KD temperature T (the soft loss is scaled by T²)."),
     divergence: str = typer.Option("forward", help="forward KL, reverse KL or jsd."),
     ce_weight: float = typer.Option(0.0, help="λ: weight of the next-token loss on the training text."),
@@ -396,9 +396,10 @@ def _local_models(*refs: str | None) -> list[str]:
     return out
 
 
-def _threshold(low: float | None = None, high: float | None = None):
+def _threshold(low: float | None = None, high: float | None = None, minimum: bool = False):
     """A gate threshold's check: a finite number (NaN would compare false with everything and
-    make the gate's verdict meaningless), within [low, high] where given."""
+    make the gate's verdict meaningless), within [low, high] where given; a `minimum` at the
+    metric's lowest value could never fail."""
     def check(value: float | None) -> float | None:
         if value is None:
             return value
@@ -407,6 +408,8 @@ def _threshold(low: float | None = None, high: float | None = None):
         if (low is not None and value < low) or (high is not None and value > high):
             raise typer.BadParameter(f"{value:g} is outside [{'-inf' if low is None else f'{low:g}'}, "
                                      f"{'inf' if high is None else f'{high:g}'}]")
+        if minimum and value == low:
+            raise typer.BadParameter(f"{value:g} can never fail: the metric is never below it")
         return value
     return check
 
@@ -418,8 +421,8 @@ def eval_cmd(
     data: list[str] = typer.Option([], "--data", "-d", help="text file(s) to evaluate on; repeat for several."),
     max_ppl_increase: Optional[float] = typer.Option(None, callback=_threshold(), help="fail if token perplexity rises by more than this many percent."),
     max_kl: Optional[float] = typer.Option(None, callback=_threshold(0), help="fail if mean KL(baseline || model) exceeds this."),
-    min_top1: Optional[float] = typer.Option(None, callback=_threshold(0, 1), help="fail if top-1 agreement with the baseline falls below this."),
-    min_cosine: Optional[float] = typer.Option(None, callback=_threshold(-1, 1), help="encoders: fail if mean embedding cosine falls below this."),
+    min_top1: Optional[float] = typer.Option(None, callback=_threshold(0, 1, minimum=True), help="fail if top-1 agreement with the baseline falls below this."),
+    min_cosine: Optional[float] = typer.Option(None, callback=_threshold(-1, 1, minimum=True), help="encoders: fail if mean embedding cosine falls below this."),
     seq_len: int = typer.Option(256, min=2, help="tokens per evaluation window."),
     max_windows: int = typer.Option(256, min=1, help="windows per file (the protocol's cap)."),
     batch_size: int = typer.Option(8, min=1, help="windows per forward pass."),

@@ -22,8 +22,9 @@ from compress.errors import CompressError
 
 
 def _exp(x: float) -> float:
-    """exp(x), infinite past float range rather than an OverflowError."""
-    return math.exp(x) if x < 709.0 else math.inf
+    """exp(x), infinite past float range rather than an OverflowError (NaN stays NaN: a model
+    with NaN outputs has no perplexity, not an infinite one)."""
+    return math.exp(x) if x < 709.0 or math.isnan(x) else math.inf
 
 def eval_windows(tokenizer, spec: str, seq_len: int = 256, max_windows: int = 256) -> torch.Tensor:
     text = "\n".join(read_texts(spec, tokenizer=tokenizer))

@@ -101,6 +101,30 @@ def test_eval_refuses_a_threshold_the_model_has_no_metric_for_before_loading(ref
         assert rc == 2 and f"{flag} cannot be checked on {model}: {words}" in err
 
 
+def test_eval_of_a_model_with_nan_outputs_fails_every_gate(ref_llama, tmp_path, capsys):
+    """A NaN weight: perplexity and KL are NaN (not an infinite perplexity beside a NaN KL), and
+    thresholds fail; one that could never fail (top-1 at least 0) is refused."""
+    import math
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from compress import evaluate_model
+
+    broken = tmp_path / "nan"
+    shutil.copytree(ref_llama, broken)
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.layers.3.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    result = evaluate_model(str(broken), [HELDOUT], baseline=str(ref_llama), max_windows=4,
+                            thresholds={"max_ppl_increase": 50.0, "max_kl": 10.0, "min_top1": 0.01})
+    r = result["results"][HELDOUT]
+    assert math.isnan(r["token_perplexity"]) and math.isnan(r["kl_divergence"])
+    assert not result["passed"] and [c["passed"] for c in result["checks"]] == [False, False, False]
+    rc, _, err = run(capsys, "eval", "--model", broken, "--baseline", ref_llama, "--data", HELDOUT, "--min-top1", 0)
+    assert rc == 2 and "can never fail" in err
+
+
 def test_eval_identical_model_has_zero_kl(ref_llama, capsys):
     rc, out, _ = run(capsys, "--json", "eval", "--model", ref_llama, "--baseline", ref_llama, "--data", HELDOUT, "--max-windows", 8)
     r = json.loads(out)["results"][HELDOUT]

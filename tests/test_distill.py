@@ -107,7 +107,11 @@ stages:
     assert saved["model.embed_tokens.weight"].shape[1] == 32
 
 
-def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys):
+def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys, monkeypatch):
+    import compress.training_data
+
+    # too few sequences asked of the teacher is refused before it generates any
+    monkeypatch.setattr(compress.training_data, "generated_sequences", lambda *a: pytest.fail("the teacher generated"))
     teacher, student = tiny_pair(tmp_path, student_width=64)
     data = str(repo / "calibration" / "default.txt")
     out = tmp_path / "out"

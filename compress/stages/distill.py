@@ -32,7 +32,7 @@ from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext, from_input
 from compress.targets import LINEAR_TYPES, Pattern, matches
 from compress.training import TrainingConfig, run_fingerprint, train
-from compress.training_data import TrainingData, training_sequences
+from compress.training_data import TrainingData, check_generated_count, training_sequences
 
 
 class HiddenPair(BaseModel):
@@ -249,6 +249,8 @@ def check_training(stage, name: str, model: torch.nn.Module, student_layers: int
     teacher_layers = int(teacher_config.num_hidden_layers) if teacher_config is not None else None
     check_loss(name, stage, modeling.is_causal_lm(model.config), student_layers, teacher_layers)
     _frozen(model, stage.freeze, name)
+    if stage.data.generate is not None:
+        check_generated_count(stage.data, name)
 
 
 def pruning_masks(model: torch.nn.Module, ctx: StageContext) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
