@@ -176,7 +176,8 @@ def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloade
         return Decision("packed", "compressed-tensors: no layer is quantized; the KV cache's k_scale and v_scale, "
                                   "and kv_cache_scheme in quantization_config")
     if not quantized:
-        return Decision("dense", "no layer is quantized: nothing to pack (sparsity is stored densely)" + kv_note)
+        sparse = any(r.get("sparsity") for r in layers.values())
+        return Decision("dense", "no layer is quantized: nothing to pack" + (" (sparsity is stored densely)" if sparse else "") + kv_note)
     if offloaded:
         if requested == "packed":
             raise OFFLOADED_NOT_PACKABLE

@@ -444,10 +444,15 @@ def test_sparsegpt_after_quantization_is_refused_unless_it_quantizes_again(ref_l
 def test_distillation_keeps_the_zeros_of_an_input_pruned_below_ten_percent(ref_llama, shared, tmp_path):
     """Without the input's records only layers at least 10 % zero were masked: 8 % came back dense."""
     pruned, student = tmp_path / "pruned", tmp_path / "student"
-    run_recipe(parse_recipe("stages:\n  - magnitude: {sparsity: 0.08}\n", "t"), model=str(ref_llama), output=str(pruned), device="cpu")
+    first = run_recipe(parse_recipe("stages:\n  - magnitude: {sparsity: 0.08}\n", "t"), model=str(ref_llama), output=str(pruned), device="cpu")
+    assert first["format"]["reason"] == "no layer is quantized: nothing to pack (sparsity is stored densely)"
     data = shared / "data/tinyshakespeare/train.txt"
     report = run_recipe(parse_recipe(f"stages:\n  - distill: {{data: {{dataset: {data}, seq_len: 64, num_samples: 8, eval_samples: 2}}, "
                                      "train: {steps: 2, batch_size: 2}}\n", "t"), model=str(pruned), output=str(student), device="cpu")
     assert report["stages"][0]["summary"]["masked_layers"] == 28
+    # and its compress.json still says what the layers came with (inspect shows it)
+    layers = json.loads((student / "compress.json").read_text())["layers"]
+    assert layers["model.layers.0.mlp.down_proj"]["stage"] == "magnitude (input model)"
+    assert layers["model.layers.0.mlp.down_proj"]["sparsity"] == pytest.approx(0.08, abs=1e-3)
     zeros = lambda d: {k: int((v == 0).sum()) for k, v in load_file(d / "model.safetensors").items() if k.endswith("proj.weight")}  # noqa: E731
     assert zeros(student) == zeros(pruned) and sum(zeros(pruned).values()) > 0
