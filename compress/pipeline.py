@@ -142,7 +142,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         "weights_sha256": modeling.weights_hash(model_ref),
         "dtype": str(next(net.parameters()).dtype).removeprefix("torch."),
         "parameters": modeling.count_parameters(net),
-        "bytes": modeling.model_bytes(net),
+        # the input's weight files (a packed checkpoint's, not its dequantized size in memory)
+        "bytes": (dir_weight_bytes(model_path) if model_path and Path(model_path).is_dir() else 0) or modeling.model_bytes(net),
         "architecture": (getattr(config, "architectures", None) or [type(net).__name__])[0],
     }
 
@@ -411,6 +412,8 @@ def inherited_records(model_ref: str) -> dict[str, dict]:
     for name, record in layers.items():
         kept = {k: record[k] for k in INHERITED_KEYS if record.get(k) is not None}
         if kept:
+            if isinstance(record.get("shape"), list):  # what the packed size is counted from
+                kept["shape"] = record["shape"]
             stage = str(record.get("stage", "compress"))
             inherited[name] = {"stage": stage if stage.endswith(INPUT_MODEL) else stage + INPUT_MODEL, **kept}
     return inherited

@@ -407,6 +407,11 @@ def test_a_run_on_a_compress_output_keeps_its_grid_and_its_zeros(ref_llama, tmp_
     kept = after[q] != 0
     assert 0.49 < 1 - kept.float().mean() < 0.51 and torch.equal(after[q][kept], before[q][kept])
     assert (pruned / "model.safetensors").stat().st_size <= (w4 / "model.safetensors").stat().st_size
+    assert report["source_model"]["bytes"] == (w4 / "model.safetensors").stat().st_size  # on disk, not dequantized
+    # removing blocks leaves the other layers untouched: they stay on their grid, and are counted
+    shallow = run_recipe(parse_recipe(CALIBRATION + "stages:\n  - structured: {structure: blocks, ratio: 0.5}\n", "t"),
+                         model=str(w4), output=str(tmp_path / "w4-blocks"), device="cpu")
+    assert shallow["format"]["format"] == "packed" and shallow["output"]["quantized_parameters"] > 0
 
     # refused before any stage works, by the plan and the run: SparseGPT's updates would leave
     # the grid; an mlp-channels cut would break the groups (and, below, a 2:4 pattern)
