@@ -24,7 +24,7 @@ import json
 import math
 import os
 import shutil
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Optional
@@ -100,6 +100,23 @@ def sample_order(step: int, micro: int, cfg: TrainingConfig, n_samples: int, see
         sel = epochs == epoch
         out[sel] = perm[within[sel]]
     return out
+
+
+@contextmanager
+def in_float32(model: torch.nn.Module):
+    """Train in float32 whatever the model's dtype, each tensor back in its own dtype after.
+    AdamW on float16 weights breaks at once (eps and g² underflow to 0: one step turns weights
+    into inf and NaN), and bfloat16 weights drop every update below their 8-bit mantissa; on the
+    GPU, `mixed_precision` autocasts the computation over these float32 weights."""
+    tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point() and t.dtype != torch.float32]
+    dtypes = [t.dtype for t in tensors]
+    for t in tensors:
+        t.data = t.data.float()
+    try:
+        yield
+    finally:
+        for t, dtype in zip(tensors, dtypes):
+            t.data = t.data.to(dtype)
 
 
 def make_accelerator(cfg: TrainingConfig, device: torch.device):
@@ -218,6 +235,9 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
             sync = micro == cfg.gradient_accumulation - 1
             with (accelerator.no_sync(objective) if not sync and world > 1 else nullcontext()):
                 loss, parts = objective(batch)
+                if not math.isfinite(float(loss.detach())):  # saving what follows would save NaN weights
+                    raise CompressError(f"stage {name}: the training loss is {float(loss.detach())} at step {step}",
+                                        "lower the learning rate (lr), or clip the gradients harder (a lower max_grad_norm)")
                 accelerator.backward(loss / cfg.gradient_accumulation)
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v / cfg.gradient_accumulation
@@ -249,6 +269,9 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
             raise TrainingStopped(step)
 
     _wait_for_everyone(accelerator)
+    if not all(bool(torch.isfinite(p).all()) for g in optimizer.param_groups for p in g["params"]):
+        raise CompressError(f"stage {name}: training left non-finite weights (step {state.step})",
+                            "lower the learning rate (lr), or clip gradients (max_grad_norm)")
     final = {k: v for k, v in state.history[-1].items() if k.startswith("eval_")}
     start = {k: v for k, v in state.history[0].items() if k.startswith("eval_")}
     return {"steps": cfg.steps, "resumed_from_step": resumed_from or None, "processes": world,

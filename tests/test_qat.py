@@ -5,6 +5,7 @@ format as PTQ."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from compress import modeling
 from compress.cli import main
+from compress.errors import CompressError
 from compress.pipeline import run_recipe
 from compress.quant import compute_qparams, fake_quantize, fake_quantize_ste, recover_qparams
 from compress.recipe import parse_recipe
@@ -163,3 +165,29 @@ def test_bundled_gptq_then_qat_recipe_starts_from_the_gptq_grid(tiny, repo, tmp_
     assert all(rec["qat_init"] == "gptq grid" and rec["weights"]["group_size"] == 64 for rec in meta["layers"].values())
     # QAT started where GPTQ ended: its step-0 held-out loss is the GPTQ model's
     assert report["stages"][1]["summary"]["training"]["history"][0]["step"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_models_train_in_float32_and_come_back_in_their_dtype(ref_llama, tmp_path, dtype):
+    """AdamW on float16 weights turned every weight into NaN in one step (eps and g² underflow),
+    and the run saved them with exit 0. Training runs in float32 and saves in the model's dtype."""
+    from safetensors.torch import load_file
+
+    data = "{dataset: calibration/default.txt, seq_len: 64, num_samples: 8, eval_samples: 2}"
+    for stages in (f"  - qat: {{scheme: W8A16, data: {data}, train: {{steps: 2, batch_size: 4}}}}\n",
+                   f"  - magnitude: {{sparsity: 0.3}}\n  - distill: {{data: {data}, train: {{steps: 2, batch_size: 4}}}}\n"):
+        out = tmp_path / f"out-{len(stages)}"
+        report = run_recipe(parse_recipe("stages:\n" + stages, "t"), model=str(ref_llama), output=str(out), device="cpu",
+                            dtype=dtype, format="dense")
+        summary = report["stages"][-1]["summary"]
+        assert math.isfinite(summary["held_out_kd_after"]) and summary["masks_kept"], stages
+        tensors = load_file(out / "model.safetensors")
+        assert {t.dtype for t in tensors.values()} == {getattr(torch, dtype)} and all(torch.isfinite(t).all() for t in tensors.values())
+
+
+def test_a_training_loss_that_stops_being_finite_is_an_error_not_a_nan_checkpoint(ref_llama, tmp_path):
+    recipe = parse_recipe("stages:\n  - distill: {data: {dataset: calibration/default.txt, seq_len: 64, num_samples: 8, "
+                          "eval_samples: 2}, train: {steps: 3, batch_size: 4, lr: 1.0e+30, max_grad_norm: null}}\n", "t")
+    with pytest.raises(CompressError, match=r"stage distill: the training loss is (nan|inf) at step [23]"):
+        run_recipe(recipe, model=str(ref_llama), output=str(tmp_path / "out"), device="cpu")
+    assert not (tmp_path / "out").exists()

@@ -31,7 +31,7 @@ from compress.sparsity import pruned_zeros
 from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext, from_input
 from compress.targets import LINEAR_TYPES, Pattern, matches
-from compress.training import TrainingConfig, run_fingerprint, train
+from compress.training import TrainingConfig, in_float32, run_fingerprint, train
 from compress.training_data import TrainingData, check_generated_count, training_sequences
 
 
@@ -302,7 +302,8 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
     teacher_hash = modeling.weights_hash(teacher_ref) if teacher_ref else None
     train_ids, eval_ids, source = training_sequences(data, ctx.tokenizer, ctx.calibration, teacher, teacher_hash,
                                                      ctx.seed, name, ctx.progress)
-    with on_device(model, ctx.device):  # back in the CPU memory it had (unfused experts stay views)
+    # back in the CPU memory it had (unfused experts stay views), and in its dtype, trained in float32
+    with on_device(model, ctx.device), in_float32(model):
         objective = DistillationObjective(model, teacher, loss_cfg, causal)
         masks = pruning_masks(model, ctx) if masks is None else masks
         groups = [{"params": trainable, "lr": cfg.lr}]
