@@ -579,6 +579,7 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
     """What was done to a checkpoint: its format, source model (and its weights' hash), recipe and
     stages, every layer's scheme, sparsity and size on disk, the sizes before and after, and the
     evaluation."""
+    from compress.modeling import describe_dtype
     from compress.pipeline import inspect_checkpoint
 
     data = inspect_checkpoint(path)
@@ -589,7 +590,7 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
     src = info["source_model"]
     out = Console(soft_wrap=True, highlight=False)
     out.print(f"[bold]{escape(str(path))}[/bold]: {' -> '.join(info['stages'])} applied to {escape(str(src.get('ref')))} "
-              f"({src.get('architecture')}, {src.get('parameters') or 0:,} params, {src.get('dtype')})")
+              f"({src.get('architecture')}, {src.get('parameters') or 0:,} params, {describe_dtype(src)})")
     out.print(f"source weights sha256: {src.get('weights_sha256')}")
     out.print(f"format: {info['format']}" + (f" ({escape(info['format_reason'])})" if info.get("format_reason") else ""))
     if info.get("kv_cache"):

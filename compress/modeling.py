@@ -253,3 +253,15 @@ def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
         empty = torch.empty_like(t, device="meta")
         memo[id(t)] = torch.nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
     return copy.deepcopy(model, memo)
+
+
+def saved_dtype_name(config) -> str | None:
+    """The dtype a checkpoint's config says its weights are stored in ("float32", ...), or None."""
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return str(saved).removeprefix("torch.") if saved is not None else None
+
+
+def describe_dtype(source: dict) -> str:
+    """A source model's dtype as the run used it, and the one on disk where --dtype converted it."""
+    dtype, on_disk = source.get("dtype"), source.get("dtype_on_disk")
+    return f"{dtype}, converted from {on_disk}" if on_disk and dtype and on_disk != dtype else str(dtype)

@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -140,7 +140,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         "ref": model_ref,
         "path": model_path,
         "weights_sha256": modeling.weights_hash(model_ref),
-        "dtype": str(next(net.parameters()).dtype).removeprefix("torch."),
+        "dtype": str(next(net.parameters()).dtype).removeprefix("torch."),  # as the run loaded it (--dtype)
+        "dtype_on_disk": modeling.saved_dtype_name(config),
         "parameters": modeling.count_parameters(net),
         # the input's weight files (a packed checkpoint's, not its dequantized size in memory)
         "bytes": (dir_weight_bytes(model_path) if model_path and Path(model_path).is_dir() else 0) or modeling.model_bytes(net),
@@ -221,16 +222,17 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                 decision = packing.Decision("dense", f"the packed format cannot reproduce it exactly: {exc.message}"
                                             + (packing.KV_IN_META_ONLY if ctx.kv_cache else ""))
         report["format"] = {"format": decision.format, "reason": decision.reason}
-        if ctx.offload is not None:
-            ctx.offload.finish()
-            config.save_pretrained(tmp)
-            generation = modeling.local_dir(model_ref) / "generation_config.json"
-            if generation.is_file():
-                (tmp / generation.name).write_bytes(generation.read_bytes())
-        elif decision.format == "packed":
-            report["format"].update(packing.save_packed(net, ctx.layers, tmp, packed))
-        else:
-            net.save_pretrained(tmp)
+        with saved_use_cache([net.config, config], modeling.load_config(model_ref)):
+            if ctx.offload is not None:
+                ctx.offload.finish()
+                config.save_pretrained(tmp)
+                generation = modeling.local_dir(model_ref) / "generation_config.json"
+                if generation.is_file():
+                    (tmp / generation.name).write_bytes(generation.read_bytes())
+            elif decision.format == "packed":
+                report["format"].update(packing.save_packed(net, ctx.layers, tmp, packed))
+            else:
+                net.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         kill_point("saving")
         effective = recipe.effective()
@@ -284,6 +286,23 @@ def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=N
     finally:
         fuse_experts(swaps)
     return reports
+
+
+@contextmanager
+def saved_use_cache(configs: list, source_config):
+    """The input's `use_cache` in the config saved: loading turns it off for calibration's forward
+    passes, which is not a property of the checkpoint (a plain forward on it would return no cache)."""
+    value = getattr(source_config, "use_cache", None)
+    before = [getattr(c, "use_cache", None) for c in configs]
+    for c in configs:
+        if value is not None and hasattr(c, "use_cache"):
+            c.use_cache = value
+    try:
+        yield
+    finally:
+        for c, b in zip(configs, before):
+            if b is not None:
+                c.use_cache = b
 
 
 def _measure_sparsity(net: torch.nn.Module, layers: dict) -> None:
@@ -597,12 +616,13 @@ def inspect_checkpoint(path: str | Path) -> dict:
         "format": "packed" if packed else "dense",
         "format_reason": meta.get("format_reason"),
         "quantization_config": json.loads((path / "config.json").read_text()).get("quantization_config") if packed else None,
-        "source_model": {k: src.get(k) for k in ("ref", "architecture", "parameters", "dtype", "bytes", "weights_sha256")},
+        "source_model": {k: src.get(k) for k in ("ref", "architecture", "parameters", "dtype", "dtype_on_disk", "bytes", "weights_sha256")},
         "stages": meta.get("stages", []),
         "recipe": recipe,
         "layers": rows,
         "kv_cache": meta.get("kv_cache"),
-        "sizes": {"source_bytes": src.get("bytes"), "bytes_on_disk": sum(tensor_sizes.values()),
+        # bytes_on_disk: the weight files (headers included), as the run's report counts them
+        "sizes": {"source_bytes": src.get("bytes"), "bytes_on_disk": dir_weight_bytes(path) or sum(tensor_sizes.values()),
                   "quantized_layers_bytes_on_disk": q_disk, "quantized_layers_float16_bytes": q_fp16,
                   "quantized_layers_ratio_to_float16": q_disk / q_fp16 if q_fp16 else None},
     }

@@ -11,6 +11,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 import torch
 
+from compress.modeling import describe_dtype
 from compress.schemes import weights_label
 
 
@@ -110,7 +111,7 @@ def run_markdown(report: dict) -> str:
     lines = [
         "# compress report",
         "",
-        f"- source model: `{src['ref']}` (sha256 of weights `{(src.get('weights_sha256') or 'unknown')[:16]}…`, {src['parameters']:,} parameters, {src['dtype']})",
+        f"- source model: `{src['ref']}` (sha256 of weights `{(src.get('weights_sha256') or 'unknown')[:16]}…`, {src['parameters']:,} parameters, {describe_dtype(src)})",
         f"- recipe: `{report['recipe_source']}`; seed {report['seed']}; device {report['device']}",
     ]
     cal = report.get("calibration")

@@ -59,3 +59,23 @@ def test_bench_page_plots_every_row():
     assert len(svgs) == 2  # KL and perplexity against bytes on disk
     assert all(s.count('<circle class="point') == 5 for s in svgs)
     assert "error: boom" in html
+
+
+def test_the_output_says_what_its_source_was_and_keeps_its_config(ref_llama, tmp_path, capsys):
+    """--dtype bfloat16 on a float32 model: the report and inspect say both; the saved config keeps
+    the source's use_cache (loading turns it off for calibration); inspect's bytes on disk are the
+    report's (the files, headers included)."""
+    import json
+
+    from compress.cli import main
+
+    out = tmp_path / "out"
+    report = run_recipe(parse_recipe("stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n", "t"),
+                        model=str(ref_llama), output=str(out), device="cpu", dtype="bfloat16")
+    source_config = json.loads((ref_llama / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text())["use_cache"] == source_config["use_cache"] is True
+    assert "bfloat16, converted from float32" in (out / "report.md").read_text()
+    assert main(["--json", "inspect", str(out)]) == 0
+    inspected = json.loads(capsys.readouterr().out)
+    assert inspected["summary"]["sizes"]["bytes_on_disk"] == report["output"]["bytes_on_disk"]
+    assert inspected["summary"]["source_model"]["dtype_on_disk"] == "float32"
