@@ -114,6 +114,10 @@ class ActivationFakeQuant:
                 lo, hi = self.static_range
                 if a.symmetric:
                     qparams = absmax_qparams(torch.tensor(max(abs(lo), abs(hi)), device=x.device), a.num_bits, a.full_range)
+                    # step max|x| / 127, but inputs beyond the calibrated range clamp to the whole
+                    # integer range, -128 included, as compressed-tensors and vLLM's int8 kernels do
+                    # with the stored input_scale (and as a reloaded checkpoint does: packing.py)
+                    qparams = QParams(qparams.scale, qparams.zero_point, -(2 ** (a.num_bits - 1)), qparams.qmax)
                 else:
                     qparams = zeropoint_qparams(torch.tensor(lo, device=x.device), torch.tensor(hi, device=x.device), a.num_bits)
             out = fake_quantize(flat, a.num_bits, a.symmetric, a.strategy, qparams=qparams, full_range=a.full_range)

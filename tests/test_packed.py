@@ -457,3 +457,27 @@ def test_a_later_run_keeps_the_inputs_static_activation_quantization(tmp_path):
     assert group["input_activations"]["num_bits"] == 8 and group["input_activations"]["dynamic"] is False
     again = evaluate_model(str(out), [HELDOUT], device="cpu", seq_len=128, max_windows=6)
     assert again["results"][HELDOUT]["token_perplexity"] == pytest.approx(report["evaluation"][HELDOUT]["token_perplexity"], rel=1e-9)
+
+
+def test_static_int8_inputs_beyond_the_calibrated_range_clamp_as_compressed_tensors_does():
+    """Static per-tensor int8: step max|x| / 127 (the stored input_scale), and an input beyond the
+    calibrated range clamps to the whole int8 range, -128 included, as compressed-tensors' forward
+    (and vLLM's int8 kernels) do; so does compress's own evaluation, during the run and reloaded."""
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+
+    from compress.quant import QParams
+
+    args = QuantArgs(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False)
+    x = torch.linspace(-6, 6, 97).reshape(1, -1)  # calibrated range ±4: both ends go past it
+    scale = torch.tensor([4.0 / 127])
+    theirs = ct_fake_quantize(x=x, scale=scale, zero_point=torch.zeros(1, dtype=torch.int8),
+                              args=ct.QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor"))
+    during, reloaded = torch.nn.Linear(97, 1), torch.nn.Linear(97, 1)
+    activations.attach(during, args, static_range=(-4.0, 4.0))
+    activations.attach(reloaded, args, static_qparams=QParams(scale.reshape(()), torch.zeros(()), -128, 127))
+    seen = {}
+    for name, m in (("during", during), ("reloaded", reloaded)):
+        m.register_forward_pre_hook(lambda mod, inp, name=name: seen.__setitem__(name, inp[0]))
+        m(x)
+    assert theirs.min() == -128 * scale and torch.equal(seen["during"], theirs) and torch.equal(seen["reloaded"], theirs)
