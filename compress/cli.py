@@ -741,6 +741,7 @@ def analyze(
     from compress.calibration import TEXT_FIELD_HINT, build_calibration
     from compress.recipe import CalibrationConfig
     from compress.sensitivity import allocate_bits, analyze as run_analysis, metric_key, mixed_precision_recipe, ranking
+    from compress.schemes import scale_bits_of
 
     bits = _parse_scheme_bits(scheme)
     metric_key(metric)
@@ -772,7 +773,10 @@ def analyze(
         import torch
 
         ids = torch.cat([s["input_ids"] for s in cal.samples])
-        result = run_analysis(net, ids, widths, group_size or None, targets=list(targets) or ["Linear"], progress=progress)
+        # the output stores scales in the model's own dtype (analysis runs in float32)
+        scale_bits = scale_bits_of(modeling.saved_dtype_name(config) or "float32")
+        result = run_analysis(net, ids, widths, group_size or None, targets=list(targets) or ["Linear"], progress=progress,
+                              scale_bits=scale_bits)
     result.update({"model": model, "metric": metric, "scheme_bits": bits, "data": calibration["dataset"]})
     result["ranking"] = [{"layer": n, "cost": c} for n, c in ranking(result, bits, metric)]
     if emit_recipe is not None:

@@ -393,15 +393,15 @@ def size_summary(net: torch.nn.Module, layers: dict, checkpoint_dir: Path | None
 
     `stored_bits`: width of the unquantized parameters as saved (defaults to the model's dtype)."""
     params = modeling.count_parameters(net)
+    stored_bits = stored_bits or next(net.parameters()).element_size() * 8  # scales are stored at it too
     modules = dict(net.named_modules())
     packed_bits = 0
     quantized_params = 0
     for name, rec in layers.items():
         if "weights" in rec and name in modules:
             out_f, in_f = rec["shape"]
-            packed_bits += packed_weight_bits(out_f, in_f, QuantArgs(**rec["weights"]))
+            packed_bits += packed_weight_bits(out_f, in_f, QuantArgs(**rec["weights"]), 16 if stored_bits == 16 else 32)
             quantized_params += out_f * in_f
-    stored_bits = stored_bits or next(net.parameters()).element_size() * 8
     other_bits = (params - quantized_params) * stored_bits
     on_disk = dir_weight_bytes(checkpoint_dir) if checkpoint_dir else modeling.model_bytes(net)
     # None with offload: disk, where the weights are no longer in memory

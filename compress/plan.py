@@ -16,7 +16,7 @@ from compress.errors import CompressError
 from compress.pipeline import (StageShapes, check_data_files, check_offloadable, check_sequence_lengths, inherited_records,
                                preflight, stage_weights)
 from compress.recipe import Recipe
-from compress.schemes import QuantArgs, packed_weight_bits
+from compress.schemes import QuantArgs, packed_weight_bits, scale_bits_of
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
 
 
@@ -186,7 +186,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     params_after = sum(p.numel() for p in saved.parameters())
 
     quantized_params = sum(a["shape"][0] * a["shape"][1] for a in assignments.values() if a["weights"])
-    packed_bits = sum(packed_weight_bits(*a["shape"], a["weights"]) for a in assignments.values() if a["weights"])
+    packed_bits = sum(packed_weight_bits(*a["shape"], a["weights"], scale_bits_of(dtype)) for a in assignments.values() if a["weights"])
     packed_bits += (params_after - quantized_params) * dtype_bits
     model_bytes = params * dtype.itemsize
     largest = max((a["shape"][0] * a["shape"][1] for a in assignments.values()), default=0)

@@ -194,10 +194,11 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
     return QuantScheme.model_validate(merged)
 
 
-def packed_weight_bits(out_features: int, in_features: int, args: QuantArgs) -> int:
-    """Storage of one quantized weight once packed: codes at num_bits, 16-bit scales, and
-    zero-points at num_bits when asymmetric (the compressed-tensors layout); FP4 has 8-bit block
-    scales (e4m3 or e8m0), and NVFP4 one float32 global scale."""
+def packed_weight_bits(out_features: int, in_features: int, args: QuantArgs, scale_bits: int = 16) -> int:
+    """Storage of one quantized weight once packed: codes at num_bits, scales in the model's dtype
+    (`scale_bits`: 16 for float16/bfloat16 models, 32 for float32 ones), and zero-points at
+    num_bits when asymmetric (the compressed-tensors layout); FP4 has 8-bit block scales (e4m3 or
+    e8m0), and NVFP4 one float32 global scale."""
     if args.fp4_format:
         blocks = out_features * -(-in_features // args.group_size)
         return out_features * in_features * 4 + blocks * 8 + (32 if args.fp4_format == "nvfp4" else 0)
@@ -208,4 +209,9 @@ def packed_weight_bits(out_features: int, in_features: int, args: QuantArgs) -> 
     else:
         n_scales = 1
     zp_bits = 0 if args.symmetric else args.num_bits
-    return out_features * in_features * args.num_bits + n_scales * (16 + zp_bits)
+    return out_features * in_features * args.num_bits + n_scales * (scale_bits + zp_bits)
+
+
+def scale_bits_of(dtype) -> int:
+    """The width scales are stored at for a model of `dtype` (a torch dtype or its name)."""
+    return 16 if str(dtype).removeprefix("torch.") in ("float16", "bfloat16") else 32

@@ -66,9 +66,10 @@ def distribution_cost(model, windows: torch.Tensor, base_logp: list[torch.Tensor
 
 def analyze(model: torch.nn.Module, windows: torch.Tensor, bits: list[int], group_size: int | None,
             symmetric: bool = True, targets: list[str] = ("Linear",), ignore: list[str] = ("lm_head",),
-            batch_size: int = 8, progress: Callable[[str, int, int], None] = lambda *_: None) -> dict:
+            batch_size: int = 8, progress: Callable[[str, int, int], None] = lambda *_: None, scale_bits: int = 16) -> dict:
     """Every target layer quantized alone at each width in `bits`: its KL, top-1 agreement and
-    perplexity increase against the unquantized model, on `windows` ([n, seq_len] token ids)."""
+    perplexity increase against the unquantized model, on `windows` ([n, seq_len] token ids).
+    `scale_bits`: the width the output will store scales at (its dtype's: schemes.scale_bits_of)."""
     model.eval()
     layers = select_modules(model, list(targets), list(ignore))
     if not layers:
@@ -91,12 +92,13 @@ def analyze(model: torch.nn.Module, windows: torch.Tensor, bits: list[int], grou
                 cost = distribution_cost(model, windows, base_logp, batch_size)
             finally:
                 set_weight(module, original)
-            cost["storage_bits"] = packed_weight_bits(out_f, in_f, args)
+            cost["storage_bits"] = packed_weight_bits(out_f, in_f, args, scale_bits)
             results[name]["by_bits"][b] = cost
             done += 1
     progress("analyze", total, total)
     return {"layers": results, "windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
-            "bits": list(bits), "group_size": group_size, "symmetric": symmetric, "wall_s": time.perf_counter() - start}
+            "bits": list(bits), "group_size": group_size, "symmetric": symmetric, "scale_bits": scale_bits,
+            "wall_s": time.perf_counter() - start}
 
 
 def metric_key(metric: str) -> str:
@@ -123,7 +125,8 @@ def allocate_bits(analysis: dict, budget_bits: float, metric: str = "kl") -> dic
         options[name] = [Option(b, c["storage_bits"], c[key]) for b, c in sorted(rec["by_bits"].items())]
         # The budget at a fractional width: codes at that width, scales as the scheme stores them.
         whole = weight_args(max(2, int(budget_bits)), group_size, symmetric)
-        budget += packed_weight_bits(out_f, in_f, whole) + out_f * in_f * (budget_bits - whole.num_bits)
+        budget += (packed_weight_bits(out_f, in_f, whole, analysis.get("scale_bits", 16))
+                   + out_f * in_f * (budget_bits - whole.num_bits))
         params += out_f * in_f
     try:
         choice = allocate(options, budget)
