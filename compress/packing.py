@@ -159,6 +159,15 @@ def not_packable(problems: list[str]) -> CompressError:
 
 
 KV_IN_META_ONLY = " (the KV cache's scales are in compress.json only)"  # a dense output's reason says so
+ACTIVATIONS_IN_META_ONLY = (" (activation quantization is in compress.json only: compress reattaches it, "
+                            "plain loaders run those layers on unquantized inputs)")
+
+
+def dense_notes(layers: dict, kv_cache) -> str:
+    """What a dense output's config.json cannot say, its reason does: KV cache scales and
+    activation quantization are recorded in compress.json only."""
+    return ((KV_IN_META_ONLY if kv_cache else "")
+            + (ACTIVATIONS_IN_META_ONLY if any(r.get("input_activations") for r in layers.values()) else ""))
 
 
 def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloaded: bool = False,
@@ -168,20 +177,20 @@ def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloade
     `known`: layers the caller already knows the format cannot hold (compress plan: a grid the
     stages will leave, which the weights before them cannot show)."""
     quantized = [n for n, r in layers.items() if "weights" in r]
-    kv_note = KV_IN_META_ONLY if kv_cache else ""
+    notes = dense_notes(layers, kv_cache)
     if requested == "dense":
-        return Decision("dense", "asked for (--format dense or format: dense): dequantized weights in the model's dtype" + kv_note)
+        return Decision("dense", "asked for (--format dense or format: dense): dequantized weights in the model's dtype" + notes)
     if not quantized and kv_cache and not offloaded:
         _ct()
         return Decision("packed", "compressed-tensors: no layer is quantized; the KV cache's k_scale and v_scale, "
                                   "and kv_cache_scheme in quantization_config")
     if not quantized:
         sparse = any(r.get("sparsity") for r in layers.values())
-        return Decision("dense", "no layer is quantized: nothing to pack" + (" (sparsity is stored densely)" if sparse else "") + kv_note)
+        return Decision("dense", "no layer is quantized: nothing to pack" + (" (sparsity is stored densely)" if sparse else "") + notes)
     if offloaded:
         if requested == "packed":
             raise OFFLOADED_NOT_PACKABLE
-        return Decision("dense", "offload: disk writes the dense checkpoint block by block" + kv_note)
+        return Decision("dense", "offload: disk writes the dense checkpoint block by block" + notes)
     problems = [*known, *expressible(net, layers)]
     if not problems:
         try:

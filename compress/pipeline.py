@@ -220,7 +220,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                 if requested == "packed":
                     raise
                 decision = packing.Decision("dense", f"the packed format cannot reproduce it exactly: {exc.message}"
-                                            + (packing.KV_IN_META_ONLY if ctx.kv_cache else ""))
+                                            + packing.dense_notes(ctx.layers, ctx.kv_cache))
         report["format"] = {"format": decision.format, "reason": decision.reason}
         with saved_use_cache([net.config, config], modeling.load_config(model_ref)):
             if ctx.offload is not None:

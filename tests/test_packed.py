@@ -308,8 +308,14 @@ def test_tied_embeddings_stay_tied(tiny, tmp_path):
 def test_static_activations_and_fp8(tiny, tmp_path):
     path = tiny()
     cal = "calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\n"
-    out, _ = quantize(tmp_path, "static", "{scheme: W8A8, input_activations: {strategy: tensor, dynamic: false}}",
-                      model=path, extra=cal)
+    out, report = quantize(tmp_path, "static", "{scheme: W8A8, input_activations: {strategy: tensor, dynamic: false}}",
+                           model=path, extra=cal)
+    assert "activation quantization is in compress.json only" not in report["format"]["reason"]
+    # dense: config.json cannot say the inputs are quantized, so the reason does
+    _, dense = quantize(tmp_path, "static-dense", "{scheme: W8A8, input_activations: {strategy: tensor, dynamic: false}}",
+                        model=path, extra=cal, fmt="dense")
+    assert dense["format"]["reason"].endswith("(activation quantization is in compress.json only: compress reattaches it, "
+                                              "plain loaders run those layers on unquantized inputs)")
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.input_scale").numel() == 1
     acts = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["input_activations"]
