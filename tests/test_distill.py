@@ -188,6 +188,15 @@ def test_a_training_stage_after_another_is_checked_before_the_first_one_runs(ref
     # and what is right passes: the student's last state against the teacher's
     (tmp_path / "r.yaml").write_text(head + f"  - distill: {{keep_layers: [0, 1], hidden: [{{student: 2, teacher: 4}}], {train}}}\n")
     assert main(["--json", "plan", "--recipe", str(tmp_path / "r.yaml"), "--model", str(ref_llama)]) == 0
+    capsys.readouterr()
+    # a student another tool quantized (its config says so; no compress.json) is refused up front too
+    other = tmp_path / "other-tool-w4"
+    run_recipe(parse_recipe("stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n", "t"), model=str(ref_llama),
+               output=str(other), device="cpu")
+    (other / "compress.json").unlink()
+    (tmp_path / "r.yaml").write_text(head + f"  - distill: {{{train}}}\n")
+    rc = main(["quantize", "--recipe", str(tmp_path / "r.yaml"), "--model", str(other), "--output", str(tmp_path / "out")])
+    assert rc == 2 and f"stage distill: the input model {other} is quantized" in capsys.readouterr().err
 
 
 def test_kill_then_resume_matches_an_uninterrupted_run(tmp_path, repo):

@@ -135,7 +135,8 @@ class Distill(DistillLoss, Stage):
         return self.keep_layers is not None
 
     def preflight_shapes(self, model: torch.nn.Module, records: dict[str, dict], source: torch.nn.Module) -> None:
-        refuse_quantized_student(records)
+        # the input's directory, where its config may say it is quantized (another tool's checkpoint)
+        refuse_quantized_student(records, getattr(source.config, "_name_or_path", None) or None)
         if self.keep_layers is not None:
             check_keep_layers(model, self.keep_layers, "distill")
         depth = len(self.keep_layers) if self.keep_layers is not None else int(model.config.num_hidden_layers)
