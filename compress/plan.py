@@ -70,7 +70,7 @@ def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable:
     layers the stages will leave off any grid the format holds. `refusal`: `format: packed` that
     cannot be. Not `exact`: the shapes saved depend on what calibration keeps; the run decides."""
     planned = {n: {"weights": a["weights"].model_dump(mode="json")} for n, a in assignments.items() if a["weights"]}
-    if not exact and planned and recipe.format != "dense" and recipe.offload != "disk":
+    if not exact and not unpackable and planned and recipe.format != "dense" and recipe.offload != "disk":
         return "packed", "if every quantized layer can be packed once the model is reshaped (decided when saving)", None
     kv_cache = any(name == "kv_cache" for name, _ in recipe.stages)
     try:
