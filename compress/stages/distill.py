@@ -210,10 +210,11 @@ def _frozen(model: torch.nn.Module, freeze: list[str], stage: str) -> dict[str, 
 
 
 def trainable_parameters(model: torch.nn.Module, freeze: list[str], stage: str) -> list[torch.nn.Parameter]:
-    """Every parameter not matched by a `freeze` pattern; the others stop requiring gradients."""
+    """Every parameter not matched by a `freeze` pattern; the matched ones stop requiring gradients."""
     frozen = _frozen(model, freeze, stage)
     for name, param in model.named_parameters():
-        param.requires_grad_(not frozen[name])
+        if frozen[name]:
+            param.requires_grad_(False)
     return [param for name, param in model.named_parameters() if not frozen[name]]
 
 
