@@ -774,7 +774,7 @@ def analyze(
 
         ids = torch.cat([s["input_ids"] for s in cal.samples])
         # the output stores scales in the model's own dtype (analysis runs in float32)
-        scale_bits = scale_bits_of(modeling.saved_dtype_name(config) or "float32")
+        scale_bits = scale_bits_of(modeling.saved_dtype(config))
         result = run_analysis(net, ids, widths, group_size or None, targets=list(targets) or ["Linear"], progress=progress,
                               scale_bits=scale_bits)
     result.update({"model": model, "metric": metric, "scheme_bits": bits, "data": calibration["dataset"]})

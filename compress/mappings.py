@@ -166,6 +166,15 @@ def in_block(mappings: list[Mapping], block: torch.nn.Module) -> list[Mapping]:
             and (m.inspect is None or m.inspect in present)]
 
 
+
+def mapped_layers(model: torch.nn.Module, mappings: list[Mapping], blocks_path: Optional[str] = None) -> list[tuple[str, list[str]]]:
+    """(smoothing op, the layers reading it) for every mapping of every block, by full module name."""
+    from compress.engine import find_blocks
+
+    path, blocks = find_blocks(model, blocks_path)
+    return [(f"{path}.{i}.{m.smooth}", [f"{path}.{i}.{n}" for n in m.balance])
+            for i, block in enumerate(blocks) for m in in_block(mappings, block)]
+
 def _describe_block(model: torch.nn.Module, limit: int = 16) -> str:
     """The norms and linear layers inside the model's first block, to write a mapping from."""
     try:

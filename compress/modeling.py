@@ -255,10 +255,10 @@ def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def saved_dtype_name(config) -> str | None:
-    """The dtype a checkpoint's config says its weights are stored in ("float32", ...), or None."""
-    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    return str(saved).removeprefix("torch.") if saved is not None else None
+def saved_dtype(config) -> torch.dtype:
+    """The dtype a checkpoint's config says its weights are stored in (float32 when it says none)."""
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return saved if isinstance(saved, torch.dtype) else getattr(torch, str(saved).removeprefix("torch."), torch.float32)
 
 
 def describe_dtype(source: dict) -> str:

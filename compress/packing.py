@@ -499,9 +499,9 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
     except Exception as exc:
         raise CompressError(f"{path / 'config.json'}: quantization_config is not valid ({first_line(exc)})",
                             "the checkpoint's config.json is damaged: write it again") from None
-    saved_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if not isinstance(saved_dtype, torch.dtype):
-        saved_dtype = getattr(torch, str(saved_dtype).removeprefix("torch."), torch.float32)
+    from compress.modeling import saved_dtype as saved_dtype_of
+
+    saved_dtype = saved_dtype_of(config)
     dtype = dtype or saved_dtype
     config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
     with parameters_on_meta():

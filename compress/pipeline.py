@@ -141,7 +141,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         "path": model_path,
         "weights_sha256": modeling.weights_hash(model_ref),
         "dtype": str(next(net.parameters()).dtype).removeprefix("torch."),  # as the run loaded it (--dtype)
-        "dtype_on_disk": modeling.saved_dtype_name(config),
+        "dtype_on_disk": str(modeling.saved_dtype(config)).removeprefix("torch."),
         "parameters": modeling.count_parameters(net),
         # the input's weight files (a packed checkpoint's, not its dequantized size in memory)
         "bytes": (dir_weight_bytes(model_path) if model_path and Path(model_path).is_dir() else 0) or modeling.model_bytes(net),
@@ -562,10 +562,7 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
                                       task_thresholds, progress)
     layers = modeling.read_meta(modeling.resolve_model(model)).get("layers", {})
     path = Path(modeling.resolve_model(model))
-    saved_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(saved_dtype, str):
-        saved_dtype = getattr(torch, saved_dtype, torch.float32)
-    size = size_summary(net.cpu(), layers, path if path.is_dir() else None, stored_bits=saved_dtype.itemsize * 8)
+    size = size_summary(net.cpu(), layers, path if path.is_dir() else None, stored_bits=modeling.saved_dtype(config).itemsize * 8)
     checks = gate(results, **thresholds) + task_gate(task_results, **task_thresholds)
     return {"model": model, "baseline": baseline, "kind": "causal-lm" if causal else "encoder",
             "results": results, "tasks": task_results, "size": size, "checks": checks,

@@ -17,6 +17,7 @@ from compress.pipeline import (StageShapes, check_data_files, check_offloadable,
                                preflight, stage_weights)
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, packed_weight_bits, scale_bits_of
+from compress.stages.pruning import get_weight_shape
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
 
 
@@ -53,15 +54,13 @@ def _training_bytes(recipe: Recipe, params: int, model_bytes: int) -> int:
 
 def _smoothed_layers(net: torch.nn.Module, stage) -> list[str]:
     """The layers a smoothing stage rescales: each block's mapped smooth op and balance layers."""
-    from compress.engine import find_blocks
-    from compress.mappings import in_block, mappings_for
+    from compress.mappings import mapped_layers, mappings_for
 
     try:
-        path, blocks = find_blocks(net, stage.blocks)
-        mappings = mappings_for(net, stage.mappings, stage.blocks)
+        mapped = mapped_layers(net, mappings_for(net, stage.mappings, stage.blocks), stage.blocks)
     except CompressError:  # refused by preflight, and so by the plan
         return []
-    return [f"{path}.{i}.{n}" for i, block in enumerate(blocks) for m in in_block(mappings, block) for n in (m.smooth, *m.balance)]
+    return [n for smooth, balance in mapped for n in (smooth, *balance)]
 
 
 def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable: list[str], exact: bool) -> tuple[str, str, str | None]:
@@ -86,10 +85,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     if dtype != "auto" and dtype not in modeling.DTYPES:
         raise CompressError(f"unknown dtype {dtype!r}", f"use auto or one of {', '.join(modeling.DTYPES)}")
     net, config = build_meta_model(model_ref)
-    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(saved, str):
-        saved = getattr(torch, saved, torch.float32)
-    dtype = modeling.DTYPES[dtype] if dtype != "auto" else saved
+    dtype = modeling.DTYPES[dtype] if dtype != "auto" else modeling.saved_dtype(config)
     dtype_bits = dtype.itemsize * 8
     # What the run refuses before any work, the plan refuses too (and exits as the run would).
     refusals = []
@@ -112,8 +108,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         for n, rec in inherited.items():
             if n in modules:
                 weights = QuantArgs(**rec["weights"]) if rec.get("weights") else None
-                w = modules[n].weight
-                assignments[n] = {"stage": rec["stage"], "shape": list(w.shape[::-1] if type(modules[n]).__name__ == "Conv1D" else w.shape),
+                assignments[n] = {"stage": rec["stage"], "shape": list(get_weight_shape(modules[n])),
                                   "scheme": weights.describe() if weights else f"pruned {rec.get('pattern') or rec.get('sparsity')}",
                                   "weights": weights, "activations": None}
         for i, (name, stage, model) in enumerate(walk):
@@ -151,8 +146,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             mixed = (getattr(stage, "actorder", False) and not getattr(stage, "static_groups", False)
                      and scheme is not None and scheme.weights.strategy in ("group", "tensor_group"))
             for n, m in chosen.items():
-                w = m.weight
-                out_f, in_f = (w.shape[1], w.shape[0]) if type(m).__name__ == "Conv1D" else tuple(w.shape)
+                out_f, in_f = get_weight_shape(m)
                 entry = {"stage": name, "shape": [out_f, in_f], "scheme": scheme.describe() if scheme else described,
                          "weights": scheme.weights if scheme else joint,
                          "activations": scheme.input_activations if scheme else None}

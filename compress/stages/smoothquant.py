@@ -23,9 +23,9 @@ from typing import Optional
 import torch
 from pydantic import Field, PrivateAttr
 
-from compress.engine import find_blocks, token_rows
+from compress.engine import token_rows
 from compress.errors import CompressError
-from compress.mappings import Mapping, fold, fold_branches, in_block, mappings_for
+from compress.mappings import Mapping, fold, fold_branches, in_block, mapped_layers, mappings_for
 from compress.modeling import get_weight
 from compress.stages.base import EngineOptions, Stage, StageContext
 from compress.targets import Pattern, matches, select_modules
@@ -95,9 +95,7 @@ class SmoothQuant(EngineOptions, Stage):
     def preflight(self, model: torch.nn.Module) -> None:
         mappings = mappings_for(model, self.mappings, self.blocks)  # no map for the architecture, or one naming no module
         super().preflight(model)
-        path, blocks = find_blocks(model, self.blocks)
-        balance = {f"{path}.{i}.{n}": block.get_submodule(n) for i, block in enumerate(blocks)
-                   for m in in_block(mappings, block) for n in m.balance}
+        balance = {n: model.get_submodule(n) for _, layers in mapped_layers(model, mappings, self.blocks) for n in layers}
         for key in self.alpha_overrides:  # a typo would leave its layers at `alpha`, silently
             if not any(matches(key, n, module) for n, module in balance.items()):
                 raise CompressError(f"stage smoothquant: alpha_overrides key '{key}' matches none of the layers it smooths "
