@@ -85,9 +85,13 @@ def storable_scale(scale: torch.Tensor) -> torch.Tensor:
     dtype = _SCALE_DTYPE.get()
     if dtype == torch.float32:
         return scale
-    rounded = scale.to(dtype)
-    rounded = torch.where(rounded.float() < scale, torch.nextafter(rounded, torch.full_like(rounded, float("inf"))), rounded)
-    return torch.where(torch.isfinite(rounded) & (rounded > 0), rounded.float(), scale)
+    with torch.no_grad():  # torch before 2.13 has no derivative of nextafter
+        rounded = scale.to(dtype)
+        rounded = torch.where(rounded.float() < scale, torch.nextafter(rounded, torch.full_like(rounded, float("inf"))), rounded)
+        stored = torch.where(torch.isfinite(rounded) & (rounded > 0), rounded.float(), scale)
+    # A scale learned by gradient (AutoRound's clipping, QAT) passes through straight; adding the
+    # exact zero `scale - scale.detach()` keeps the stored value bit for bit.
+    return stored + (scale - scale.detach()) if scale.requires_grad else stored
 
 
 def _finite_or_zero(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -16,7 +16,7 @@ from compress.schemes import QuantArgs
 from compress.cli import main
 from compress.pipeline import evaluate_model
 from compress.quant import (compute_qparams, fake_quantize, fake_quantize_fp8, recover_qparams, scales_as,
-                            scales_stored_as)
+                            scales_stored_as, storable_scale)
 from compress.stages.base import StageContext
 from compress.stages.rtn import RoundToNearest
 
@@ -136,6 +136,29 @@ def test_scales_in_the_model_dtype(dtype):
         assert in_dtype is not None and in_dtype.dtype == dtype, (bits, sym, strategy)
     with scales_stored_as(torch.float32):  # float32 models keep float32 scales as computed
         assert torch.equal(compute_qparams(W, 8, True, "channel").scale, W.abs().amax(1, keepdim=True) / 127)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_learned_scale_passes_straight_through_its_storable_rounding(dtype):
+    """AutoRound and QAT learn scales under scales_stored_as(dtype): the rounded value is the one a
+    plain call gives, bit for bit, its gradient passes unchanged, and no nextafter sits in the graph
+    (torch before 2.13 has no derivative for it: AutoRound's backward failed there)."""
+    torch.manual_seed(0)
+    learned = (torch.rand(64) * 0.1 + 1e-3).requires_grad_()
+    with scales_stored_as(dtype):
+        out = storable_scale(learned)
+        plain = storable_scale(learned.detach())
+    assert torch.equal(out.detach(), plain) and torch.equal(plain.to(dtype).float(), plain)
+    assert not torch.equal(plain, learned.detach())  # the rounding did something
+    (out * torch.arange(64.0)).sum().backward()
+    assert torch.equal(learned.grad, torch.arange(64.0))
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo += [nxt for nxt, _ in node.next_functions]
+    assert not any("Nextafter" in type(node).__name__ for node in seen)
 
 
 # ---------------------------------------------------------------------------------------------
