@@ -677,6 +677,8 @@ def _bad_int_option(tmp):
 
 
 
+NEEDS_LM_EVAL = [pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-eval not installed")]
+
 CASES = [
     # recipe: YAML and shape
     Case("yaml-syntax", _yaml_syntax, ["r.yaml:", "invalid YAML", ":5"]),
@@ -758,9 +760,11 @@ CASES = [
     Case("eval-model-missing", _eval_model_missing, ["gone", "does not exist"]),
     Case("eval-task-option-without-tasks", _eval_task_option_without_tasks, ["--limit", "--tasks"]),
     Case("eval-task-drop-no-baseline", _eval_task_drop_no_baseline, ["--max-task-drop", "--baseline"]),
-    Case("eval-task-unknown", _eval_task_unknown, ["unknown lm-eval task: no_such_task", "--include-path"]),
-    Case("eval-task-include-path-missing", _eval_task_include_path_missing, ["--include-path {tmp}/tasks", "not a directory"]),
-    Case("eval-task-data-missing", _eval_task_data_missing, ["lm-eval could not run mine", "gone.jsonl"]),
+    # these three reach lm-eval itself (where it is missing, the one-line error says to install it)
+    Case("eval-task-unknown", _eval_task_unknown, ["unknown lm-eval task: no_such_task", "--include-path"], marks=NEEDS_LM_EVAL),
+    Case("eval-task-include-path-missing", _eval_task_include_path_missing, ["--include-path {tmp}/tasks", "not a directory"],
+         marks=NEEDS_LM_EVAL),
+    Case("eval-task-data-missing", _eval_task_data_missing, ["lm-eval could not run mine", "gone.jsonl"], marks=NEEDS_LM_EVAL),
     Case("eval-baseline-missing", _eval_baseline_missing, ["--baseline", "gone", "does not exist"]),
     Case("inspect-foreign-dir", _inspect_foreign, ["plain", "compress.json"]),
     Case("inspect-missing", _inspect_missing, ["nothing", "does not exist"]),

@@ -613,8 +613,10 @@ def test_saved_weights_are_solved_on_inputs_carrying_earlier_blocks_error(tiny_m
         assert hessian_loss(W, base, H) == pytest.approx(rec[baseline_key], rel=1e-5), short
         assert rec[loss_key] < rec[baseline_key], short
         # the first block's error really reaches these inputs: from the float first block the loss
-        # is off by 2e-4 to 5e-3 of itself on this model
-        assert hessian_loss(W, Q, clean[short]) != pytest.approx(rec[loss_key], rel=1e-4), short
+        # is off by 7e-5 (torch 2.11) or 2e-4 (torch 2.13) to 5e-3 of itself on this model, against
+        # the 1e-5 within which the carried inputs reproduce it
+        off = abs(hessian_loss(W, Q, clean[short]) / rec[loss_key] - 1)
+        assert off > 3e-5, (short, off)
 
 
 def _input_ranges(model, block, samples) -> dict[str, tuple[float, float]]:
