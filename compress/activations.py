@@ -174,45 +174,6 @@ def reattach(model: torch.nn.Module, layers: dict, kv_cache: dict | None = None)
             attach_kv(modules[name], key_max, value_max)
 
 
-@torch.no_grad()
-def observe_ranges(
-    model: torch.nn.Module, modules: dict[str, torch.nn.Module], samples: list[dict], device: torch.device
-) -> dict[str, tuple[float, float]]:
-    """Min and max of each module's input over all calibration samples (padding excluded)."""
-    ranges: dict[str, list[float]] = {}
-    mask_holder: dict[str, torch.Tensor | None] = {"mask": None}
-
-    def make_hook(name: str):
-        def hook(module, inputs):
-            x = inputs[0].detach().float()
-            mask = mask_holder["mask"]
-            if mask is not None and x.dim() == 3 and x.shape[:2] == mask.shape:
-                x = x[mask.bool()]
-            lo, hi = float(x.min()), float(x.max())
-            if not (torch.isfinite(torch.tensor([lo, hi])).all()):
-                raise CompressError(f"layer {name}: non-finite calibration activations reach this layer "
-                                    "(NaN/Inf, or float16 overflow)", "check the model's weights, or load it in float32 (--dtype float32)")
-            old = ranges.get(name)
-            ranges[name] = [min(lo, old[0]), max(hi, old[1])] if old else [lo, hi]
-
-        return hook
-
-    _run_hooked(model, [m.register_forward_pre_hook(make_hook(n)) for n, m in modules.items()], samples, device, mask_holder)
-    return {n: (r[0], r[1]) for n, r in ranges.items()}
-
-
-def _run_hooked(model: torch.nn.Module, handles: list, samples: list[dict], device: torch.device, mask_holder: dict) -> None:
-    """Every calibration sample through the model, each batch's attention mask in `mask_holder`
-    for the hooks to leave padding out; the hooks are removed afterwards, whatever happens."""
-    try:
-        for sample in samples:
-            batch = {k: v.to(device) for k, v in sample.items()}
-            mask_holder["mask"] = batch.get("attention_mask")
-            model(**batch)
-    finally:
-        for h in handles:
-            h.remove()
-
 
 # ---------------------------------------------------------------------------------------------
 # The KV cache: keys (after RoPE) and values as an attention layer stores them
@@ -260,7 +221,7 @@ class _CacheStandIn:
         return getattr(cache, name)
 
 
-def _kv_pre_hook(process):
+def kv_pre_hook(process):
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict):
         name = _cache_argument(module)
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
@@ -279,7 +240,7 @@ def attach_kv(module: torch.nn.Module, key_absmax: float, value_absmax: float) -
     (what vLLM's fp8 KV cache computes with, from `k_scale` and `v_scale`)."""
     detach_kv(module)
     handle = module.register_forward_pre_hook(
-        _kv_pre_hook(lambda k, v: (_fp8_static(k, key_absmax), _fp8_static(v, value_absmax))), with_kwargs=True)
+        kv_pre_hook(lambda k, v: (_fp8_static(k, key_absmax), _fp8_static(v, value_absmax))), with_kwargs=True)
     handle.kv_ranges = (key_absmax, value_absmax)
     setattr(module, KV_HOOK_ATTR, handle)
 
@@ -294,32 +255,3 @@ def attached_kv(model: torch.nn.Module) -> dict | None:
     evaluates with it, so it writes it out too."""
     ranges = {name: list(getattr(m, KV_HOOK_ATTR).kv_ranges) for name, m in model.named_modules() if hasattr(m, KV_HOOK_ATTR)}
     return {"scheme": dict(KV_SCHEME), "ranges": ranges} if ranges else None
-
-
-@torch.no_grad()
-def observe_kv(model: torch.nn.Module, modules: dict[str, torch.nn.Module], samples: list[dict],
-               device: torch.device) -> dict[str, tuple[float, float]]:
-    """max |key| and max |value| each attention layer stores, over all calibration samples
-    (padding excluded)."""
-    seen: dict[str, list[float]] = {name: [0.0, 0.0] for name in modules}
-    mask_holder: dict[str, torch.Tensor | None] = {"mask": None}
-
-    def observer(name: str):
-        def process(key: torch.Tensor, value: torch.Tensor):
-            for i, x in enumerate((key, value)):
-                mask = mask_holder["mask"]
-                # [batch, heads, tokens, head_dim]: padded positions are left out
-                x = x.detach().float().transpose(1, 2)
-                if mask is not None and x.shape[:2] == mask.shape:
-                    x = x[mask.bool()]
-                top = float(x.abs().max()) if x.numel() else 0.0
-                if top != top or top == float("inf"):
-                    raise CompressError(f"layer {name}: non-finite keys or values (NaN/Inf, or float16 overflow)",
-                                        "check the model's weights, or load it in float32 (--dtype float32)")
-                seen[name][i] = max(seen[name][i], top)
-            return key, value
-        return process
-
-    handles = [m.register_forward_pre_hook(_kv_pre_hook(observer(n)), with_kwargs=True) for n, m in modules.items()]
-    _run_hooked(model, handles, samples, device, mask_holder)
-    return {n: (k, v) for n, (k, v) in seen.items()}

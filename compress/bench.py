@@ -1168,8 +1168,10 @@ def _gptq_cost(results: list[dict]) -> list[str]:
                    f"**{_f(ratio, '.2f')}** | {sm['mean_gptq_loss']:.4g} | {sm['mean_rtn_loss']:.4g} | {_f(lr, '.3f')} | "
                    f"{r['stage_peak_rss_mib']:.0f} | {sm['layers']} ({sm['rtn_fallback']}) | {sm['damping_raised']} | "
                    f"{_cpu_share(r)} |")
-    out += ["", "MiniLM's pooler lies outside the transformer blocks, so the engine never sees its inputs and it falls "
-            "back to round-to-nearest (the RTN-fallback count); the losses average the GPTQ-solved layers only.", ""]
+    out += ["", "MiniLM's pooler lies outside the transformer blocks: the engine solves it after the last block, on "
+            "its inputs from the model's own run (one token per sample), so its forward is part of the stage's time; "
+            "a layer with fewer than `min_tokens` calibration tokens would fall back to round-to-nearest (the "
+            "RTN-fallback count), and the losses average the GPTQ-solved layers only.", ""]
     return out
 
 

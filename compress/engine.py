@@ -18,7 +18,12 @@ memory does not grow with the number of samples.
 A stage plugs in by implementing the `BlockwiseStage` protocol: `observe(name, module)` returns an
 observer (or None) whose `add(inputs, output)` is called on every forward of that module, and
 `compress_block(block_index, block, prefix, layers, observers, ctx, runner)` does the work (`prefix` is the
-block's module name plus a dot; `layers` are the selected modules inside it, by full name).
+block's module name plus a dot; `layers` are the selected modules inside it, by full name, and the
+block itself when it is selected). A stage that also has `compress_outside(layers, observers, ctx)`
+gets the selected layers outside the blocks (a BERT pooler, a targeted lm_head) observed after the
+last block, on the model's own run from the compressed blocks' outputs (`run_outside`), and
+compresses them there; without it they see no calibration inputs. A stage that only gathers
+statistics (static activation ranges, KV cache scales, structured importance) is an `Observing`.
 """
 
 from __future__ import annotations
@@ -88,6 +93,14 @@ class BlockwiseStage(Protocol):
 
     def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict[str, torch.nn.Module],
                        observers: dict[str, Observer], ctx: Any, runner: "BlockRunner") -> None: ...
+
+
+OUTSIDE = -1  # the block index compress_block is given for the layers outside the blocks
+
+
+def block_label(index: int) -> str:
+    """How progress and notes name where a layer is solved: `block 3`, or outside the blocks."""
+    return "outside the blocks" if index == OUTSIDE else f"block {index + 1}"
 
 
 def token_rows(inputs: tuple, mask: torch.Tensor | None) -> torch.Tensor:
@@ -393,6 +406,27 @@ def _move(value: Any, device: torch.device) -> Any:
     return value
 
 
+class BlockStandIn(torch.nn.Module):
+    """Takes block `index`'s place in the model's layer loop for a while (blocks_swapped): calls
+    `forward(index, hidden, *args, **kwargs)`, and answers for the block any attribute the loop
+    reads from it (Qwen2 reads decoder_layer.attention_type). The blocks are not registered in it,
+    so moving the model moves everything but them."""
+
+    def __init__(self, blocks: torch.nn.ModuleList, index: int, forward: Callable):
+        super().__init__()
+        self.index = index
+        self.__dict__["_blocks"], self.__dict__["_forward"] = blocks, forward
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_blocks"][self.__dict__["index"]], name)
+
+    def forward(self, hidden, *args, **kwargs):
+        return self.__dict__["_forward"](self.index, hidden, *args, **kwargs)
+
+
 @torch.no_grad()
 def capture_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches: list[dict],
                          device: torch.device, store: ActivationStore) -> tuple[list[BlockInput], str | None]:
@@ -425,32 +459,21 @@ def capture_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches:
             kwargs["use_cache"] = False
         return kwargs
 
-    class Recorder(torch.nn.Module):
-        def __init__(self, index: int):
-            super().__init__()
-            self.index = index
-
-        def __getattr__(self, name):
-            try:
-                return super().__getattr__(name)
-            except AttributeError:
-                return getattr(blocks[self.__dict__["index"]], name)  # e.g. Qwen2 reads decoder_layer.attention_type
-
-        def forward(self, hidden, *args, **kwargs):
-            kwargs = bound(blocks[self.index], args, kwargs)
-            if self.index == 0:
-                raw_first.clear()
-                raw_first.update(kwargs)
-                store.append(hidden)
-                records.append(BlockInput(hidden=None, kwargs=_move(kwargs, "cpu"), mask=current["mask"]))  # type: ignore[arg-type]
-            else:
-                own = {k: v for k, v in kwargs.items() if not _same_value(v, raw_first.get(k, _ABSENT))}
-                own.update({k: _ABSENT for k in raw_first if k not in kwargs})
-                if own:
-                    records[-1].per_block[self.index] = {k: cpu_copy(v) for k, v in own.items()}
-            if self.index == len(blocks) - 1:
-                raise _StopForward
-            return hidden
+    def record(index: int, hidden, *args, **kwargs):
+        kwargs = bound(blocks[index], args, kwargs)
+        if index == 0:
+            raw_first.clear()
+            raw_first.update(kwargs)
+            store.append(hidden)
+            records.append(BlockInput(hidden=None, kwargs=_move(kwargs, "cpu"), mask=current["mask"]))  # type: ignore[arg-type]
+        else:
+            own = {k: v for k, v in kwargs.items() if not _same_value(v, raw_first.get(k, _ABSENT))}
+            own.update({k: _ABSENT for k in raw_first if k not in kwargs})
+            if own:
+                records[-1].per_block[index] = {k: cpu_copy(v) for k, v in own.items()}
+        if index == len(blocks) - 1:
+            raise _StopForward
+        return hidden
 
     def cpu_copy(value: Any) -> Any:  # one copy of an object handed to several blocks
         if id(value) not in shared:
@@ -459,7 +482,7 @@ def capture_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches:
 
     current: dict = {"mask": None}
     untraced: str | None = None
-    recorders = torch.nn.ModuleList([Recorder(i) for i in range(len(blocks))])
+    recorders = torch.nn.ModuleList([BlockStandIn(blocks, i, record) for i in range(len(blocks))])
     with blocks_swapped(model, path, recorders), on_device(model, device):
         for n, batch in enumerate(batches, 1):
             mask = batch.get("attention_mask")
@@ -514,6 +537,104 @@ def blocks_swapped(model: torch.nn.Module, path: str, replacement: torch.nn.Modu
         yield
     finally:
         setattr(parent, attr, blocks)
+
+
+@torch.no_grad()
+def run_outside(model, path: str, blocks: torch.nn.ModuleList, batches: list[dict], records: list[BlockInput],
+                store: ActivationStore, device: torch.device, stage: Any, layers: dict[str, torch.nn.Module], ctx: Any,
+                returns_tuple: bool, progress: Callable = lambda *_: None) -> None:
+    """Observe and compress the selected `layers` outside the blocks: every batch through the model
+    with its blocks stood in for by what the engine computed, so the parts before the blocks run on
+    the batch itself and the parts after them (final norm, pooler, heads) on the last compressed
+    block's outputs (in `store`), as at inference. As in capture_block_inputs, only the parts
+    outside the blocks move to the device; the stage's observers are made there, and
+    `stage.compress_outside(layers, observers, ctx)` runs there too."""
+    current = {"batch": 0}
+
+    def replay(index: int, hidden, *args, **kwargs):
+        out = store.get(current["batch"]).to(hidden.device) if index == len(blocks) - 1 else hidden
+        return (out,) if returns_tuple else out
+
+    stand_ins = torch.nn.ModuleList([BlockStandIn(blocks, i, replay) for i in range(len(blocks))])
+    with blocks_swapped(model, path, stand_ins), on_device(model, device):
+        observers = {n: obs for n, m in layers.items() if (obs := stage.observe(n, m)) is not None}
+
+        def hook_for(observer):
+            def hook(module, inputs, output):
+                observer.add(inputs, output, records[current["batch"]].mask)
+            return hook
+
+        handles = [layers[n].register_forward_hook(hook_for(obs)) for n, obs in observers.items()]
+        try:
+            for j, batch in enumerate(batches):
+                current["batch"] = j
+                progress("outside the blocks: calibrating", j, len(batches))
+                model(**{k: v.to(device) for k, v in batch.items()})
+        finally:
+            for handle in handles:
+                handle.remove()
+        stage.compress_outside(layers, observers, ctx)
+
+
+class Observing:
+    """A BlockwiseStage that only gathers statistics: `observe(name, module)` makes each selected
+    layer's observer, and nothing is changed, so every block's outputs are the model's own. With
+    `outside`, the selected layers outside the blocks are observed too (on the model's own run,
+    run_outside). `observers` holds every observer made, by layer name."""
+
+    def __init__(self, observe: Callable[[str, torch.nn.Module], Any], outside: bool = True):
+        self._observe = observe
+        self.observers: dict[str, Any] = {}
+        if outside:
+            self.compress_outside = lambda layers, observers, ctx: None
+
+    def observe(self, name: str, module: torch.nn.Module):
+        observer = self.observers[name] = self._observe(name, module)
+        return observer
+
+    def compress_block(self, index, block, prefix, layers, observers, ctx, runner) -> None:
+        pass
+
+
+def observe_layers(model: torch.nn.Module, ctx: Any, selected: dict[str, torch.nn.Module],
+                   observe: Callable[[str, torch.nn.Module], Any], blocks_path: str | None = None) -> tuple[dict, dict]:
+    """Statistics of the selected layers over the calibration set, the model unchanged: through the
+    engine, one block on the device at a time (batch size, activation placement and budget as the
+    engine's stages default them). Returns (observers by layer name, the engine's summary). An
+    architecture whose blocks the engine does not know is run whole instead, on the device at
+    once, and the summary says so."""
+    from compress.stages.base import parse_bytes
+
+    stage = Observing(observe)
+    try:
+        find_blocks(model, blocks_path)
+    except CompressError as unknown:
+        return _observe_whole(model, ctx, selected, stage), {"whole_model_pass": unknown.message}
+    engine = Engine(ctx.device, activation_budget=parse_bytes("auto"), blocks_path=blocks_path, progress=ctx.progress,
+                    offload=ctx.offload)
+    summary = engine.run(model, ctx.calibration.samples, stage, selected, ctx)
+    return stage.observers, summary
+
+
+def _observe_whole(model: torch.nn.Module, ctx: Any, selected: dict, stage: Observing) -> dict:
+    """observe_layers for a model whose blocks the engine cannot find: every sample through the
+    whole model on the device, the observers hooked."""
+    samples = ctx.calibration.samples
+    mask: dict = {"now": None}
+    with on_device(model, ctx.device):
+        observers = {n: obs for n, m in selected.items() if (obs := stage.observe(n, m)) is not None}
+        handles = [selected[n].register_forward_hook(lambda mod, inputs, output, obs=obs: obs.add(inputs, output, mask["now"]))
+                   for n, obs in observers.items()]
+        try:
+            for j, sample in enumerate(samples):
+                ctx.progress("calibrating (the whole model)", j, len(samples))
+                batch = {k: v.to(ctx.device) for k, v in sample.items()}
+                mask["now"] = batch.get("attention_mask")
+                model(**batch)
+        finally:
+            for handle in handles:
+                handle.remove()
+    return observers
 
 
 def _block_output(out: Any) -> torch.Tensor:
@@ -584,12 +705,16 @@ class Engine:
                                                               and self._fits_on_device(batches, model))
         store = ActivationStore(self.device, keep_on_device, self.activation_budget)
         records, untraced = capture_block_inputs(model, path, blocks, batches, self.device, store)
+        outside = {n: m for n, m in selected.items() if not n.startswith(path + ".")}
+        if not callable(getattr(stage, "compress_outside", None)):
+            outside = {}
         peak_device_params = 0
         first_groups = None
+        returns_tuple = False
         try:
             for i, block in enumerate(blocks):
                 prefix = f"{path}.{i}."
-                layers = {n: m for n, m in selected.items() if n.startswith(prefix)}
+                layers = {n: m for n, m in selected.items() if n.startswith(prefix) or n == prefix[:-1]}
                 if self.offload is not None:
                     self.offload.load(prefix[:-1])
                 with on_device(block, self.device):
@@ -612,21 +737,28 @@ class Engine:
                         if members:
                             stage.compress_block(i, block, prefix, members, observers, ctx, runner)
                         del observers
-                    # The next block sees this block's compressed outputs, as it will at inference.
-                    if i + 1 < len(blocks):
+                    # The next block sees this block's compressed outputs, as it will at inference
+                    # (after the last block: the layers outside the blocks, when they are observed).
+                    if i + 1 < len(blocks) or outside:
                         for j in range(len(records)):
                             self.progress(f"block {i + 1}/{len(blocks)}: propagating", j, len(records))
-                            out = _block_output(block(store.get(j), **runner.kwargs(j)))
-                            self._replace(store, j, out)
+                            raw = block(store.get(j), **runner.kwargs(j))
+                            returns_tuple = isinstance(raw, (tuple, list))
+                            self._replace(store, j, _block_output(raw))
                 if self.offload is not None:
                     self.offload.release(prefix[:-1], shard=i + 1)
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
+            if outside:
+                run_outside(model, path, blocks, batches, records, store, self.device, stage, outside, ctx,
+                            returns_tuple, self.progress)
         finally:
             store.close()
         summary = {"blocks": len(blocks), "batch_size": batch_size, "batches": len(records),
                    "activations_spilled": store.spilled,
                    "max_parameters_on_device": peak_device_params}
+        if outside:
+            summary["outside_blocks"] = list(outside)
         if untraced is not None:
             summary["untraced_layer_loop"] = f"every block was given the first block's keywords ({untraced})"
         if first_groups is not None:  # true_sequential: the order layers were solved in (first block)

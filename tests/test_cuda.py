@@ -20,7 +20,13 @@ STAGES = {
     "sparsegpt": "sparsegpt: {sparsity: 0.5}",
     "wanda-2:4": "wanda: {pattern: '2:4'}",
     "structured": "structured: {structure: mlp-channels, ratio: 0.25}",
+    "autoround": "autoround: {scheme: W4A16, weights: {group_size: 64}, iters: 40}",
+    "gptq-nvfp4-w4a4": "gptq: {scheme: NVFP4}",
+    "fp8-kv-cache": "rtn: {scheme: FP8_DYNAMIC}\n  - kv_cache: {}",
 }
+# AutoRound's signed-gradient steps move by a fixed amount whatever the gradient's size, so a float
+# difference between the devices that flips one step's sign changes its path more than GPTQ's
+KL_REL = {"autoround": 0.2}
 
 
 def recipe(shared, stage: str):
@@ -57,7 +63,7 @@ def test_stage_on_cuda_matches_cpu(method, ref_llama, shared, tmp_path):
             assert cuda["layers"][name]["sparsity"] == pytest.approx(rec["sparsity"], abs=2e-3), name
     kl_cuda = kl_to(ref_llama, tmp_path / "cuda", shared, "cuda")
     kl_cpu = kl_to(ref_llama, tmp_path / "cpu", shared, "cuda")
-    assert kl_cuda == pytest.approx(kl_cpu, rel=0.1), (kl_cuda, kl_cpu)
+    assert kl_cuda == pytest.approx(kl_cpu, rel=KL_REL.get(method, 0.1)), (kl_cuda, kl_cpu)
 
 
 def test_evaluation_on_cuda_matches_cpu(ref_llama, shared):

@@ -248,10 +248,10 @@ def test_engine_every_family_every_layer_beats_rtn(tiny_models, family, tmp_path
     for name, r in solved.items():
         assert r["gptq_loss"] < r["rtn_loss"], name
         assert r["tokens"] > 0
-    if family == "bert":  # the pooler sits outside the blocks: round-to-nearest, and said so
-        assert "outside the transformer blocks" in layers["pooler.dense"]["note"]
-    else:
-        assert report["stages"][0]["summary"]["rtn_fallback"] == 0
+    assert report["stages"][0]["summary"]["rtn_fallback"] == 0
+    if family == "bert":  # the pooler sits outside the blocks: solved there, on its own inputs (one per sample)
+        assert report["stages"][0]["summary"]["outside_blocks"] == ["pooler.dense"]
+        assert layers["pooler.dense"]["tokens"] == 16 and "pooler.dense" in solved  # 16 samples
 
 
 def test_batch_size_does_not_change_results(tiny_models, tmp_path):
@@ -657,3 +657,67 @@ def test_gptq_with_static_activations_records_the_ranges_it_calibrated_on(tiny_m
             activations.detach(module)
         weights_only = saved(input_ids=ids).logits
     assert not torch.allclose(with_acts, weights_only, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers outside the blocks, and stages that only observe
+
+
+def _observing_context(path, samples=8, packing=True):
+    from types import SimpleNamespace
+
+    from compress.calibration import build_calibration
+    from compress.recipe import CalibrationConfig
+    from compress.stages.base import StageContext
+
+    net, tokenizer, _ = modeling.load_model(str(path), dtype="float32", device="cpu")
+    cal = build_calibration(CalibrationConfig(dataset="calibration/default.txt", num_samples=samples, seq_len=64,
+                                              packing=packing, min_chars=20), tokenizer)
+    return net, StageContext(device=torch.device("cpu"), calibration=SimpleNamespace(samples=cal.samples))
+
+
+@pytest.mark.parametrize("family", ["llama", "bert", "opt"])
+def test_observing_through_the_engine_sees_what_the_whole_model_sees(tiny_models, family):
+    """observe_layers (one block at a time, then the layers outside the blocks on the model's own run
+    from the last block's outputs) gives every layer the input range a hooked forward of the whole
+    model gives it: the BERT pooler and a targeted lm_head included, and OPT's flattened MLP rows
+    (BERT calibrates on padded lines: padding stays out of both)."""
+    from compress.engine import Observing, _observe_whole, observe_layers
+    from compress.stages.rtn import RangeObserver
+
+    net, ctx = _observing_context(tiny_models[family], packing=family != "bert")
+    selected = {n: m for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
+    engine, summary = observe_layers(net, ctx, selected, lambda name, module: RangeObserver(name))
+    whole = _observe_whole(net, ctx, selected, Observing(lambda name, module: RangeObserver(name)))
+    outside = {"llama": ["lm_head"], "bert": ["pooler.dense"], "opt": ["lm_head"]}[family]
+    assert summary["outside_blocks"] == outside
+    assert set(engine) == set(whole) == set(selected)
+    for name, obs in whole.items():
+        assert obs.tokens > 0 and engine[name].tokens == obs.tokens, name
+        assert (engine[name].lo, engine[name].hi) == pytest.approx((obs.lo, obs.hi), rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_gptq_w8a8_solves_the_pooler_and_quantizes_its_inputs(tiny_models, dynamic, tmp_path):
+    """The BERT pooler sits outside the blocks: GPTQ solves it on its own inputs (one per sample)
+    and quantizes those inputs as the scheme says, a static range being the one they span. (It was
+    left to round-to-nearest with float inputs, while the scheme said W8A8.)"""
+    acts = "" if dynamic else "      input_activations: {strategy: tensor, dynamic: false}\n"
+    r = parse_recipe(f"""
+model: {tiny_models["bert"]}
+calibration: {{dataset: calibration/default.txt, num_samples: 16, seq_len: 64, packing: false, min_chars: 20}}
+stages:
+  - gptq:
+      scheme: W8A8
+{acts}""", "test")
+    report = run_recipe(r, output=str(tmp_path / "o"), device="cpu")
+    pooler = report["layers"]["pooler.dense"]
+    assert pooler["gptq_loss"] is not None and pooler["gptq_loss"] < pooler["rtn_loss"] and pooler["tokens"] == 16
+    assert pooler["input_activations"]["dynamic"] is dynamic
+    net, _, _ = modeling.load_model(str(tmp_path / "o"), dtype="float32", device="cpu")
+    from compress import activations
+
+    assert "pooler.dense" in activations.attached_inputs(net)  # the checkpoint carries it, and it is reattached
+    if not dynamic:
+        lo, hi = pooler["activation_range"]
+        assert lo < 0 < hi

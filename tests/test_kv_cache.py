@@ -5,6 +5,7 @@ logits with."""
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from compress.calibration import build_calibration
 from compress.cli import main
 from compress.pipeline import evaluate_model, inspect_checkpoint
 from compress.quant import FP8_E4M3_MAX
+from compress.stages import kv_cache
+from compress.stages.base import StageContext
 
 from tests.test_packed import IDS, plain_transformers_logits, relative_difference
 
@@ -177,6 +180,12 @@ def test_every_decoder_family_calibrates_and_reloads(family, tmp_path):
     assert again["results"][HELD]["token_perplexity"] == pytest.approx(report["evaluation"][HELD]["token_perplexity"], rel=1e-9)
 
 
+def observe_kv(model, modules, samples):
+    """The kv_cache stage's observation (through the calibration engine) on these samples."""
+    ctx = StageContext(device=torch.device("cpu"), calibration=SimpleNamespace(samples=samples))
+    return kv_cache.observe_kv(model, ctx, modules)[0]
+
+
 def test_padding_is_left_out_of_the_scales(tmp_path):
     """One padded batch observes the same maxima as each sequence alone: padded positions'
     keys and values (which a cache would never serve) do not count."""
@@ -186,7 +195,7 @@ def test_padding_is_left_out_of_the_scales(tmp_path):
     ids = [torch.arange(n) * 53 % 2000 + 5 for n in lengths]
     alone = {name: [0.0, 0.0] for name in modules}
     for seq in ids:
-        seen = activations.observe_kv(model, modules, [{"input_ids": seq[None]}], torch.device("cpu"))
+        seen = observe_kv(model, modules, [{"input_ids": seq[None]}])
         for name, (k, v) in seen.items():
             alone[name] = [max(alone[name][0], k), max(alone[name][1], v)]
     def padded_with(pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,9 +210,9 @@ def test_padding_is_left_out_of_the_scales(tmp_path):
 
     # a padding token whose keys or values, if counted, would change some layer's maxima
     pad = next(t for t in range(7, 2048, 61)
-               if differs(activations.observe_kv(model, modules, [{"input_ids": padded_with(t)[0]}], torch.device("cpu"))))
+               if differs(observe_kv(model, modules, [{"input_ids": padded_with(t)[0]}])))
     batch, mask = padded_with(pad)
-    padded = activations.observe_kv(model, modules, [{"input_ids": batch, "attention_mask": mask}], torch.device("cpu"))
+    padded = observe_kv(model, modules, [{"input_ids": batch, "attention_mask": mask}])
     assert not differs(padded)
 
 

@@ -227,8 +227,14 @@ def test_every_family_exact_sparsity_on_disk(tiny, family, method, target, tmp_p
     assert summary["sparsity"] == 0.5
     assert summary["nonzero_parameters_after"] == report["output"]["nonzero_parameters"]
     assert summary["parameters"] - summary["nonzero_parameters_after"] >= summary["target_parameters"] // 2
-    if family == "bert":  # the pooler sits outside the blocks: magnitude, and said so
-        assert "outside the transformer blocks" in layers["pooler.dense"]["note"]
+    if family == "bert":
+        # the pooler sits outside the blocks and is calibrated there, on one token per sample: 8 here,
+        # enough for Wanda's norms but under SparseGPT's min_tokens (16), which then prunes by magnitude
+        pooler = layers["pooler.dense"]
+        assert summary["outside_blocks"] == ["pooler.dense"] and pooler["tokens"] == 8
+        assert summary["magnitude_fallback"] == (method == "sparsegpt")
+        if method == "sparsegpt":
+            assert "8 calibration tokens (< min_tokens 16)" in pooler["note"]
     else:
         assert summary["magnitude_fallback"] == 0
         assert sparsity(next(v for k, v in weights.items() if "lm_head" in k or "wte" in k)) < 0.01  # lm_head untouched

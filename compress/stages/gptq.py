@@ -40,7 +40,7 @@ import torch
 from pydantic import Field, model_validator
 
 from compress import activations
-from compress.engine import solve_layers, token_rows
+from compress.engine import OUTSIDE, block_label, solve_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import QParams, compute_qparams, dequantize, quantize, range_qparams, relative_error
@@ -397,7 +397,7 @@ class GPTQ(EngineOptions, QuantizationStage):
         scales = global_scales(layers, args)  # NVFP4: one per fused group (q/k/v, gate/up), from the weights as they are
         solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens: self._round_to_nearest(
             name, module, ctx, tokens, f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest",
-            scales.get(name)))
+            scales.get(name), observers[name]))
 
         def solve(group: tuple[str, ...], device: torch.device) -> list[tuple]:
             # The group's layers read one input, so one Hessian serves them all (see shared_hessian_groups).
@@ -436,11 +436,16 @@ class GPTQ(EngineOptions, QuantizationStage):
         groups = shared_hessian_groups(solvable, observers) if args.strategy != "tensor" else [(n,) for n in solvable]
         solve_layers(groups, solve, apply, ctx.devices)
 
+    def compress_outside(self, layers: dict, observers: dict, ctx: StageContext) -> None:
+        """The selected layers outside the blocks (a BERT pooler, a targeted lm_head), solved as in a
+        block, on the inputs the model's own run gives them from the compressed blocks' outputs."""
+        self.compress_block(OUTSIDE, None, "", layers, observers, ctx, None)
+
     def _record(self, scheme, index: int, name: str, module: torch.nn.Module, obs: HessianObserver, result: tuple,
                 ctx: StageContext, done: tuple[int, int]) -> None:
         """Write one solved layer back, attach its activation quantization, and record it."""
         Q, info, gptq_loss, rtn_loss, rel_error = result
-        ctx.progress(f"block {index + 1}: {name} loss {gptq_loss:.3g} (rtn {rtn_loss:.3g})", *done)
+        ctx.progress(f"{block_label(index)}: {name} loss {gptq_loss:.3g} (rtn {rtn_loss:.3g})", *done)
         set_weight(module, Q.to(module.weight.device))
         record = {"stage": "gptq", "shape": list(Q.shape), "weights": scheme.weights.model_dump(mode="json"),
                   "relative_error": rel_error, "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
@@ -462,9 +467,12 @@ class GPTQ(EngineOptions, QuantizationStage):
         return pruned_zeros(W, self.preserve_sparsity)
 
     def _round_to_nearest(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str,
-                          global_scale: float | None = None) -> None:
-        """The fallback for a layer GPTQ cannot solve, recorded as such."""
-        args = self.resolved_scheme().weights
+                          global_scale: float | None = None, obs: HessianObserver | None = None) -> None:
+        """The fallback for a layer GPTQ cannot solve, recorded as such. Its inputs are quantized as
+        the scheme says, a static range from what calibration it saw (`obs`); with none, there is
+        no range to freeze, and its inputs stay unquantized, as its note says."""
+        scheme = self.resolved_scheme()
+        args = scheme.weights
         W = get_weight(module)
         check_weight(name, W)
         if args.fp4_format == "nvfp4" and global_scale is None:
@@ -478,15 +486,24 @@ class GPTQ(EngineOptions, QuantizationStage):
             "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,
             "tokens": tokens, "damp_retries": 0, "note": note,
             **({"global_scale": global_scale} if global_scale is not None else {})})
+        a = scheme.input_activations
+        if a is not None:
+            rng = (obs.lo, obs.hi) if obs is not None and obs.tokens and not a.dynamic else None
+            if a.dynamic or rng is not None:
+                activations.attach(module, a, rng)
+                record["input_activations"] = a.model_dump(mode="json")
+                if rng is not None:
+                    record["activation_range"] = list(rng)
+            else:
+                record["note"] += "; no calibration token reached it, so there is no static input range: inputs not quantized"
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = self.select(model, "gptq")
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
-        # Layers outside the transformer blocks (a BERT pooler, a targeted lm_head) see no block
-        # inputs: they fall back to round-to-nearest, and the report says so.
+        # A layer no calibration forward reaches falls back to round-to-nearest, and the report says so.
         for name in selected:
             if "gptq_loss" not in ctx.layers.get(name, {}):
-                self._round_to_nearest(name, selected[name], ctx, 0, "outside the transformer blocks: round-to-nearest")
+                self._round_to_nearest(name, selected[name], ctx, 0, "no calibration input reached this layer: round-to-nearest")
         done = [ctx.layers[n] for n in selected]
         solved = [r for r in done if r["gptq_loss"] is not None]
         summary.update({

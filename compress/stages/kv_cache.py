@@ -6,7 +6,8 @@ scale per layer for keys and one for values, as vLLM's `kv_cache_dtype=fp8` comp
 
 Halving the cache's bytes doubles the tokens a GPU's memory holds at long context. The scales
 come from the model as the recipe leaves it at this point, so put this stage after the weight
-quantization stages. The evaluated model rounds its keys and values the same way, so the report's
+quantization stages. They are observed through the calibration engine, one block on the device
+at a time. The evaluated model rounds its keys and values the same way, so the report's
 KL and perplexity include the cache's error; the packed checkpoint carries `k_scale` and
 `v_scale` per attention layer and `kv_cache_scheme` in its quantization_config.
 
@@ -20,10 +21,64 @@ from __future__ import annotations
 import torch
 
 from compress import activations
-from compress.engine import on_device
+from compress.engine import observe_layers
 from compress.errors import CompressError
 from compress.quant import FP8_E4M3_MAX
 from compress.stages.base import Stage, StageContext
+
+
+class KVObserver:
+    """max |key| and max |value| an attention layer stores over the calibration tokens, padding
+    excluded. The keys and values exist only inside the layer's forward: a pre-hook puts a stand-in
+    for its cache argument that keeps the last ones handed to it, and `add` (called after the
+    forward, with the batch's mask) takes their maxima. `close` removes the pre-hook."""
+
+    def __init__(self, name: str, module: torch.nn.Module):
+        self.name, self.key_absmax, self.value_absmax = name, 0.0, 0.0
+        self._last: tuple | None = None
+        self._handle = module.register_forward_pre_hook(activations.kv_pre_hook(self._keep), with_kwargs=True)
+
+    def _keep(self, key: torch.Tensor, value: torch.Tensor):
+        self._last = (key, value)
+        return key, value
+
+    def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
+        if self._last is None:
+            return
+        tops = []
+        for x in self._last:
+            x = x.detach().float().transpose(1, 2)  # [batch, tokens, heads, head_dim]
+            if mask is not None and x.shape[:2] == mask.shape:
+                x = x[mask.to(x.device).bool()]
+            top = float(x.abs().max()) if x.numel() else 0.0
+            if top != top or top == float("inf"):
+                raise CompressError(f"layer {self.name}: non-finite keys or values (NaN/Inf, or float16 overflow)",
+                                    "check the model's weights, or load it in float32 (--dtype float32)")
+            tops.append(top)
+        self._last = None
+        self.key_absmax, self.value_absmax = max(self.key_absmax, tops[0]), max(self.value_absmax, tops[1])
+
+    def close(self) -> None:
+        self._handle.remove()
+        self._last = None
+
+
+def observe_kv(model: torch.nn.Module, ctx: StageContext, modules: dict[str, torch.nn.Module]
+               ) -> tuple[dict[str, tuple[float, float]], dict]:
+    """(max |K|, max |V|) of each attention layer in `modules` over the calibration set, through the
+    calibration engine (one block on the device at a time), and the engine's summary."""
+    made: list[KVObserver] = []
+
+    def observe(name: str, module: torch.nn.Module) -> KVObserver:
+        made.append(KVObserver(name, module))
+        return made[-1]
+
+    try:
+        observers, calibration = observe_layers(model, ctx, modules, observe)
+    finally:
+        for observer in made:
+            observer.close()
+    return {name: (obs.key_absmax, obs.value_absmax) for name, obs in observers.items()}, calibration
 
 
 class KVCache(Stage):
@@ -45,11 +100,9 @@ class KVCache(Stage):
                                 f"({', '.join(activations.CACHE_ARGUMENTS)}) to hand its keys and values to",
                                 "drop the kv_cache stage, or upgrade transformers if this model's attention is older")
         if ctx.offload is not None:
-            raise CompressError("kv_cache: calibrating the cache runs the whole model at once, which offload: disk avoids",
-                                "drop offload: disk, or drop the kv_cache stage")
-        ctx.progress("kv_cache: observing keys and values", 0, 1)
-        with on_device(model, ctx.device):
-            ranges = activations.observe_kv(model, modules, ctx.calibration.samples, ctx.device)
+            raise CompressError("kv_cache: offload: disk runs one block-by-block stage that compresses weights, and "
+                                "this stage compresses none", "drop offload: disk, or drop the kv_cache stage")
+        ranges, calibration = observe_kv(model, ctx, modules)
         for name, module in modules.items():
             activations.attach_kv(module, *ranges[name])
         ctx.kv_cache = {"scheme": dict(activations.KV_SCHEME), "ranges": {n: list(r) for n, r in ranges.items()}}
@@ -59,4 +112,5 @@ class KVCache(Stage):
             "scheme": "fp8 e4m3 per-tensor static (keys, values)",
             "max_k_scale": max(k for k, _ in ranges.values()) / FP8_E4M3_MAX,
             "max_v_scale": max(v for _, v in ranges.values()) / FP8_E4M3_MAX,
+            **calibration,
         }

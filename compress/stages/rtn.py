@@ -1,7 +1,9 @@
 """Round-to-nearest (RTN) quantization: absmax or zero-point, per tensor, channel or group.
 
 No calibration is needed for the weights; a static activation scheme observes input ranges on
-the calibration set. Sample recipe stage:
+the calibration set, through the calibration engine (one block on the device at a time; the
+layers outside the blocks, such as a BERT pooler, on the model's own run after the last block),
+with the weights already rounded, as the model will run. Sample recipe stage:
 
     - rtn:
         scheme: W4A16          # compressed-tensors preset
@@ -14,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from compress import activations
-from compress.engine import on_device
+from compress.engine import observe_layers, token_rows
+from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import fake_quantize, fake_quantize_fp4, fake_quantize_fp8, nvfp4_global_scale, relative_error
 from compress.schemes import QuantArgs
@@ -47,6 +50,24 @@ def global_scales(modules: dict[str, torch.nn.Module], args: QuantArgs) -> dict[
     return scales
 
 
+class RangeObserver:
+    """Min and max of a layer's input over the calibration tokens, padding excluded: its static
+    activation range."""
+
+    def __init__(self, name: str):
+        self.name, self.lo, self.hi, self.tokens = name, float("inf"), float("-inf"), 0
+
+    def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
+        x = token_rows(inputs, mask)
+        if not x.numel():
+            return
+        lo, hi = float(x.min()), float(x.max())
+        if not (torch.isfinite(torch.tensor([lo, hi])).all()):
+            raise CompressError(f"layer {self.name}: non-finite calibration activations reach this layer "
+                                "(NaN/Inf, or float16 overflow)", "check the model's weights, or load it in float32 (--dtype float32)")
+        self.lo, self.hi, self.tokens = min(lo, self.lo), max(hi, self.hi), self.tokens + x.shape[0]
+
+
 class RoundToNearest(QuantizationStage):
     """Round each target weight to the nearest point of its quantization grid."""
 
@@ -72,14 +93,17 @@ class RoundToNearest(QuantizationStage):
             })
         ctx.progress("rtn", len(modules), len(modules))
 
+        calibration: dict = {}  # static activation ranges: the calibration engine's summary
         if scheme.input_activations is not None:
             aargs = scheme.input_activations
             ranges = {}
             if not aargs.dynamic:
-                ctx.progress("rtn: observing activation ranges", 0, 1)
-                with on_device(model, ctx.device):
-                    ranges = activations.observe_ranges(model, modules, ctx.calibration.samples, ctx.device)
+                observers, calibration = observe_layers(model, ctx, modules, lambda name, module: RangeObserver(name))
+                ranges = {name: (obs.lo, obs.hi) for name, obs in observers.items() if obs.tokens}
             for name, module in modules.items():
+                if not aargs.dynamic and name not in ranges:  # an expert the router never chose
+                    ctx.layers[name]["note"] = "no calibration token reached it, so there is no static input range: inputs not quantized"
+                    continue
                 activations.attach(module, aargs, ranges.get(name))
                 ctx.layers[name]["input_activations"] = aargs.model_dump(mode="json")
                 if name in ranges:
@@ -91,4 +115,5 @@ class RoundToNearest(QuantizationStage):
             "scheme": scheme.describe(),
             "mean_relative_error": sum(errors) / len(errors),
             "max_relative_error": max(errors),
+            **calibration,
         }

@@ -41,7 +41,7 @@ from typing import Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from compress.engine import solve_layers
+from compress.engine import OUTSIDE, block_label, solve_layers
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
@@ -207,7 +207,7 @@ class SparseGPT(EngineOptions, PruningStage):
         def apply(name: str, result: tuple) -> None:
             W, Q, info, loss, base_loss = result
             module = layers[name]
-            ctx.progress(f"block {index + 1}: {name} loss {loss:.3g} (magnitude {base_loss:.3g})", order.index(name) + 1, len(order))
+            ctx.progress(f"{block_label(index)}: {name} loss {loss:.3g} (magnitude {base_loss:.3g})", order.index(name) + 1, len(order))
             set_weight(module, Q.to(module.weight.device))
             extra = {"sparsegpt_loss": loss, "magnitude_loss": base_loss, "tokens": observers[name].tokens, **info}
             if quant is not None:
@@ -218,6 +218,11 @@ class SparseGPT(EngineOptions, PruningStage):
             self._done.add(name)
 
         solve_layers(solvable, solve, apply, ctx.devices)
+
+    def compress_outside(self, layers: dict, observers: dict, ctx: StageContext) -> None:
+        """The selected layers outside the blocks (a BERT pooler, a targeted lm_head), solved as in a
+        block, on the inputs the model's own run gives them from the compressed blocks' outputs."""
+        self.compress_block(OUTSIDE, None, "", layers, observers, ctx, None)
 
     def _magnitude(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str) -> None:
         """The fallback for a layer SparseGPT cannot solve, recorded as such."""
@@ -255,11 +260,10 @@ class SparseGPT(EngineOptions, PruningStage):
         self._targets, self._done = self.layer_targets(selected, "sparsegpt"), set()
         nonzero_before = count_nonzero(model)
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
-        # Layers outside the transformer blocks (a BERT pooler, a targeted lm_head) see no block
-        # inputs: they are pruned by magnitude, and the report says so.
+        # A layer no calibration forward reaches is pruned by magnitude, and the report says so.
         for name in selected:
             if name not in self._done:
-                self._magnitude(name, selected[name], ctx, 0, "outside the transformer blocks: magnitude pruning")
+                self._magnitude(name, selected[name], ctx, 0, "no calibration input reached this layer: magnitude pruning")
         done = [ctx.layers[n] for n in selected]
         solved = [r for r in done if r["sparsegpt_loss"] is not None]
         out = {"method": "sparsegpt", "scheme": self.describe_target()}

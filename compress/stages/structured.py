@@ -32,10 +32,11 @@ one layer, and q, k and v in another: the kept channels and heads are cut from e
 mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE take heads and blocks (their experts' MLPs
 stay whole); removing blocks rewrites which of the kept layers have a dense MLP.
 
-Why a plain forward pass with hooks and not the layer-by-layer engine: Minitron ranks every
-structure on the unpruned model in one pass, depth ranking needs every block's score before any
-block can be chosen (the engine decides block by block), and the statistics are a few vectors per
-block. The model is therefore on `ctx.device` whole for the pass (and `offload: disk` is refused).
+The statistics are gathered through the calibration engine with the model unchanged (one block
+on the device at a time, each seeing the unpruned model's hidden states, as Minitron ranks every
+structure on the unpruned model), and the cut is made once every block has been scored: depth
+ranking needs every block's score before any block can be chosen. `offload: disk` is refused
+(it runs one stage that compresses weights block by block, and this one changes shapes).
 
 Sample recipe stage:
 
@@ -54,7 +55,7 @@ from typing import Callable, Literal, Optional
 import torch
 from pydantic import Field
 
-from compress.engine import find_blocks, on_device
+from compress.engine import find_blocks, observe_layers
 from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext, done_by, from_input
 
@@ -180,6 +181,8 @@ class _Stats:
         """[batch, seq, ...] -> [tokens, ...] without padding."""
         if self.mask is not None and x.dim() >= 3 and tuple(x.shape[:2]) == tuple(self.mask.shape):
             return x[self.mask.to(x.device).bool()]
+        if self.mask is not None and x.dim() == 2 and x.shape[0] == self.mask.numel():  # tokens flattened (OPT's MLP)
+            return x[self.mask.reshape(-1).to(x.device).bool()]
         return x.reshape(-1, *x.shape[2:]) if x.dim() >= 3 else x
 
     def add(self, b: int, value: torch.Tensor, count: int) -> None:
@@ -188,27 +191,27 @@ class _Stats:
         self.tokens[b] += count
 
 
-def _mlp_hook(stats: _Stats, b: int):
-    def hook(module, args):
-        a = stats.tokens_of(args[0]).reshape(-1, args[0].shape[-1]).float()
-        stats.add(b, (a * a).sum(0), a.shape[0])
-    return hook
+class _Observer:
+    """Adds one block's importance statistics from the module it is hooked on: the down
+    projection's input (MLP channels), o_proj's input (heads), or the block itself (its input and
+    output: block importance)."""
 
+    def __init__(self, stats: _Stats, b: int, structure: str, num_heads: int):
+        self.stats, self.b, self.structure, self.num_heads = stats, b, structure, num_heads
 
-def _head_hook(stats: _Stats, b: int, num_heads: int):
-    def hook(module, args):
-        o = stats.tokens_of(args[0]).reshape(-1, num_heads, args[0].shape[-1] // num_heads).float()
-        stats.add(b, o.norm(dim=-1).sum(0), o.shape[0])
-    return hook
-
-
-def _block_hook(stats: _Stats, b: int):
-    def hook(module, args, kwargs, output):
-        x = args[0] if args else kwargs["hidden_states"]
-        y = output[0] if isinstance(output, (tuple, list)) else output
-        cos = stats.tokens_of(token_cosine(x, y).unsqueeze(-1)).reshape(-1)
-        stats.add(b, cos.sum(), cos.numel())
-    return hook
+    def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
+        stats, x = self.stats, inputs[0]
+        stats.mask = mask
+        if self.structure == "mlp-channels":
+            a = stats.tokens_of(x).reshape(-1, x.shape[-1]).float()
+            stats.add(self.b, (a * a).sum(0), a.shape[0])
+        elif self.structure == "heads":
+            o = stats.tokens_of(x).reshape(-1, self.num_heads, x.shape[-1] // self.num_heads).float()
+            stats.add(self.b, o.norm(dim=-1).sum(0), o.shape[0])
+        else:
+            y = output[0] if isinstance(output, (tuple, list)) else output
+            cos = stats.tokens_of(token_cosine(x, y).unsqueeze(-1)).reshape(-1)
+            stats.add(self.b, cos.sum(), cos.numel())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +239,7 @@ class Structured(Stage):
         total, unit, n_remove, changes = self._removal(model, family, blocks)
 
         self._check_earlier_stages(blocks, path, family, config, ctx.layers)
-        stats = self._collect(model, blocks, family, ctx)
+        stats, calibration = self._collect(model, path, blocks, family, ctx)
         details: dict = {}
         if self.structure == "mlp-channels":
             keep = [keep_most_important(channel_importance(stats.sums[b], stats.tokens[b]), n_remove) for b in range(len(blocks))]
@@ -274,6 +277,7 @@ class Structured(Stage):
             "non_embedding_parameters_before": before_ne,
             "non_embedding_parameters_after": after_ne,
             "non_embedding_removed_pct": 100 * (before_ne - after_ne) / max(before_ne, 1),
+            **calibration,
         }
 
     @property
@@ -404,37 +408,24 @@ class Structured(Stage):
     # -- the pass over the calibration set
 
     @torch.no_grad()
-    def _collect(self, model: torch.nn.Module, blocks: torch.nn.ModuleList, family: Family, ctx: StageContext) -> _Stats:
+    def _collect(self, model: torch.nn.Module, path: str, blocks: torch.nn.ModuleList, family: Family,
+                 ctx: StageContext) -> tuple[_Stats, dict]:
+        """Every structure's statistics over the calibration set, through the calibration engine (one
+        block on the device at a time; the model unchanged, so each block sees the unpruned model's
+        hidden states)."""
         stats = _Stats(len(blocks))
-        handles = []
-        for b, block in enumerate(blocks):
-            if self.structure == "mlp-channels":
-                handles.append(block.get_submodule(family.mlp_out).register_forward_pre_hook(_mlp_hook(stats, b)))
-            elif self.structure == "heads":
-                o_proj = block.get_submodule(family.attention[3])
-                handles.append(o_proj.register_forward_pre_hook(_head_hook(stats, b, model.config.num_attention_heads)))
-            else:
-                handles.append(block.register_forward_hook(_block_hook(stats, b), with_kwargs=True))
-        runner = getattr(model, "base_model", model)  # no lm_head: only the blocks' activations count
-        samples = ctx.calibration.samples
-        try:
-            with on_device(model, ctx.device):
-                for j, sample in enumerate(samples):
-                    ctx.progress("structured: measuring importance", j, len(samples))
-                    stats.mask = sample.get("attention_mask")
-                    kwargs = {k: v.to(ctx.device) for k, v in sample.items()}
-                    if getattr(model.config, "use_cache", None) is not None:
-                        kwargs["use_cache"] = False
-                    runner(**kwargs)
-            ctx.progress("structured: measuring importance", len(samples), len(samples))
-        finally:
-            for h in handles:
-                h.remove()
+        hooked = {"mlp-channels": lambda: family.mlp_out, "heads": lambda: family.attention[3]}.get(self.structure, lambda: None)()
+        selected = {f"{path}.{b}" + (f".{hooked}" if hooked else ""): block.get_submodule(hooked) if hooked else block
+                    for b, block in enumerate(blocks)}
+        index = {name: b for b, name in enumerate(selected)}
+        heads = model.config.num_attention_heads
+        _, calibration = observe_layers(model, ctx, selected,
+                                        lambda name, module: _Observer(stats, index[name], self.structure, heads), blocks_path=path)
         for b, s in enumerate(stats.sums):
             if s is None or not torch.isfinite(s).all():
                 raise CompressError(f"stage structured: block {b} saw no finite calibration activations",
                                     "check the calibration data, or load the model in float32 (--dtype float32)")
-        return stats
+        return stats, calibration  # the engine's summary: blocks, batches, parameters on the device
 
     # -- cutting
 

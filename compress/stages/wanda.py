@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from compress.engine import token_rows
+from compress.engine import OUTSIDE, block_label, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.sparsity import nm_mask, unstructured_mask, wanda_scores
@@ -74,7 +74,12 @@ class Wanda(EngineOptions, PruningStage):
             set_weight(module, pruned)
             record_layer(ctx, name, "wanda", self._targets[name], W, pruned, tokens=obs.tokens)
             self._done.add(name)
-            ctx.progress(f"block {index + 1}: wanda {name}", k + 1, len(layers))
+            ctx.progress(f"{block_label(index)}: wanda {name}", k + 1, len(layers))
+
+    def compress_outside(self, layers: dict, observers: dict, ctx: StageContext) -> None:
+        """The selected layers outside the blocks (a BERT pooler, a targeted lm_head), solved as in a
+        block, on the inputs the model's own run gives them from the compressed blocks' outputs."""
+        self.compress_block(OUTSIDE, None, "", layers, observers, ctx, None)
 
     def _magnitude(self, name: str, module: torch.nn.Module, ctx: StageContext, note: str) -> None:
         """The fallback for a layer without calibration inputs, recorded as such."""
@@ -90,12 +95,11 @@ class Wanda(EngineOptions, PruningStage):
         self._targets, self._done = self.layer_targets(selected, "wanda"), set()
         nonzero_before = count_nonzero(model)
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
-        # Layers outside the transformer blocks (a BERT pooler, a targeted lm_head) see no block
-        # inputs: they are pruned by magnitude, and the report says so.
+        # A layer no calibration forward reaches is pruned by magnitude, and the report says so.
         fallback = 0
         for name in selected:
             if name not in self._done:
-                self._magnitude(name, selected[name], ctx, "outside the transformer blocks: magnitude pruning")
+                self._magnitude(name, selected[name], ctx, "no calibration input reached this layer: magnitude pruning")
                 fallback += 1
         return {"method": "wanda", "scheme": self.describe_target(),
                 **prune_summary(model, selected, nonzero_before, ctx.layers), "magnitude_fallback": fallback, **summary}
