@@ -12,6 +12,8 @@ A packed checkpoint stores each expert layer on its own, under the key transform
 from __future__ import annotations
 
 import contextlib
+import re
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -28,6 +30,32 @@ def routes_tokens(model: nn.Module) -> bool:
     return any(is_fused_experts(m) or isinstance(m, UnfusedExperts) or (name.rsplit(".", 1)[-1] == "experts"
                                                                        and isinstance(m, nn.ModuleList))
                for name, m in model.named_modules())
+
+
+_EXPERT_LAYER = re.compile(r"^(.*\.experts)\.(\d+)\.(.+)$")
+
+
+def sibling_experts(name: str, names: Iterable[str]) -> list[str]:
+    """The same layer of the other experts in `name`'s expert list (`...experts.5.down_proj` ->
+    every `...experts.N.down_proj` in `names` but itself); [] for a layer that is not an expert's."""
+    match = _EXPERT_LAYER.match(name)
+    if match is None:
+        return []
+    head, _, tail = match.groups()
+    return [n for n in names if n != name and (m := _EXPERT_LAYER.match(n)) is not None and m.group(1) == head
+            and m.group(3) == tail]
+
+
+def sibling_range(name: str, ranges: dict[str, tuple[float, float]]) -> tuple[float, float] | None:
+    """A static input range for an expert layer no calibration token reached: the union of its
+    sibling experts' observed ranges (their gate and up projections read the very hidden states
+    it would, routed differently); None when no sibling saw any."""
+    seen = [ranges[n] for n in sibling_experts(name, ranges)]
+    return (min(lo for lo, _ in seen), max(hi for _, hi in seen)) if seen else None
+
+
+SIBLING_RANGE_NOTE = "no calibration token reached it: its static input range is the union of its sibling experts'"
+NO_RANGE_NOTE = "no calibration token reached it, so there is no static input range: inputs not quantized"
 
 
 class Expert(nn.Module):

@@ -280,18 +280,21 @@ def test_awq_searches_scales_for_the_experts(moe_model, tmp_path):
     assert any(r["awq_alpha"] is not None for r in experts.values())
 
 
+def _never_expert_3(self, hidden_states):
+    """A router's forward that routes as the model's does but never picks expert 3 (as a rarely
+    used expert is never picked by a small calibration set)."""
+    logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    top, idx = logits.float().masked_fill(torch.arange(logits.shape[-1]) == 3, float("-inf")).softmax(-1).topk(self.top_k, -1)
+    return logits, (top / top.sum(-1, keepdim=True)).to(logits.dtype), idx
+
+
 def test_an_expert_no_token_reaches_is_rounded_to_nearest(moe_model, tmp_path, monkeypatch):
     """A router that never picks expert 3 (as a rarely used expert is never picked by a small
     calibration set): AWQ searches the others and rounds that one to nearest, saying why, and
     SmoothQuant scales it with the rest, which keeps it exact."""
     family, path, model = moe_model
 
-    def never_expert_3(self, hidden_states):
-        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        top, idx = logits.float().masked_fill(torch.arange(logits.shape[-1]) == 3, float("-inf")).softmax(-1).topk(self.top_k, -1)
-        return logits, (top / top.sum(-1, keepdim=True)).to(logits.dtype), idx
-
-    monkeypatch.setattr(type(model.model.layers[0].mlp.gate), "forward", never_expert_3)
+    monkeypatch.setattr(type(model.model.layers[0].mlp.gate), "forward", _never_expert_3)
     recipe = recipe_on(path, "smoothquant: {alpha: 0.5}", "awq: {scheme: W4A16, weights: {group_size: 16}, grid: 3, clip_grid: 2}",
                        samples=4)
     layers = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")["layers"]
@@ -300,6 +303,24 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest(moe_model, tmp_path, m
             starved = layers[f"model.layers.{block}.mlp.experts.3.{part}"]
             assert starved["tokens"] == 0 and "round-to-nearest" in starved["note"]
             assert layers[f"model.layers.{block}.mlp.experts.0.{part}"]["tokens"] > 0
+
+
+@pytest.mark.parametrize("stage", ["rtn", "gptq"])
+def test_an_expert_no_token_reaches_takes_its_siblings_static_input_range(moe_model, tmp_path, monkeypatch, stage):
+    """W8A8 with static per-tensor input ranges, a router that never picks expert 3: that expert's
+    layers get the union of the other experts' observed ranges (they read the same hidden states,
+    routed elsewhere), so every expert is W8A8 alike and the note says where the range came from."""
+    family, path, model = moe_model
+
+    monkeypatch.setattr(type(model.model.layers[0].mlp.gate), "forward", _never_expert_3)
+    recipe = recipe_on(path, f"{stage}: {{scheme: W8A8, input_activations: {{strategy: tensor, dynamic: false}}}}", samples=4)
+    layers = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")["layers"]
+    for block in range(2):
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            starved = layers[f"model.layers.{block}.mlp.experts.3.{part}"]
+            others = [layers[f"model.layers.{block}.mlp.experts.{e}.{part}"]["activation_range"] for e in range(3)]
+            assert starved["activation_range"] == [min(lo for lo, _ in others), max(hi for _, hi in others)]
+            assert starved["input_activations"]["dynamic"] is False and "sibling experts" in starved["note"]
 
 
 def test_a_block_moved_away_and_back_keeps_its_memory(moe_model):

@@ -43,6 +43,7 @@ from compress import activations
 from compress.engine import OUTSIDE, block_label, solve_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
+from compress.moe import NO_RANGE_NOTE, SIBLING_RANGE_NOTE, sibling_range
 from compress.quant import QParams, compute_qparams, dequantize, quantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
 from compress.sparsity import pruned_zeros
@@ -308,6 +309,13 @@ class HessianObserver:
         return symmetric_from_upper_(2 * self.sum / max(self.tokens, 1))
 
 
+def observed_range(name: str, observers: dict) -> tuple[float, float] | None:
+    """The input range a HessianObserver tracked for `name`; for an expert layer no token reached,
+    its sibling experts' (moe.sibling_range); None when neither exists or none was tracked."""
+    seen = {n: (o.lo, o.hi) for n, o in observers.items() if o.track_range and o.tokens}
+    return seen.get(name) or sibling_range(name, seen)
+
+
 def enough_tokens(layers: dict, observers: dict, min_tokens: int, ctx: StageContext, fallback) -> list[str]:
     """Names of the layers that saw at least `min_tokens` calibration tokens, to be solved; each of
     the others (a rarely routed MoE expert) goes to `fallback(name, module, tokens)` now. Every layer
@@ -397,7 +405,7 @@ class GPTQ(EngineOptions, QuantizationStage):
         scales = global_scales(layers, args)  # NVFP4: one per fused group (q/k/v, gate/up), from the weights as they are
         solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens: self._round_to_nearest(
             name, module, ctx, tokens, f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest",
-            scales.get(name), observers[name]))
+            scales.get(name), observed_range(name, observers)))
 
         def solve(group: tuple[str, ...], device: torch.device) -> list[tuple]:
             # The group's layers read one input, so one Hessian serves them all (see shared_hessian_groups).
@@ -467,10 +475,10 @@ class GPTQ(EngineOptions, QuantizationStage):
         return pruned_zeros(W, self.preserve_sparsity)
 
     def _round_to_nearest(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str,
-                          global_scale: float | None = None, obs: HessianObserver | None = None) -> None:
+                          global_scale: float | None = None, rng: tuple[float, float] | None = None) -> None:
         """The fallback for a layer GPTQ cannot solve, recorded as such. Its inputs are quantized as
-        the scheme says, a static range from what calibration it saw (`obs`); with none, there is
-        no range to freeze, and its inputs stay unquantized, as its note says."""
+        the scheme says, a static range being `rng` (observed_range); with none, there is no range
+        to freeze, and its inputs stay unquantized, as its note says."""
         scheme = self.resolved_scheme()
         args = scheme.weights
         W = get_weight(module)
@@ -488,14 +496,14 @@ class GPTQ(EngineOptions, QuantizationStage):
             **({"global_scale": global_scale} if global_scale is not None else {})})
         a = scheme.input_activations
         if a is not None:
-            rng = (obs.lo, obs.hi) if obs is not None and obs.tokens and not a.dynamic else None
+            rng = None if a.dynamic else rng
             if a.dynamic or rng is not None:
                 activations.attach(module, a, rng)
                 record["input_activations"] = a.model_dump(mode="json")
                 if rng is not None:
                     record["activation_range"] = list(rng)
-            else:
-                record["note"] += "; no calibration token reached it, so there is no static input range: inputs not quantized"
+            if not a.dynamic and not tokens:
+                record["note"] += "; " + (SIBLING_RANGE_NOTE if rng is not None else NO_RANGE_NOTE)
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = self.select(model, "gptq")

@@ -19,6 +19,7 @@ from compress import activations
 from compress.engine import observe_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
+from compress.moe import NO_RANGE_NOTE, SIBLING_RANGE_NOTE, sibling_range
 from compress.quant import fake_quantize, fake_quantize_fp4, fake_quantize_fp8, nvfp4_global_scale, relative_error
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext, check_weight
@@ -102,8 +103,11 @@ class RoundToNearest(QuantizationStage):
                 ranges = {name: (obs.lo, obs.hi) for name, obs in observers.items() if obs.tokens}
             for name, module in modules.items():
                 if not aargs.dynamic and name not in ranges:  # an expert the router never chose
-                    ctx.layers[name]["note"] = "no calibration token reached it, so there is no static input range: inputs not quantized"
-                    continue
+                    borrowed = sibling_range(name, ranges)
+                    ctx.layers[name]["note"] = SIBLING_RANGE_NOTE if borrowed else NO_RANGE_NOTE
+                    if borrowed is None:
+                        continue
+                    ranges[name] = borrowed
                 activations.attach(module, aargs, ranges.get(name))
                 ctx.layers[name]["input_activations"] = aargs.model_dump(mode="json")
                 if name in ranges:
