@@ -210,6 +210,12 @@ def get_weight(module: torch.nn.Module) -> torch.Tensor:
     return w.float().clone()
 
 
+def weight_shape(module: torch.nn.Module) -> tuple[int, int]:
+    """(out_features, in_features) of a Linear or GPT-2 Conv1D, without copying the weight."""
+    w = module.weight
+    return (w.shape[1], w.shape[0]) if type(module).__name__ == "Conv1D" else (w.shape[0], w.shape[1])
+
+
 def set_weight(module: torch.nn.Module, weight: torch.Tensor) -> None:
     """Write a [out, in] weight back in the module's own layout, dtype and device."""
     if type(module).__name__ == "Conv1D":

@@ -17,7 +17,6 @@ from compress.pipeline import (StageShapes, check_data_files, check_offloadable,
                                preflight, stage_weights)
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, packed_weight_bits, scale_bits_of
-from compress.stages.pruning import get_weight_shape
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
 
 
@@ -108,7 +107,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         for n, rec in inherited.items():
             if n in modules:
                 weights = QuantArgs(**rec["weights"]) if rec.get("weights") else None
-                assignments[n] = {"stage": rec["stage"], "shape": list(get_weight_shape(modules[n])),
+                assignments[n] = {"stage": rec["stage"], "shape": list(modeling.weight_shape(modules[n])),
                                   "scheme": weights.describe() if weights else f"pruned {rec.get('pattern') or rec.get('sparsity')}",
                                   "weights": weights, "activations": None}
         for i, (name, stage, model) in enumerate(walk):
@@ -146,7 +145,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             mixed = (getattr(stage, "actorder", False) and not getattr(stage, "static_groups", False)
                      and scheme is not None and scheme.weights.strategy in ("group", "tensor_group"))
             for n, m in chosen.items():
-                out_f, in_f = get_weight_shape(m)
+                out_f, in_f = modeling.weight_shape(m)
                 entry = {"stage": name, "shape": [out_f, in_f], "scheme": scheme.describe() if scheme else described,
                          "weights": scheme.weights if scheme else joint,
                          "activations": scheme.input_activations if scheme else None}

@@ -20,6 +20,7 @@ import torch
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from compress.errors import CompressError
+from compress.modeling import weight_shape
 from compress.sparsity import parse_pattern, sparsity as zero_share
 from compress.stages.base import Stage, StageContext, check_weight, select_targets  # noqa: F401 (check_weight: for the pruning stages)
 from compress.targets import Pattern, matches
@@ -113,8 +114,8 @@ class PruningStage(Stage):
         out = {}
         for name, module in modules.items():
             out[name] = next((t for k, t in overrides.items() if matches(k, name, module)), default)
-            if out[name].nm and get_weight_shape(module)[1] % out[name].nm[1]:
-                raise CompressError(f"layer {name}: its {get_weight_shape(module)[1]} input features are not a multiple of "
+            if out[name].nm and weight_shape(module)[1] % out[name].nm[1]:
+                raise CompressError(f"layer {name}: its {weight_shape(module)[1]} input features are not a multiple of "
                                     f"M = {out[name].nm[1]} (pattern {out[name].pattern})",
                                     "ignore that layer, or give it a sparsity_overrides entry")
         return out
@@ -127,12 +128,6 @@ class PruningStage(Stage):
 
     def select(self, model: torch.nn.Module, stage_name: str) -> dict[str, torch.nn.Module]:
         return select_targets(model, self.targets, self.ignore, stage_name)
-
-
-def get_weight_shape(module: torch.nn.Module) -> tuple[int, int]:
-    """[out, in] of a Linear or GPT-2 Conv1D, without copying the weight."""
-    w = module.weight
-    return (w.shape[1], w.shape[0]) if type(module).__name__ == "Conv1D" else (w.shape[0], w.shape[1])
 
 
 def count_nonzero(model: torch.nn.Module) -> int | None:

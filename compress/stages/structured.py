@@ -57,6 +57,7 @@ from pydantic import Field
 
 from compress.engine import find_blocks, observe_layers
 from compress.errors import CompressError
+from compress.modeling import weight_shape
 from compress.stages.base import Stage, StageContext, done_by, from_input
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +333,7 @@ class Structured(Stage):
         nothing or everything, and a config transformers would refuse to save or load."""
         config = model.config
         if self.structure == "mlp-channels":
-            total, unit = _out_in(blocks[0].get_submodule(family.mlp_out))[1], "MLP channels"
+            total, unit = weight_shape(blocks[0].get_submodule(family.mlp_out))[1], "MLP channels"
         elif self.structure == "heads":
             total, unit = config.num_key_value_heads, "KV groups of heads"
         else:
@@ -437,7 +438,7 @@ class Structured(Stage):
 
     def _prune_mlp(self, blocks, path: str, family: Family, keep: list[torch.Tensor], records: dict[str, dict]) -> None:
         for b, block in enumerate(blocks):
-            width = _out_in(block.get_submodule(family.mlp_out))[1]
+            width = weight_shape(block.get_submodule(family.mlp_out))[1]
             rows = torch.cat([keep[b], keep[b] + width]) if family.fused else keep[b]  # [gate; up] stacked
             for name in family.mlp_in:
                 prune_outputs(block.get_submodule(name), rows)
@@ -447,7 +448,7 @@ class Structured(Stage):
             if isinstance(getattr(mlp, "intermediate_size", None), int):
                 mlp.intermediate_size = len(keep[b])  # LlamaMLP keeps its width
             _update_shapes(records, f"{path}.{b}.", block, family.mlp_in)
-            records.setdefault(f"{path}.{b}.{family.mlp_out}", {})["shape"] = list(_out_in(down))
+            records.setdefault(f"{path}.{b}.{family.mlp_out}", {})["shape"] = list(weight_shape(down))
 
     def _prune_heads(self, blocks, path: str, family: Family, config, keep: list[torch.Tensor], records: dict[str, dict]) -> None:
         heads, kv = config.num_attention_heads, config.num_key_value_heads
@@ -470,7 +471,7 @@ class Structured(Stage):
                 if isinstance(getattr(attn, attr, None), int):
                     setattr(attn, attr, value)
             _update_shapes(records, f"{path}.{b}.", block, family.attention[:3])
-            records.setdefault(f"{path}.{b}.{family.attention[3]}", {})["shape"] = list(_out_in(o))
+            records.setdefault(f"{path}.{b}.{family.attention[3]}", {})["shape"] = list(weight_shape(o))
 
     @staticmethod
     def _remove_blocks(model: torch.nn.Module, path: str, blocks: torch.nn.ModuleList, keep: list[int],
@@ -543,13 +544,4 @@ def _update_shapes(records: dict[str, dict], prefix: str, block: torch.nn.Module
     for name in names:
         rec = records.get(prefix + name)
         if rec is not None and "shape" in rec:
-            rec["shape"] = list(_out_in(block.get_submodule(name)))
-
-
-def _is_conv1d(module: torch.nn.Module) -> bool:
-    return type(module).__name__ == "Conv1D"
-
-
-def _out_in(module: torch.nn.Module) -> tuple[int, int]:
-    w = module.weight
-    return (w.shape[1], w.shape[0]) if _is_conv1d(module) else tuple(w.shape)
+            rec["shape"] = list(weight_shape(block.get_submodule(name)))
