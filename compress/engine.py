@@ -542,34 +542,50 @@ def blocks_swapped(model: torch.nn.Module, path: str, replacement: torch.nn.Modu
 @torch.no_grad()
 def run_outside(model, path: str, blocks: torch.nn.ModuleList, batches: list[dict], records: list[BlockInput],
                 store: ActivationStore, device: torch.device, stage: Any, layers: dict[str, torch.nn.Module], ctx: Any,
-                returns_tuple: bool, progress: Callable = lambda *_: None) -> None:
+                tuple_len: int | None, progress: Callable = lambda *_: None) -> None:
     """Observe and compress the selected `layers` outside the blocks: every batch through the model
     with its blocks stood in for by what the engine computed, so the parts before the blocks run on
     the batch itself and the parts after them (final norm, pooler, heads) on the last compressed
-    block's outputs (in `store`), as at inference. As in capture_block_inputs, only the parts
-    outside the blocks move to the device; the stage's observers are made there, and
-    `stage.compress_outside(layers, observers, ctx)` runs there too."""
+    block's outputs (in `store`), as at inference. (Layers before the blocks, such as OPT's
+    project_in, are therefore solved last, the blocks having been calibrated on their float
+    outputs.) As in capture_block_inputs, only the parts outside the blocks move to the device;
+    the stage's observers are made there, and `stage.compress_outside(layers, observers, ctx)`
+    runs there too. `tuple_len`: how many items a block returns, None for a bare tensor."""
     current = {"batch": 0}
 
     def replay(index: int, hidden, *args, **kwargs):
         out = store.get(current["batch"]).to(hidden.device) if index == len(blocks) - 1 else hidden
-        return (out,) if returns_tuple else out
+        # a loop that unpacks what each block returns (`hidden, _ = layer(...)`) gets as many items
+        return out if tuple_len is None else (out, *[None] * (tuple_len - 1))
+
+    # The routers do not run here, so a MoE model asked for their logits would compute its
+    # load-balancing loss from none.
+    extra = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
 
     stand_ins = torch.nn.ModuleList([BlockStandIn(blocks, i, replay) for i in range(len(blocks))])
     with blocks_swapped(model, path, stand_ins), on_device(model, device):
         observers = {n: obs for n, m in layers.items() if (obs := stage.observe(n, m)) is not None}
 
-        def hook_for(observer):
+        fired: set = set()
+
+        def hook_for(name: str, observer):
             def hook(module, inputs, output):
                 observer.add(inputs, output, records[current["batch"]].mask)
+                fired.add(name)
+                if len(fired) == len(observers):
+                    raise _StopForward  # the rest of the model (an lm_head's logits, say) serves no observer
             return hook
 
-        handles = [layers[n].register_forward_hook(hook_for(obs)) for n, obs in observers.items()]
+        handles = [layers[n].register_forward_hook(hook_for(n, obs)) for n, obs in observers.items()]
         try:
             for j, batch in enumerate(batches):
                 current["batch"] = j
+                fired.clear()
                 progress("outside the blocks: calibrating", j, len(batches))
-                model(**{k: v.to(device) for k, v in batch.items()})
+                try:
+                    model(**{k: v.to(device) for k, v in batch.items()}, **extra)
+                except _StopForward:
+                    pass
         finally:
             for handle in handles:
                 handle.remove()
@@ -593,9 +609,14 @@ class Observing:
         return observer
 
     def compress_block(self, index, block, prefix, layers, observers, ctx, runner) -> None:
-        pass
+        # The block's statistics are complete: an observer that hooks more than the engine does
+        # (kv_cache's) lets go now, before the block runs again to feed the next one.
+        for observer in observers.values():
+            if callable(getattr(observer, "done", None)):
+                observer.done()
 
 
+@torch.no_grad()
 def observe_layers(model: torch.nn.Module, ctx: Any, selected: dict[str, torch.nn.Module],
                    observe: Callable[[str, torch.nn.Module], Any], blocks_path: str | None = None) -> tuple[dict, dict]:
     """Statistics of the selected layers over the calibration set, the model unchanged: through the
@@ -616,6 +637,7 @@ def observe_layers(model: torch.nn.Module, ctx: Any, selected: dict[str, torch.n
     return stage.observers, summary
 
 
+@torch.no_grad()
 def _observe_whole(model: torch.nn.Module, ctx: Any, selected: dict, stage: Observing) -> dict:
     """observe_layers for a model whose blocks the engine cannot find: every sample through the
     whole model on the device, the observers hooked."""
@@ -710,7 +732,7 @@ class Engine:
             outside = {}
         peak_device_params = 0
         first_groups = None
-        returns_tuple = False
+        tuple_len = None  # how many items the blocks return (None: a bare tensor), for run_outside
         try:
             for i, block in enumerate(blocks):
                 prefix = f"{path}.{i}."
@@ -743,7 +765,7 @@ class Engine:
                         for j in range(len(records)):
                             self.progress(f"block {i + 1}/{len(blocks)}: propagating", j, len(records))
                             raw = block(store.get(j), **runner.kwargs(j))
-                            returns_tuple = isinstance(raw, (tuple, list))
+                            tuple_len = len(raw) if isinstance(raw, (tuple, list)) else None
                             self._replace(store, j, _block_output(raw))
                 if self.offload is not None:
                     self.offload.release(prefix[:-1], shard=i + 1)
@@ -751,7 +773,7 @@ class Engine:
                     torch.cuda.empty_cache()
             if outside:
                 run_outside(model, path, blocks, batches, records, store, self.device, stage, outside, ctx,
-                            returns_tuple, self.progress)
+                            tuple_len, self.progress)
         finally:
             store.close()
         summary = {"blocks": len(blocks), "batch_size": batch_size, "batches": len(records),

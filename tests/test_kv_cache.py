@@ -186,6 +186,29 @@ def observe_kv(model, modules, samples):
     return kv_cache.observe_kv(model, ctx, modules)[0]
 
 
+def test_a_blocks_kv_hooks_are_gone_before_it_runs_again():
+    """The observers' cache stand-ins keep keys and values for the forward that computes them; once
+    a block is calibrated they are removed, before the engine runs the block again to feed the next
+    one (they would otherwise keep every layer's keys and values, on the device, to the end)."""
+    model, tokenizer, _ = modeling.load_model("default", dtype="float32")
+    modules = activations.attention_modules(model)
+    hooks_while_propagating = {}
+
+    def progress(description, done, total):
+        if description.endswith(": propagating"):
+            block = int(description.split()[1].split("/")[0]) - 1
+            hooks_while_propagating[block] = len(modules[f"model.layers.{block}.self_attn"]._forward_pre_hooks)
+
+    ids = [torch.arange(n) * 53 % 2000 + 5 for n in (24, 24)]
+    ctx = StageContext(device=torch.device("cpu"), calibration=SimpleNamespace(samples=[{"input_ids": i[None]} for i in ids]),
+                       progress=progress)
+    ranges, summary = kv_cache.observe_kv(model, ctx, modules)
+    assert sorted(hooks_while_propagating) == list(range(summary["blocks"] - 1))  # the last block is not run again
+    assert set(hooks_while_propagating.values()) == {0}
+    assert all(k > 0 and v > 0 for k, v in ranges.values())
+    assert all(not m._forward_pre_hooks for m in modules.values())
+
+
 def test_padding_is_left_out_of_the_scales(tmp_path):
     """One padded batch observes the same maxima as each sequence alone: padded positions'
     keys and values (which a cache would never serve) do not count."""

@@ -260,3 +260,41 @@ def test_engine_gives_each_block_only_the_keywords_the_model_gives_it():
     summary = _engine_on_toy(lambda i, layer, hidden: layer(hidden, **({"scale": torch.tensor(0.5)} if i == 0
                                                                          else {"shift": torch.tensor(2.0)})))
     assert "untraced_layer_loop" not in summary
+
+
+def test_layers_after_an_unpacking_layer_loop_are_calibrated_there():
+    """A loop that unpacks each block's tuple (`hidden, _ = layer(hidden)`) runs the layers after the
+    blocks on stand-ins that return as many items as the blocks do: the head behind such a loop is
+    solved by GPTQ on what the model feeds it."""
+    from types import SimpleNamespace
+
+    from compress.stages.base import StageContext
+    from compress.stages.gptq import GPTQ
+
+    class ToyWithHead(Toy):
+        def __init__(self, loop):
+            super().__init__(loop, returns_tuple=True)
+            self.head = torch.nn.Linear(8, 8)
+
+        def forward(self, input_ids):
+            return self.head(super().forward(input_ids))
+
+    def unpacking(i, layer, hidden):
+        hidden, _ = layer(hidden)
+        return hidden
+
+    torch.manual_seed(0)
+    model = ToyWithHead(unpacking).eval()
+    samples = [{"input_ids": torch.randint(0, 16, (1, 32))} for _ in range(2)]
+    ctx = StageContext(device=torch.device("cpu"), calibration=SimpleNamespace(samples=samples))
+    ids = torch.cat([s["input_ids"] for s in samples])  # the engine runs both samples as one batch
+    with torch.no_grad():
+        expected = model.layers[2](model.layers[1](model.layers[0](model.embed(ids))[0])[0])[0]
+    seen = []
+    model.head.register_forward_pre_hook(lambda mod, args: seen.append(args[0].detach().clone()))
+    summary = GPTQ(scheme="W8A16", blocks="layers", ignore=[]).apply(model, ctx)
+    assert summary["outside_blocks"] == ["head"] and summary["rtn_fallback"] == 0
+    assert ctx.layers["head"]["tokens"] == 64 and ctx.layers["head"]["gptq_loss"] is not None
+    # the head saw the compressed blocks' outputs (not the float ones)
+    assert len(seen) == 1 and seen[0].shape == expected.shape and not torch.equal(seen[0], expected)
+    assert torch.allclose(seen[0], expected, atol=0.05)

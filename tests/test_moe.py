@@ -412,3 +412,16 @@ def test_training_stopped_and_resumed_on_experts_equals_the_run_never_stopped(mo
     assert report["stages"][0]["summary"]["resumed_from_step"] == 2
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_targeted_lm_head_on_a_model_that_reports_router_logits(moe_model, tmp_path):
+    """A MoE config with output_router_logits (common in fine-tuned checkpoints): the run of the
+    layers outside the blocks does not run the routers, so it must not ask for their loss either
+    (it failed with an IndexError in transformers' load-balancing loss)."""
+    family, path, model = moe_model
+    model.config.output_router_logits = True
+    model.save_pretrained(path)
+    report = run_recipe(recipe_on(path, "gptq: {scheme: W4A16, weights: {group_size: 16}, ignore: []}", samples=4),
+                        output=str(tmp_path / "out"), device="cpu")
+    assert report["stages"][0]["summary"]["outside_blocks"] == ["lm_head"]
+    assert report["layers"]["lm_head"]["gptq_loss"] < report["layers"]["lm_head"]["rtn_loss"]

@@ -30,8 +30,9 @@ from compress.stages.base import Stage, StageContext
 class KVObserver:
     """max |key| and max |value| an attention layer stores over the calibration tokens, padding
     excluded. The keys and values exist only inside the layer's forward: a pre-hook puts a stand-in
-    for its cache argument that keeps the last ones handed to it, and `add` (called after the
-    forward, with the batch's mask) takes their maxima. `close` removes the pre-hook."""
+    for its cache argument that keeps their largest magnitude at each position, and `add` (called
+    after the forward, with the batch's mask) takes the maxima over the tokens that count.
+    `done` (the block calibrated) and `close` remove the pre-hook."""
 
     def __init__(self, name: str, module: torch.nn.Module):
         self.name, self.key_absmax, self.value_absmax = name, 0.0, 0.0
@@ -39,7 +40,8 @@ class KVObserver:
         self._handle = module.register_forward_pre_hook(activations.kv_pre_hook(self._keep), with_kwargs=True)
 
     def _keep(self, key: torch.Tensor, value: torch.Tensor):
-        self._last = (key, value)
+        # [batch, heads, tokens, head_dim] -> [batch, tokens]: all `add` needs, a head_dim·heads-th of it
+        self._last = tuple(x.detach().abs().amax(dim=(1, 3)).float() for x in (key, value))
         return key, value
 
     def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
@@ -47,10 +49,9 @@ class KVObserver:
             return
         tops = []
         for x in self._last:
-            x = x.detach().float().transpose(1, 2)  # [batch, tokens, heads, head_dim]
-            if mask is not None and x.shape[:2] == mask.shape:
+            if mask is not None and x.shape == mask.shape:
                 x = x[mask.to(x.device).bool()]
-            top = float(x.abs().max()) if x.numel() else 0.0
+            top = float(x.max()) if x.numel() else 0.0
             if top != top or top == float("inf"):
                 raise CompressError(f"layer {self.name}: non-finite keys or values (NaN/Inf, or float16 overflow)",
                                     "check the model's weights, or load it in float32 (--dtype float32)")
@@ -58,9 +59,11 @@ class KVObserver:
         self._last = None
         self.key_absmax, self.value_absmax = max(self.key_absmax, tops[0]), max(self.value_absmax, tops[1])
 
-    def close(self) -> None:
+    def done(self) -> None:
         self._handle.remove()
         self._last = None
+
+    close = done  # removing a removed hook is harmless
 
 
 def observe_kv(model: torch.nn.Module, ctx: StageContext, modules: dict[str, torch.nn.Module]

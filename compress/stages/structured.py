@@ -278,7 +278,8 @@ class Structured(Stage):
             "non_embedding_parameters_before": before_ne,
             "non_embedding_parameters_after": after_ne,
             "non_embedding_removed_pct": 100 * (before_ne - after_ne) / max(before_ne, 1),
-            **calibration,
+            # the calibration engine's summary; its block count is the model's before the cut
+            **{("blocks_calibrated" if k == "blocks" else k): v for k, v in calibration.items()},
         }
 
     @property
