@@ -165,8 +165,11 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 if scheme and scheme.weights and scheme.weights.strategy == "group" and in_f % scheme.weights.group_size:
                     partial.setdefault((i, name, scheme.weights.group_size), []).append(f"{n} ({in_f})")
         linear = [n for n, m in walk.model.named_modules() if type(m).__name__ in LINEAR_TYPES]
+        order = {n: i for i, n in enumerate(linear)}  # experts unfused here, as the stages see them
     for n in [n for n, a in assignments.items() if "scheme" not in a]:
         del assignments[n]  # the shape a cut recorded of a layer no stage selects
+    # in the model's order, whichever stage (or the input model's records) named a layer first
+    assignments = dict(sorted(assignments.items(), key=lambda item: order.get(item[0], len(order))))
     unpackable = {n: why for n, why in unpackable.items() if n in assignments}  # layers of removed blocks go
     for (i, name, group), layers in partial.items():
         listed = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")

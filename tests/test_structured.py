@@ -72,8 +72,12 @@ def test_mlp_channels_shrink_and_reload(family, tmp_path):
     assert summary["parameters_after"] == modeling.count_parameters(saved) == report["output"]["parameters"]
     assert summary["parameters_after"] < summary["parameters_before"] == report["source_model"]["parameters"]
     assert summary["non_embedding_removed_pct"] > summary["parameters_removed_pct"] > 0
-    down = next(n for n in report["layers"])
+    down = next(n for n, r in report["layers"].items() if "kept_channels" in r)
     assert len(report["layers"][down]["kept_channels"]) == width * 3 // 4
+    # every layer the cut reshaped is in the report with its new shape (inspect lists them)
+    reshaped = {n: r["shape"] for n, r in report["layers"].items() if r.get("stage") == "structured"}
+    assert len(reshaped) == {"gpt2": 2, "opt": 2, "bert": 2, "phi3": 2}.get(family, 3) * saved.config.num_hidden_layers
+    assert all({width * 3 // 4, width * 3 // 2} & set(shape) for shape in reshaped.values())  # Phi-3: [gate; up] stacked
 
     pruned, _ = prune_in_memory(str(path), recipe, structure="mlp-channels", ratio=0.25)
     with torch.no_grad():

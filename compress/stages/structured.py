@@ -541,8 +541,9 @@ def _config_problem(config, changes: dict) -> Optional[str]:
 
 
 def _update_shapes(records: dict[str, dict], prefix: str, block: torch.nn.Module, names) -> None:
-    """Records of earlier stages (a quantized layer's shape counts its packed size) follow the cut."""
+    """Every layer the cut reshaped has a record with its new shape: an earlier stage's follows the
+    cut (a quantized layer's shape counts its packed size), and one that had none gets one, so the
+    report and `compress inspect` list every layer that changed."""
     for name in names:
-        rec = records.get(prefix + name)
-        if rec is not None and "shape" in rec:
-            rec["shape"] = list(weight_shape(block.get_submodule(name)))
+        rec = records.setdefault(prefix + name, {"stage": "structured"})
+        rec["shape"] = list(weight_shape(block.get_submodule(name)))
