@@ -103,6 +103,15 @@ def block_label(index: int) -> str:
     return "outside the blocks" if index == OUTSIDE else f"block {index + 1}"
 
 
+class SolvesOutsideBlocks:
+    """For a BlockwiseStage whose compress_block needs only the layers and their observers (neither
+    the block nor a runner): the layers outside the blocks (a BERT pooler, a targeted lm_head) are
+    compressed the same way, at block index OUTSIDE, on the inputs run_outside gives them."""
+
+    def compress_outside(self, layers: dict, observers: dict, ctx: Any) -> None:
+        self.compress_block(OUTSIDE, None, "", layers, observers, ctx, None)
+
+
 def token_rows(inputs: tuple, mask: torch.Tensor | None) -> torch.Tensor:
     """A hooked layer's input as float32 [tokens, features], padding positions dropped: what every
     observer accumulates its statistics over."""
@@ -592,17 +601,15 @@ def run_outside(model, path: str, blocks: torch.nn.ModuleList, batches: list[dic
         stage.compress_outside(layers, observers, ctx)
 
 
-class Observing:
+class Observing(SolvesOutsideBlocks):
     """A BlockwiseStage that only gathers statistics: `observe(name, module)` makes each selected
-    layer's observer, and nothing is changed, so every block's outputs are the model's own. With
-    `outside`, the selected layers outside the blocks are observed too (on the model's own run,
-    run_outside). `observers` holds every observer made, by layer name."""
+    layer's observer, and nothing is changed, so every block's outputs are the model's own; the
+    selected layers outside the blocks are observed too (on the model's own run, run_outside).
+    `observers` holds every observer made, by layer name."""
 
-    def __init__(self, observe: Callable[[str, torch.nn.Module], Any], outside: bool = True):
+    def __init__(self, observe: Callable[[str, torch.nn.Module], Any]):
         self._observe = observe
         self.observers: dict[str, Any] = {}
-        if outside:
-            self.compress_outside = lambda layers, observers, ctx: None
 
     def observe(self, name: str, module: torch.nn.Module):
         observer = self.observers[name] = self._observe(name, module)
@@ -727,9 +734,8 @@ class Engine:
                                                               and self._fits_on_device(batches, model))
         store = ActivationStore(self.device, keep_on_device, self.activation_budget)
         records, untraced = capture_block_inputs(model, path, blocks, batches, self.device, store)
-        outside = {n: m for n, m in selected.items() if not n.startswith(path + ".")}
-        if not callable(getattr(stage, "compress_outside", None)):
-            outside = {}
+        solves_outside = callable(getattr(stage, "compress_outside", None))
+        outside = {n: m for n, m in selected.items() if solves_outside and not n.startswith(path + ".")}
         peak_device_params = 0
         first_groups = None
         tuple_len = None  # how many items the blocks return (None: a bare tensor), for run_outside

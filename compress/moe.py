@@ -46,16 +46,19 @@ def sibling_experts(name: str, names: Iterable[str]) -> list[str]:
             and m.group(3) == tail]
 
 
-def sibling_range(name: str, ranges: dict[str, tuple[float, float]]) -> tuple[float, float] | None:
-    """A static input range for an expert layer no calibration token reached: the union of its
-    sibling experts' observed ranges (their gate and up projections read the very hidden states
-    it would, routed differently); None when no sibling saw any."""
+def static_input_range(name: str, ranges: dict[str, tuple[float, float]]) -> tuple[tuple[float, float] | None, str | None]:
+    """The static input range to freeze for layer `name`, from the observed `ranges` (layers that
+    saw calibration tokens), and a note when it is not its own: an expert layer no token reached
+    takes the union of its sibling experts' ranges (their gate and up projections read the very
+    hidden states it would, routed differently); with none observed there is no range (None), and
+    its inputs stay unquantized."""
+    if name in ranges:
+        return ranges[name], None
     seen = [ranges[n] for n in sibling_experts(name, ranges)]
-    return (min(lo for lo, _ in seen), max(hi for _, hi in seen)) if seen else None
-
-
-SIBLING_RANGE_NOTE = "no calibration token reached it: its static input range is the union of its sibling experts'"
-NO_RANGE_NOTE = "no calibration token reached it, so there is no static input range: inputs not quantized"
+    if not seen:
+        return None, "no calibration token reached it, so there is no static input range: inputs not quantized"
+    return ((min(lo for lo, _ in seen), max(hi for _, hi in seen)),
+            "no calibration token reached it: its static input range is the union of its sibling experts'")
 
 
 class Expert(nn.Module):

@@ -40,10 +40,10 @@ import torch
 from pydantic import Field, model_validator
 
 from compress import activations
-from compress.engine import OUTSIDE, block_label, solve_layers, token_rows
+from compress.engine import SolvesOutsideBlocks, block_label, solve_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
-from compress.moe import NO_RANGE_NOTE, SIBLING_RANGE_NOTE, sibling_range
+from compress.moe import static_input_range
 from compress.quant import QParams, compute_qparams, dequantize, quantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
 from compress.sparsity import pruned_zeros
@@ -309,11 +309,9 @@ class HessianObserver:
         return symmetric_from_upper_(2 * self.sum / max(self.tokens, 1))
 
 
-def observed_range(name: str, observers: dict) -> tuple[float, float] | None:
-    """The input range a HessianObserver tracked for `name`; for an expert layer no token reached,
-    its sibling experts' (moe.sibling_range); None when neither exists or none was tracked."""
-    seen = {n: (o.lo, o.hi) for n, o in observers.items() if o.track_range and o.tokens}
-    return seen.get(name) or sibling_range(name, seen)
+def observed_range(name: str, observers: dict) -> tuple[tuple[float, float] | None, str | None]:
+    """moe.static_input_range from the ranges the block's HessianObservers tracked."""
+    return static_input_range(name, {n: (o.lo, o.hi) for n, o in observers.items() if o.track_range and o.tokens})
 
 
 def enough_tokens(layers: dict, observers: dict, min_tokens: int, ctx: StageContext, fallback) -> list[str]:
@@ -370,7 +368,7 @@ def weight_and_hessian(name: str, module: torch.nn.Module, observer: HessianObse
 # The stage
 
 
-class GPTQ(EngineOptions, QuantizationStage):
+class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
     """GPTQ weight quantization, block by block through the calibration engine."""
 
     block_size: int = Field(128, gt=0, description="columns per lazy batched update")
@@ -405,7 +403,7 @@ class GPTQ(EngineOptions, QuantizationStage):
         scales = global_scales(layers, args)  # NVFP4: one per fused group (q/k/v, gate/up), from the weights as they are
         solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens: self._round_to_nearest(
             name, module, ctx, tokens, f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest",
-            scales.get(name), observed_range(name, observers)))
+            scales.get(name), *observed_range(name, observers)))
 
         def solve(group: tuple[str, ...], device: torch.device) -> list[tuple]:
             # The group's layers read one input, so one Hessian serves them all (see shared_hessian_groups).
@@ -444,11 +442,6 @@ class GPTQ(EngineOptions, QuantizationStage):
         groups = shared_hessian_groups(solvable, observers) if args.strategy != "tensor" else [(n,) for n in solvable]
         solve_layers(groups, solve, apply, ctx.devices)
 
-    def compress_outside(self, layers: dict, observers: dict, ctx: StageContext) -> None:
-        """The selected layers outside the blocks (a BERT pooler, a targeted lm_head), solved as in a
-        block, on the inputs the model's own run gives them from the compressed blocks' outputs."""
-        self.compress_block(OUTSIDE, None, "", layers, observers, ctx, None)
-
     def _record(self, scheme, index: int, name: str, module: torch.nn.Module, obs: HessianObserver, result: tuple,
                 ctx: StageContext, done: tuple[int, int]) -> None:
         """Write one solved layer back, attach its activation quantization, and record it."""
@@ -475,10 +468,11 @@ class GPTQ(EngineOptions, QuantizationStage):
         return pruned_zeros(W, self.preserve_sparsity)
 
     def _round_to_nearest(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str,
-                          global_scale: float | None = None, rng: tuple[float, float] | None = None) -> None:
+                          global_scale: float | None = None, rng: tuple[float, float] | None = None,
+                          range_note: str | None = None) -> None:
         """The fallback for a layer GPTQ cannot solve, recorded as such. Its inputs are quantized as
-        the scheme says, a static range being `rng` (observed_range); with none, there is no range
-        to freeze, and its inputs stay unquantized, as its note says."""
+        the scheme says, a static range being `rng` (observed_range, which says in `range_note`
+        where a range not its own came from); with none, its inputs stay unquantized."""
         scheme = self.resolved_scheme()
         args = scheme.weights
         W = get_weight(module)
@@ -496,14 +490,15 @@ class GPTQ(EngineOptions, QuantizationStage):
             **({"global_scale": global_scale} if global_scale is not None else {})})
         a = scheme.input_activations
         if a is not None:
-            rng = None if a.dynamic else rng
+            if a.dynamic:
+                rng = None
+            elif range_note:
+                record["note"] += "; " + range_note
             if a.dynamic or rng is not None:
                 activations.attach(module, a, rng)
                 record["input_activations"] = a.model_dump(mode="json")
                 if rng is not None:
                     record["activation_range"] = list(rng)
-            if not a.dynamic and not tokens:
-                record["note"] += "; " + (SIBLING_RANGE_NOTE if rng is not None else NO_RANGE_NOTE)
 
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = self.select(model, "gptq")
@@ -511,7 +506,8 @@ class GPTQ(EngineOptions, QuantizationStage):
         # A layer no calibration forward reaches falls back to round-to-nearest, and the report says so.
         for name in selected:
             if "gptq_loss" not in ctx.layers.get(name, {}):
-                self._round_to_nearest(name, selected[name], ctx, 0, "no calibration input reached this layer: round-to-nearest")
+                self._round_to_nearest(name, selected[name], ctx, 0, "no calibration input reached this layer: round-to-nearest",
+                                       None, *static_input_range(name, {}))
         done = [ctx.layers[n] for n in selected]
         solved = [r for r in done if r["gptq_loss"] is not None]
         summary.update({

@@ -19,7 +19,7 @@ from compress import activations
 from compress.engine import observe_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
-from compress.moe import NO_RANGE_NOTE, SIBLING_RANGE_NOTE, sibling_range
+from compress.moe import static_input_range
 from compress.quant import fake_quantize, fake_quantize_fp4, fake_quantize_fp8, nvfp4_global_scale, relative_error
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext, check_weight
@@ -97,21 +97,22 @@ class RoundToNearest(QuantizationStage):
         calibration: dict = {}  # static activation ranges: the calibration engine's summary
         if scheme.input_activations is not None:
             aargs = scheme.input_activations
-            ranges = {}
+            observed = {}
             if not aargs.dynamic:
                 observers, calibration = observe_layers(model, ctx, modules, lambda name, module: RangeObserver(name))
-                ranges = {name: (obs.lo, obs.hi) for name, obs in observers.items() if obs.tokens}
+                observed = {name: (obs.lo, obs.hi) for name, obs in observers.items() if obs.tokens}
             for name, module in modules.items():
-                if not aargs.dynamic and name not in ranges:  # an expert the router never chose
-                    borrowed = sibling_range(name, ranges)
-                    ctx.layers[name]["note"] = SIBLING_RANGE_NOTE if borrowed else NO_RANGE_NOTE
-                    if borrowed is None:
+                rng = None
+                if not aargs.dynamic:  # an expert the router never chose borrows its siblings' range
+                    rng, note = static_input_range(name, observed)
+                    if note:
+                        ctx.layers[name]["note"] = note
+                    if rng is None:
                         continue
-                    ranges[name] = borrowed
-                activations.attach(module, aargs, ranges.get(name))
+                activations.attach(module, aargs, rng)
                 ctx.layers[name]["input_activations"] = aargs.model_dump(mode="json")
-                if name in ranges:
-                    ctx.layers[name]["activation_range"] = list(ranges[name])
+                if rng is not None:
+                    ctx.layers[name]["activation_range"] = list(rng)
 
         errors = [r["relative_error"] for n, r in ctx.layers.items() if n in modules]
         return {

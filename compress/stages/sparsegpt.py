@@ -41,7 +41,7 @@ from typing import Literal, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from compress.engine import OUTSIDE, block_label, solve_layers
+from compress.engine import SolvesOutsideBlocks, block_label, solve_layers
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
@@ -167,7 +167,7 @@ class JointQuantization(BaseModel):
         return resolve_scheme(self.scheme, weights, None).weights
 
 
-class SparseGPT(EngineOptions, PruningStage):
+class SparseGPT(SolvesOutsideBlocks, EngineOptions, PruningStage):
     """SparseGPT pruning (optionally with joint quantization), block by block through the calibration engine."""
 
     block_size: int = Field(128, gt=0, description="columns per lazy batched update and per unstructured mask choice")
@@ -218,11 +218,6 @@ class SparseGPT(EngineOptions, PruningStage):
             self._done.add(name)
 
         solve_layers(solvable, solve, apply, ctx.devices)
-
-    def compress_outside(self, layers: dict, observers: dict, ctx: StageContext) -> None:
-        """The selected layers outside the blocks (a BERT pooler, a targeted lm_head), solved as in a
-        block, on the inputs the model's own run gives them from the compressed blocks' outputs."""
-        self.compress_block(OUTSIDE, None, "", layers, observers, ctx, None)
 
     def _magnitude(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str) -> None:
         """The fallback for a layer SparseGPT cannot solve, recorded as such."""

@@ -55,7 +55,7 @@ from typing import Callable, Literal, Optional
 import torch
 from pydantic import Field
 
-from compress.engine import find_blocks, observe_layers
+from compress.engine import find_blocks, observe_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import weight_shape
 from compress.stages.base import Stage, StageContext, done_by, from_input
@@ -167,24 +167,15 @@ _NO_HEADS_WHY = "its config derives the head size from the hidden size, so a mod
 
 
 # ---------------------------------------------------------------------------------------------
-# Statistics, collected by hooks during one forward pass
+# Statistics, gathered by the calibration engine's observers
 
 
 class _Stats:
-    """Per-block sums over the calibration tokens; `mask` is the current sample's attention mask."""
+    """Per-block sums over the calibration tokens (padding excluded) and their token counts."""
 
     def __init__(self, n_blocks: int):
         self.sums: list[Optional[torch.Tensor]] = [None] * n_blocks
         self.tokens = [0] * n_blocks
-        self.mask: Optional[torch.Tensor] = None
-
-    def tokens_of(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, ...] -> [tokens, ...] without padding."""
-        if self.mask is not None and x.dim() >= 3 and tuple(x.shape[:2]) == tuple(self.mask.shape):
-            return x[self.mask.to(x.device).bool()]
-        if self.mask is not None and x.dim() == 2 and x.shape[0] == self.mask.numel():  # tokens flattened (OPT's MLP)
-            return x[self.mask.reshape(-1).to(x.device).bool()]
-        return x.reshape(-1, *x.shape[2:]) if x.dim() >= 3 else x
 
     def add(self, b: int, value: torch.Tensor, count: int) -> None:
         value = value.detach().float()
@@ -201,18 +192,17 @@ class _Observer:
         self.stats, self.b, self.structure, self.num_heads = stats, b, structure, num_heads
 
     def add(self, inputs: tuple, output, mask: torch.Tensor | None) -> None:
-        stats, x = self.stats, inputs[0]
-        stats.mask = mask
         if self.structure == "mlp-channels":
-            a = stats.tokens_of(x).reshape(-1, x.shape[-1]).float()
-            stats.add(self.b, (a * a).sum(0), a.shape[0])
+            a = token_rows(inputs, mask)
+            self.stats.add(self.b, (a * a).sum(0), a.shape[0])
         elif self.structure == "heads":
-            o = stats.tokens_of(x).reshape(-1, self.num_heads, x.shape[-1] // self.num_heads).float()
-            stats.add(self.b, o.norm(dim=-1).sum(0), o.shape[0])
+            o = token_rows(inputs, mask)
+            o = o.reshape(-1, self.num_heads, o.shape[-1] // self.num_heads)
+            self.stats.add(self.b, o.norm(dim=-1).sum(0), o.shape[0])
         else:
             y = output[0] if isinstance(output, (tuple, list)) else output
-            cos = stats.tokens_of(token_cosine(x, y).unsqueeze(-1)).reshape(-1)
-            stats.add(self.b, cos.sum(), cos.numel())
+            cos = token_rows((token_cosine(inputs[0], y).unsqueeze(-1),), mask).reshape(-1)
+            self.stats.add(self.b, cos.sum(), cos.numel())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,7 +406,7 @@ class Structured(Stage):
         block on the device at a time; the model unchanged, so each block sees the unpruned model's
         hidden states)."""
         stats = _Stats(len(blocks))
-        hooked = {"mlp-channels": lambda: family.mlp_out, "heads": lambda: family.attention[3]}.get(self.structure, lambda: None)()
+        hooked = {"mlp-channels": family.mlp_out, "heads": family.attention and family.attention[3]}.get(self.structure)
         selected = {f"{path}.{b}" + (f".{hooked}" if hooked else ""): block.get_submodule(hooked) if hooked else block
                     for b, block in enumerate(blocks)}
         index = {name: b for b, name in enumerate(selected)}
@@ -448,8 +438,7 @@ class Structured(Stage):
             mlp = block.get_submodule(family.mlp_out.rsplit(".", 1)[0]) if "." in family.mlp_out else block
             if isinstance(getattr(mlp, "intermediate_size", None), int):
                 mlp.intermediate_size = len(keep[b])  # LlamaMLP keeps its width
-            _update_shapes(records, f"{path}.{b}.", block, family.mlp_in)
-            records.setdefault(f"{path}.{b}.{family.mlp_out}", {})["shape"] = list(weight_shape(down))
+            _update_shapes(records, f"{path}.{b}.", block, (*family.mlp_in, family.mlp_out))
 
     def _prune_heads(self, blocks, path: str, family: Family, config, keep: list[torch.Tensor], records: dict[str, dict]) -> None:
         heads, kv = config.num_attention_heads, config.num_key_value_heads
@@ -471,8 +460,7 @@ class Structured(Stage):
                                 ("num_key_value_heads", len(groups)), ("head_dim", d)):
                 if isinstance(getattr(attn, attr, None), int):
                     setattr(attn, attr, value)
-            _update_shapes(records, f"{path}.{b}.", block, family.attention[:3])
-            records.setdefault(f"{path}.{b}.{family.attention[3]}", {})["shape"] = list(weight_shape(o))
+            _update_shapes(records, f"{path}.{b}.", block, family.attention)
 
     @staticmethod
     def _remove_blocks(model: torch.nn.Module, path: str, blocks: torch.nn.ModuleList, keep: list[int],

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from compress.engine import OUTSIDE, block_label, token_rows
+from compress.engine import SolvesOutsideBlocks, block_label, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.sparsity import nm_mask, unstructured_mask, wanda_scores
@@ -51,7 +51,7 @@ class InputNormObserver:
         return self.sq_sum.sqrt()
 
 
-class Wanda(EngineOptions, PruningStage):
+class Wanda(SolvesOutsideBlocks, EngineOptions, PruningStage):
     """Wanda pruning, block by block through the calibration engine."""
 
     def observe(self, name: str, module: torch.nn.Module) -> InputNormObserver:
@@ -75,11 +75,6 @@ class Wanda(EngineOptions, PruningStage):
             record_layer(ctx, name, "wanda", self._targets[name], W, pruned, tokens=obs.tokens)
             self._done.add(name)
             ctx.progress(f"{block_label(index)}: wanda {name}", k + 1, len(layers))
-
-    def compress_outside(self, layers: dict, observers: dict, ctx: StageContext) -> None:
-        """The selected layers outside the blocks (a BERT pooler, a targeted lm_head), solved as in a
-        block, on the inputs the model's own run gives them from the compressed blocks' outputs."""
-        self.compress_block(OUTSIDE, None, "", layers, observers, ctx, None)
 
     def _magnitude(self, name: str, module: torch.nn.Module, ctx: StageContext, note: str) -> None:
         """The fallback for a layer without calibration inputs, recorded as such."""
