@@ -23,7 +23,8 @@ block itself when it is selected). A stage that also has `compress_outside(layer
 gets the selected layers outside the blocks (a BERT pooler, a targeted lm_head) observed after the
 last block, on the model's own run from the compressed blocks' outputs (`run_outside`), and
 compresses them there; without it they see no calibration inputs. A stage that only gathers
-statistics (static activation ranges, KV cache scales, structured importance) is an `Observing`.
+statistics (static activation ranges, KV cache scales, structured importance) is an `Observing`:
+the block it leaves unchanged runs once, its calibration pass's outputs feeding the next block.
 """
 
 from __future__ import annotations
@@ -607,6 +608,8 @@ class Observing(SolvesOutsideBlocks):
     selected layers outside the blocks are observed too (on the model's own run, run_outside).
     `observers` holds every observer made, by layer name."""
 
+    leaves_blocks_unchanged = True  # the engine propagates each block's outputs from its calibration pass
+
     def __init__(self, observe: Callable[[str, torch.nn.Module], Any]):
         self._observe = observe
         self.observers: dict[str, Any] = {}
@@ -617,7 +620,7 @@ class Observing(SolvesOutsideBlocks):
 
     def compress_block(self, index, block, prefix, layers, observers, ctx, runner) -> None:
         # The block's statistics are complete: an observer that hooks more than the engine does
-        # (kv_cache's) lets go now, before the block runs again to feed the next one.
+        # (kv_cache's) lets go now, before the next block runs.
         for observer in observers.values():
             if callable(getattr(observer, "done", None)):
                 observer.done()
@@ -756,18 +759,26 @@ class Engine:
                     groups = self.sequential_groups(layers, runner) if sequential else [list(layers)]
                     if len(groups) > 1 and first_groups is None:
                         first_groups = [[n.removeprefix(prefix) for n in g] for g in groups]
+                    # A stage that leaves the blocks as they are (Observing) takes the block's outputs
+                    # for the next one from its calibration pass: the block need not run again.
+                    keep_outputs = getattr(stage, "leaves_blocks_unchanged", False) and len(groups) == 1 \
+                        and (i + 1 < len(blocks) or bool(outside))
+                    propagated = False
                     for group in groups:
                         members = {n: layers[n] for n in group}
                         observers = {n: obs for n, m in members.items() if (obs := stage.observe(n, m)) is not None}
                         if observers:
-                            self._calibrate(runner, members, observers, f"block {i + 1}/{len(blocks)}: calibrating",
-                                            stop_after=group[-1] if len(groups) > 1 else None)
+                            kept = self._calibrate(runner, members, observers, f"block {i + 1}/{len(blocks)}: calibrating",
+                                                   stop_after=group[-1] if len(groups) > 1 else None,
+                                                   keep_outputs=keep_outputs)
+                            if keep_outputs:
+                                propagated, tuple_len = True, kept
                         if members:
                             stage.compress_block(i, block, prefix, members, observers, ctx, runner)
                         del observers
                     # The next block sees this block's compressed outputs, as it will at inference
                     # (after the last block: the layers outside the blocks, when they are observed).
-                    if i + 1 < len(blocks) or outside:
+                    if (i + 1 < len(blocks) or outside) and not propagated:
                         for j in range(len(records)):
                             self.progress(f"block {i + 1}/{len(blocks)}: propagating", j, len(records))
                             raw = block(store.get(j), **runner.kwargs(j))
@@ -793,14 +804,24 @@ class Engine:
             summary["sequential_groups"] = first_groups
         return summary
 
-    def _calibrate(self, runner: BlockRunner, layers: dict, observers: dict, desc: str, stop_after: str | None = None) -> None:
+    def _calibrate(self, runner: BlockRunner, layers: dict, observers: dict, desc: str, stop_after: str | None = None,
+                   keep_outputs: bool = False) -> int | None:
         """Every cached batch through the block with `observers` hooked on their layers; with
-        `stop_after` (a layer's name) each forward ends once that layer has run."""
+        `stop_after` (a layer's name) each forward ends once that layer has run. With `keep_outputs`
+        each batch's block output replaces its input in the store, as propagating would; returns how
+        many items the block returns (None: a bare tensor)."""
         records = runner.records
         handles = [layers[n].register_forward_hook(self._hook(obs, runner)) for n, obs in observers.items()]
         if stop_after is not None:
             handles.append(layers[stop_after].register_forward_hook(_raise_stop))
+        returned = {"tuple_len": None}
+        if keep_outputs:
+            def keep(_block, _inputs, output):  # runs after every hook inside the block
+                returned["tuple_len"] = len(output) if isinstance(output, (tuple, list)) else None
+                self._replace(runner.store, runner.batch, _block_output(output))
+            handles.append(runner.block.register_forward_hook(keep))
         runner.run_hooked(len(records), handles, before_batch=lambda j: self.progress(desc, j, len(records)))
+        return returned["tuple_len"]
 
     @staticmethod
     @torch.no_grad()

@@ -186,25 +186,29 @@ def observe_kv(model, modules, samples):
     return kv_cache.observe_kv(model, ctx, modules)[0]
 
 
-def test_a_blocks_kv_hooks_are_gone_before_it_runs_again():
+def test_a_blocks_kv_hooks_are_gone_before_the_next_block_runs():
     """The observers' cache stand-ins keep keys and values for the forward that computes them; once
-    a block is calibrated they are removed, before the engine runs the block again to feed the next
-    one (they would otherwise keep every layer's keys and values, on the device, to the end)."""
+    a block is calibrated they are removed, before the next block runs (they would otherwise keep
+    every layer's keys and values, on the device, to the end). The model is unchanged, so each block
+    runs once: its calibration pass's outputs feed the next block, with no propagating pass."""
     model, tokenizer, _ = modeling.load_model("default", dtype="float32")
     modules = activations.attention_modules(model)
-    hooks_while_propagating = {}
+    hooks_at_start = {}  # block -> hooks left on each earlier block's attention when it starts
+    passes = []
 
     def progress(description, done, total):
-        if description.endswith(": propagating"):
+        passes.append(description.split(": ")[-1])
+        if description.endswith(": calibrating") and done == 0:
             block = int(description.split()[1].split("/")[0]) - 1
-            hooks_while_propagating[block] = len(modules[f"model.layers.{block}.self_attn"]._forward_pre_hooks)
+            hooks_at_start[block] = [len(modules[f"model.layers.{b}.self_attn"]._forward_pre_hooks) for b in range(block)]
 
     ids = [torch.arange(n) * 53 % 2000 + 5 for n in (24, 24)]
     ctx = StageContext(device=torch.device("cpu"), calibration=SimpleNamespace(samples=[{"input_ids": i[None]} for i in ids]),
                        progress=progress)
     ranges, summary = kv_cache.observe_kv(model, ctx, modules)
-    assert sorted(hooks_while_propagating) == list(range(summary["blocks"] - 1))  # the last block is not run again
-    assert set(hooks_while_propagating.values()) == {0}
+    assert sorted(hooks_at_start) == list(range(summary["blocks"]))
+    assert all(set(left) <= {0} for left in hooks_at_start.values())
+    assert set(passes) == {"calibrating"}
     assert all(k > 0 and v > 0 for k, v in ranges.values())
     assert all(not m._forward_pre_hooks for m in modules.values())
 
