@@ -723,6 +723,27 @@ stages:
         assert lo < 0 < hi
 
 
+def test_observing_runs_each_block_once_and_spills_like_the_rest(tiny_models, monkeypatch):
+    """An observing stage leaves the blocks unchanged, so each block runs once, its calibration
+    pass's outputs feeding the next: with the cached activations spilled to disk (a tiny host
+    budget) the ranges are the in-memory run's, bit for bit, and no block is run a second time."""
+    from compress.engine import observe_layers
+    from compress.stages import base
+    from compress.stages.rtn import RangeObserver
+
+    net, ctx = _observing_context(tiny_models["llama"], samples=12)
+    passes = []
+    ctx.progress = lambda description, done, total: passes.append(description.rsplit(": ", 1)[-1])
+    selected = {n: m for n, m in net.named_modules() if isinstance(m, torch.nn.Linear)}
+    in_memory, summary = observe_layers(net, ctx, selected, lambda name, module: RangeObserver(name))
+    assert summary["activations_spilled"] == 0 and "propagating" not in passes
+    monkeypatch.setattr(base, "parse_bytes", lambda value: 1024)  # every batch past the first 1 KiB goes to disk
+    spilled, summary = observe_layers(net, ctx, selected, lambda name, module: RangeObserver(name))
+    assert summary["activations_spilled"] > 0
+    for name, obs in in_memory.items():
+        assert (spilled[name].lo, spilled[name].hi, spilled[name].tokens) == (obs.lo, obs.hi, obs.tokens), name
+
+
 def test_observing_keeps_no_autograd_graph(tiny_models):
     """The model's parameters require grad; observing (through the engine, or the whole-model pass
     for an unknown architecture) must not build a graph, which would hold every activation for a
