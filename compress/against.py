@@ -107,7 +107,7 @@ def llmcompressor_modifiers(recipe) -> tuple[list[dict], list[str]]:
                          "args": {"config_groups": _config_groups(cfg), "ignore": ct_targets(cfg.ignore)}})
             notes += _grid_note(name, cfg)
         elif name == "gptq":
-            actorder = None if not cfg.actorder else ("weight" if cfg.static_groups else "group")
+            actorder = None if not cfg.reorders_columns else ("weight" if cfg.fixed_group_scales else "group")
             mods.append({"class": "GPTQModifier",
                          "args": {"config_groups": _config_groups(cfg), "ignore": ct_targets(cfg.ignore),
                                   "block_size": cfg.block_size, "dampening_frac": cfg.dampening_frac,

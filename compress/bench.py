@@ -122,7 +122,7 @@ def _rows() -> list[Row]:
         # The mixed-precision recipe `compress analyze --emit-recipe` wrote for W3 g64's storage
         # (recipes/mixed-w3avg-g64.yaml: one rtn stage per width), against uniform RTN W3 g64.
         Row("ref-llama", MIXED_LABEL, MIXED_STAGES[-1]["rtn"], method="mixed", before=tuple(MIXED_STAGES[:-1])),
-        # GPTQ (stage defaults: block_size 128, dampening_frac 0.01, no act-order), each paired
+        # GPTQ (stage defaults: block_size 128, dampening_frac 0.01, actorder static), each paired
         # with the RTN row of the same label for the quality ratios.
         Row("ref-llama", "W4 absmax g64", {"scheme": "W4A16", "weights": {"group_size": 64}}, **GPTQ_ROW),
         Row("ref-llama", "W3 absmax g64", {"scheme": "W4A16", "weights": {"num_bits": 3, "group_size": 64}}, **GPTQ_ROW),
@@ -1070,7 +1070,7 @@ def _gptq_pairs(results: list[dict], family: str) -> list[tuple[dict, dict | Non
 
 # Each compared method: what its section says about how it ran.
 METHOD_NOTES = {
-    "GPTQ": "GPTQ runs with the stage's defaults (`block_size: 128`, `dampening_frac: 0.01`, no act-order).",
+    "GPTQ": "GPTQ runs with the stage's defaults (`block_size: 128`, `dampening_frac: 0.01`, `actorder: static`: columns in decreasing Hessian diagonal, group scales fixed first).",
     "AWQ": "AWQ runs with the stage's defaults (20-point α grid scored on each mapping's attention/MLP output, "
            "duo scaling, per-group clipping search over 11 ratios down to 0.5, 4096 calibration tokens per layer for the searches).",
     "AutoRound": "AutoRound runs with the stage's defaults (200 signed gradient steps per block, learning rate 1/200 "

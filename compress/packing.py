@@ -254,8 +254,8 @@ def _fp4_scales(name: str, weight: torch.Tensor, rec: dict) -> dict[str, torch.T
     steps, failed = recover_fp4_steps(weight, w["group_size"], g)
     if failed:
         raise NotPackable(f"layer {name}: {failed} weight block(s) are not on an FP4 grid the format can store exactly",
-                          "pass --format dense; the layer's weights were changed after quantization, or GPTQ ran with actorder "
-                          "but without static_groups (blocks then mix scales)")
+                          "pass --format dense; the layer's weights were changed after quantization, or GPTQ ran with "
+                          "actorder: group (blocks then mix scales)")
     if not nv:
         return {"weight_scale": steps}
     return {"weight_scale": steps * g, "weight_global_scale": torch.tensor([g], dtype=torch.float32)}
@@ -274,8 +274,8 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
                                                 float8=w["type"] == "float")
     if failed:
         raise NotPackable(f"layer {name}: {failed} weight group(s) are not on a {w['num_bits']}-bit grid the format can store exactly",
-                            "pass --format dense; the layer's weights were changed after quantization, or GPTQ ran with actorder "
-                          "but without static_groups (blocks then mix scales)")
+                            "pass --format dense; the layer's weights were changed after quantization, or GPTQ ran with "
+                          "actorder: group (blocks then mix scales)")
     if weight.dtype in (torch.bfloat16, torch.float16) and w["type"] == "int":
         # readers hold scales in the model's dtype: store them so wherever they are exact there
         # (stages round them so: compress.quant.scales_stored_as), so nothing is cast on load

@@ -142,7 +142,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             else:
                 described = _describe(name, stage) + (f" + {joint.describe()}" if joint else "")
             # GPTQ's act-order without static groups mixes scales within a group: the run writes dense
-            mixed = (getattr(stage, "actorder", False) and not getattr(stage, "static_groups", False)
+            mixed = (getattr(stage, "reorders_columns", False) and not getattr(stage, "fixed_group_scales", False)
                      and scheme is not None and scheme.weights.strategy in ("group", "tensor_group"))
             for n, m in chosen.items():
                 out_f, in_f = modeling.weight_shape(m)
@@ -150,7 +150,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                          "weights": scheme.weights if scheme else joint,
                          "activations": scheme.input_activations if scheme else None}
                 if mixed:
-                    unpackable[n] = f"{n}, solved by GPTQ with actorder but without static_groups (its groups mix scales)"
+                    unpackable[n] = f"{n}, solved by GPTQ with actorder: group (its groups mix scales)"
                 elif entry["weights"] is not None:
                     unpackable.pop(n, None)  # quantized again, on its own grid
                 before = assignments.get(n)

@@ -44,7 +44,10 @@ def test_quantization_recipes_translate_with_the_same_scheme():
     assert mods[0]["args"]["smoothing_strength"] == 0.7
     group = mods[1]["args"]["config_groups"]["group_0"]
     assert group["input_activations"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}
-    assert "group_size" not in group["weights"] and mods[1]["args"]["actorder"] is None
+    assert "group_size" not in group["weights"] and mods[1]["args"]["actorder"] == "weight"  # the default, static
+    for setting, theirs in (("false", None), ("group", "group"), ("true", "group"), ("static", "weight")):
+        mods, _ = llmcompressor_modifiers(recipe(f"  - gptq: {{scheme: W4A16, actorder: {setting}}}\n"))
+        assert mods[0]["args"]["actorder"] == theirs, setting
 
     # llm-compressor's symmetric grid is compress's full_range one: translated without a word;
     # absmax's grid (one code fewer) is translated too, and the difference said

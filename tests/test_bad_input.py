@@ -601,6 +601,13 @@ def _gptq_damping_zero(tmp):
         GOOD_STAGE, "stages:\n  - gptq:\n      scheme: W8A16\n      dampening_frac: 0\n"))
 
 
+def _gptq_actorder(setting):
+    def setup(tmp):
+        return quantize(tmp, calib_recipe("calibration/default.txt").replace(
+            GOOD_STAGE, f"stages:\n  - gptq:\n      scheme: W4A16\n      {setting}\n"))
+    return setup
+
+
 def _targets_not_a_list(tmp):
     return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n      targets: {Linear: yes}\n")
 
@@ -640,6 +647,11 @@ CASES_ISSUE9 = [
     Case("recipe-sparsity-out-of-range", _recipe_sparsity_out_of_range, ["r.yaml:3", "sparsity"]),
     Case("smoothquant-alpha-out-of-range", _smoothquant_alpha_out_of_range, ["r.yaml:7", "alpha"]),
     Case("gptq-damping-zero", _gptq_damping_zero, ["r.yaml:8", "dampening_frac"]),
+    Case("gptq-actorder-static-without-static-groups", _gptq_actorder("actorder: static\n      static_groups: false"),
+         ["r.yaml", "actorder: static", "actorder: group"]),
+    Case("gptq-actorder-group-with-static-groups", _gptq_actorder("actorder: group\n      static_groups: true"),
+         ["r.yaml", "actorder: group", "actorder: static"]),
+    Case("gptq-actorder-unknown", _gptq_actorder("actorder: weight"), ["r.yaml", "actorder"]),
     Case("batch-size-zero", _batch_size(0), ["r.yaml:8", "batch_size", "or auto (got 0)"]),
     Case("batch-size-word", _batch_size("many"), ["r.yaml:8", "batch_size", "or auto (got 'many')"]),
     Case("targets-not-a-list", _targets_not_a_list, ["r.yaml:4", "targets", "list"]),

@@ -238,11 +238,15 @@ def test_plan_follows_what_each_stage_leaves_and_what_the_run_refuses(tmp_path, 
     # SparseGPT's joint quantization quantizes its layers
     rc, p = plan_of("stages:\n  - sparsegpt: {sparsity: 0.5, quantize: {scheme: W4A16, weights: {group_size: 64}}}\n")
     assert rc == 0 and p["format"] == "packed" and all(a["weights"] for a in p["assignments"].values())
-    # GPTQ's act-order without static groups leaves groups of mixed scales: written dense
-    actorder = "stages:\n  - gptq: {scheme: W4A16, weights: {group_size: 64}, actorder: true}\n"
-    dense_in_both(actorder, "without static_groups", "out")
-    rc, p = plan_of(actorder.replace("actorder: true", "actorder: true, static_groups: true"))
-    assert rc == 0 and p["format"] == "packed"
+    # GPTQ's act-order with group scales chosen as columns are reached (actorder: group, or true
+    # without static groups) leaves groups of mixed scales: written dense; the default packs
+    actorder = "stages:\n  - gptq: {scheme: W4A16, weights: {group_size: 64}, actorder: group}\n"
+    dense_in_both(actorder, "actorder: group", "out")
+    rc, p = plan_of(actorder.replace("actorder: group", "actorder: true"))
+    assert rc == 0 and p["format"] == "dense" and "actorder: group" in p["format_reason"]
+    for packs in ("actorder: true, static_groups: true", "actorder: static", "actorder: false", "block_size: 128"):
+        rc, p = plan_of(actorder.replace("actorder: group", packs))
+        assert rc == 0 and p["format"] == "packed", packs
     # smoothing after quantization rescales the quantized layers off their grid
     smoothed = "stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n  - smoothquant: {alpha: 0.5}\n"
     dense_in_both(smoothed, "rescaled by smoothquant after it was quantized", "out2")

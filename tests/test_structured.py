@@ -362,12 +362,12 @@ def test_stages_after_removing_blocks_that_differ_are_not_judged_on_a_guess(tmp_
     assert main(["--json", "plan", "--recipe", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m")]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert any("planned on a guess" in w for w in plan["warnings"]) and "decided when saving" in plan["format_reason"]
-    # what is known not to pack stays known: act-order GPTQ without static groups is written dense
+    # what is known not to pack stays known: act-order GPTQ with scales chosen as columns are reached is written dense
     (tmp_path / "r.yaml").write_text(text.replace("format: packed\n", "").replace(
         "rtn: {scheme: W4A16, weights: {group_size: 64}", "gptq: {scheme: W4A16, weights: {group_size: 16}, actorder: true"))
     assert main(["--json", "plan", "--recipe", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m")]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["format"] == "dense" and "without static_groups" in plan["format_reason"]
+    assert plan["format"] == "dense" and "actorder: group" in plan["format_reason"]
 
 
 def test_mixture_of_experts_mlp_channels_are_refused():

@@ -11,8 +11,12 @@ weighted by the inverse Hessian of the layer's reconstruction loss ||WX - ŴX||�
         W[:, j:block end] -= e_j · U[j, j:block end]        (within the block)
     then W[:, after block] -= E_block · U[block, after block]  (the lazy batched update)
 
-Act-order processes columns in decreasing diag(H); `static_groups` fixes group scales from the
-unquantized weight before the permutation, so groups stay contiguous in the original order.
+Act-order (the default, `actorder: static`) processes columns in decreasing diag(H), the inputs
+that matter most first, while the most columns remain to absorb their error; with it each group's
+scales are fixed from the unquantized weight before the permutation, so groups stay contiguous in
+the original order and the checkpoint packs as usual. `actorder: group` chooses a group's scales
+when its first column is reached, as without act-order, so a group's columns may carry several
+grids (written dense); `actorder: false` keeps the columns in order.
 
 Every step above works row by row given H, so layers that read the same input (q/k/v; gate/up)
 and so share H are solved stacked into one weight (`gptq_quantize_stacked`): one factorisation
@@ -25,7 +29,7 @@ Sample recipe stage:
         weights: {group_size: 64}
         block_size: 128
         dampening_frac: 0.01
-        actorder: false
+        actorder: static        # or group, or false (see GPTQ.actorder)
         shrink_grid: 0          # > 0: search shrunk ranges per group (Hessian-weighted error)
 
 A layer whose weights are at least 10 % exact zeros (pruned by an earlier stage) keeps them at
@@ -34,7 +38,7 @@ zero: GPTQ then only moves the surviving weights (`preserve_sparsity`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, Union
 
 import torch
 from pydantic import Field, model_validator
@@ -373,8 +377,14 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
 
     block_size: int = Field(128, gt=0, description="columns per lazy batched update")
     dampening_frac: float = Field(0.01, gt=0, description="damping as a fraction of the Hessian's mean diagonal")
-    actorder: bool = Field(False, description="quantize columns in decreasing Hessian diagonal")
-    static_groups: bool = Field(False, description="with actorder: group scales fixed before reordering")
+    actorder: Union[Literal["static", "group"], bool] = Field(
+        "static", description="column order. static: decreasing Hessian diagonal, each group's scales fixed from the "
+        "unquantized weight first (groups stay contiguous: packs as usual); group: decreasing diagonal, a group's "
+        "scales chosen when its first column is reached (groups then mix columns: written dense); false: columns in "
+        "order; true: group, or static with static_groups: true")
+    static_groups: Optional[bool] = Field(
+        None, description="fix every group's scales from the unquantized weight before any column is quantized "
+        "(implied by actorder: static)")
     true_sequential: bool = Field(
         False, description="calibrate each group of layers that share an input (q/k/v, o, gate/up, down) on inputs "
         "carrying the error of the groups quantized before it: one more partial forward per group")
@@ -388,7 +398,24 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         w = self.resolved_scheme().weights
         if w.type != "int" and not w.fp4_format:
             raise ValueError("GPTQ quantizes to an integer or FP4 grid: FP8 weights need rtn")
+        if self.actorder == "static" and self.static_groups is False:
+            raise ValueError("actorder: static fixes group scales up front; for scales chosen as columns are reached "
+                             "use actorder: group")
+        if self.actorder == "group" and self.static_groups:
+            raise ValueError("actorder: group chooses group scales as columns are reached; for fixed ones use actorder: static")
         return self
+
+    @property
+    def reorders_columns(self) -> bool:
+        """Columns are quantized in decreasing Hessian diagonal (the inputs that matter most first,
+        while the most columns remain to absorb their error)."""
+        return self.actorder is not False
+
+    @property
+    def fixed_group_scales(self) -> bool:
+        """Group scales come from the unquantized weight before any column is quantized, so each
+        group keeps one grid over contiguous columns however the columns are ordered."""
+        return self.actorder == "static" or bool(self.static_groups)
 
     def observe(self, name: str, module: torch.nn.Module) -> HessianObserver:
         acts = self.resolved_scheme().input_activations
@@ -413,7 +440,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
             g = [scales[name] for name in group] if scales else None
             try:
                 Qs, info = gptq_quantize_stacked(Ws, H, args, masks, g, block_size=self.block_size, damp=self.dampening_frac,
-                                                 actorder=self.actorder, static_groups=self.static_groups,
+                                                 actorder=self.reorders_columns, static_groups=self.fixed_group_scales,
                                                  shrink_grid=self.shrink_grid)
             except FloatingPointError as exc:
                 raise CompressError(f"layer {', '.join(group)}: {exc}", "raise dampening_frac or give more calibration samples") from None
