@@ -28,9 +28,9 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 demo: setup
-	rm -rf out/demo
+	rm -rf out/demo out/demo-eval.md
 	$(BIN)/compress quantize --recipe recipes/w8a16-absmax.yaml --output out/demo
-	$(BIN)/compress eval --model out/demo --baseline default --data calibration/heldout-tinyshakespeare.txt --max-ppl-increase 2 --report out/demo/eval.md
+	$(BIN)/compress eval --model out/demo --baseline default --data calibration/heldout-tinyshakespeare.txt --max-ppl-increase 2 --report out/demo-eval.md
 
 bench: setup
 	$(BIN)/python -m compress.bench --shared $(SHARED) --output BENCHMARKS.md

@@ -480,3 +480,25 @@ def test_encoder_with_a_short_context_evaluates(tmp_path, capsys):
     rc, out, err = run(capsys, "--json", "eval", "--model", tmp_path / "bert", "--baseline", tmp_path / "bert", "--data", HELDOUT)
     assert rc == 0, err
     assert next(iter(json.loads(out)["results"].values()))["mean_cosine"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_the_readme_quickstart_runs_as_written(repo, tmp_path, monkeypatch, capsys):
+    """Every `compress` command of the README's Quickstart block, as printed there, from a fresh
+    directory (relative recipe and data paths fall back to the project's own): each exits 0. (Its
+    eval wrote its report inside the model it measured, which the input guard rightly refuses.)"""
+    import re
+    import shlex
+
+    readme = (repo / "README.md").read_text()
+    block = readme[readme.index("## Quickstart"):]
+    block = block[block.index("Then:"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    commands = [shlex.split(re.sub(r"\s+#.*$", "", line, flags=re.M))
+                for line in block.replace("\\\n", " ").splitlines() if line.strip().startswith(".venv/bin/compress")]
+    assert [c[1] for c in commands] == ["recipes", "plan", "quantize", "eval", "inspect"]
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        assert main(["--quiet", *command[1:]]) == 0, " ".join(command)
+        capsys.readouterr()
+    assert (tmp_path / "out/w8/model.safetensors").is_file() and (tmp_path / "out/w8-eval.md").is_file()
