@@ -232,21 +232,28 @@ def leading_windows(tokenizer, text: str, seq_len: int, count: int, margin: int 
     return None
 
 
-def _stream_budget(cfg, tokenizer) -> StreamBudget:
+def _stream_budget(cfg, tokenizer, seed: int) -> StreamBudget:
     """What a streamed calibration set must read: enough tokens for the windows, plus the margin
     leading_windows wants past the last one (records are counted apart; joined they give at
     least as many), or enough records longer than min_chars."""
-    seed = cfg.seed if cfg.shuffle else None
+    seed = seed if cfg.shuffle else None
     if cfg.packing:
         return StreamBudget(lambda t: len(tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"]),
                             cfg.num_samples * cfg.seq_len + WINDOW_MARGIN, seed)
     return StreamBudget(lambda t: int(len(t.strip()) > cfg.min_chars), cfg.num_samples, seed)
 
 
-def build_calibration(cfg, tokenizer) -> CalibrationSet:
-    """Tokenize a recipe's `calibration` section into samples."""
+def draw_seed(cfg, run_seed: int = 0) -> int:
+    """The seed of a shuffled draw: the section's own `seed`, else the run's (--seed)."""
+    return run_seed if cfg.seed is None else cfg.seed
+
+
+def build_calibration(cfg, tokenizer, run_seed: int = 0) -> CalibrationSet:
+    """Tokenize a recipe's `calibration` section into samples; a shuffled draw uses
+    draw_seed(cfg, run_seed)."""
+    seed = draw_seed(cfg, run_seed)
     specs = [cfg.dataset] if isinstance(cfg.dataset, str) else list(cfg.dataset)
-    stream = _stream_budget(cfg, tokenizer) if cfg.streaming else None
+    stream = _stream_budget(cfg, tokenizer, seed) if cfg.streaming else None
     read = []  # the sources read: streaming stops before the rest
 
     def gather(lines: bool) -> list[str]:
@@ -274,7 +281,7 @@ def build_calibration(cfg, tokenizer) -> CalibrationSet:
                 "lower num_samples or seq_len, or give more text",
             )
         if cfg.shuffle:
-            g = torch.Generator().manual_seed(cfg.seed)
+            g = torch.Generator().manual_seed(seed)
             idx = torch.randperm(len(windows), generator=g)[: cfg.num_samples].sort().values
         else:
             idx = torch.arange(cfg.num_samples)
@@ -293,7 +300,7 @@ def build_calibration(cfg, tokenizer) -> CalibrationSet:
             "lower num_samples or min_chars, or give more text",
         )
     if cfg.shuffle:
-        g = torch.Generator().manual_seed(cfg.seed)
+        g = torch.Generator().manual_seed(seed)
         texts = [texts[i] for i in torch.randperm(len(texts), generator=g)[: cfg.num_samples].sort().values.tolist()]
     else:
         texts = texts[: cfg.num_samples]

@@ -766,7 +766,7 @@ def analyze(
             raise CompressError(f"{model} is not a causal LM", "analyze ranks layers by next-token KL or perplexity")
         modeling.check_context(config, seq_len, "--seq-len")
         try:
-            cal = build_calibration(CalibrationConfig(**calibration), tokenizer)
+            cal = build_calibration(CalibrationConfig(**calibration), tokenizer, run_seed=S.seed)
         except CompressError as exc:  # it names recipe keys; here they are options
             raise _in_option_terms(exc, {TEXT_FIELD_HINT: "a 'text' field in each record", "num_samples": "--windows",
                                          "seq_len": "--seq-len", "min_chars": "--windows"}) from exc

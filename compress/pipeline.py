@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from compress import activations, modeling, packing, tasks as lm_tasks
-from compress.calibration import build_calibration, is_local_spec, read_texts, resolve_data_path
+from compress.calibration import build_calibration, draw_seed, is_local_spec, read_texts, resolve_data_path
 from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
 from compress.evaluate import evaluate, gate, task_gate
@@ -155,7 +155,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     calibration = None
     if recipe.calibration is not None:  # built even for stages that do not need it: its fingerprint is provenance
         progress("tokenizing calibration data", 0, 1)
-        calibration = build_calibration(recipe.calibration, tokenizer)
+        calibration = build_calibration(recipe.calibration, tokenizer, run_seed=seed)
         kill_point("calibrated")
     # What evaluation will need of the tokenizer is checked now, not after the stages: local
     # evaluation files are read (a conversation needs a chat template), and lm-eval's chat_template.
@@ -175,7 +175,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         "source_model": source,
         "calibration": None if calibration is None else {
             "source": calibration.source, "fingerprint": calibration.fingerprint,
-            "num_samples": len(calibration.samples), "tokens": calibration.num_tokens},
+            "num_samples": len(calibration.samples), "tokens": calibration.num_tokens,
+            **({"shuffle_seed": draw_seed(recipe.calibration, seed)} if recipe.calibration.shuffle else {})},
     }
     ctx = StageContext(device=dev, devices=devices, calibration=calibration, seed=seed, progress=progress, tokenizer=tokenizer,
                        source_model=model_ref, source_hash=source["weights_sha256"], resume=resume or bool(cache_dir),
@@ -236,6 +237,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         tokenizer.save_pretrained(tmp)
         kill_point("saving")
         effective = recipe.effective()
+        if effective["calibration"] is not None:  # the seed the draw used, so that the saved recipe repeats it
+            effective["calibration"]["seed"] = draw_seed(recipe.calibration, seed)
         effective["model"] = model_ref
         effective["output"] = str(out_dir)
         effective["format"] = requested

@@ -47,7 +47,7 @@ class CalibrationConfig(BaseModel):
     shuffle: bool = Field(False, description="pick windows at random (with seed) instead of the first ones")
     streaming: bool = Field(False, description="hub datasets: read the split as a stream and stop once there are enough samples, "
                             "for corpora too big to download whole (allenai/c4); with shuffle, records are shuffled within 10,000")
-    seed: int = 0
+    seed: Optional[int] = Field(None, description="the seed of shuffle's draw (default: the run's --seed)")
 
 
 class EvaluationConfig(BaseModel):

@@ -42,6 +42,35 @@ def test_shuffle_is_seeded(tmp_path, tokenizer):
     assert a.fingerprint == b.fingerprint != c.fingerprint
 
 
+def test_the_runs_seed_draws_a_shuffled_set_unless_the_recipe_fixes_one(tmp_path, tokenizer, capsys):
+    """--seed is the shuffled draw's seed when the calibration section names none (it was ignored:
+    every --seed drew seed 0's samples while the report said otherwise); a recipe's own seed wins;
+    the report and the saved recipe say which seed drew, so the saved recipe repeats the draw."""
+    import yaml
+
+    from compress.cli import main
+
+    f = tmp_path / "c.txt"
+    f.write_text(TEXT)
+
+    def quantize(name, seed, seed_line=""):
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(f"model: default\ncalibration: {{dataset: {f}, num_samples: 4, seq_len: 32, shuffle: true{seed_line}}}\n"
+                          "stages:\n  - rtn: {scheme: W8A8, input_activations: {strategy: tensor, dynamic: false}}\n")
+        assert main(["--quiet", "--seed", str(seed), "quantize", "--recipe", str(recipe), "--output", str(tmp_path / name)]) == 0
+        capsys.readouterr()
+        report = json.loads((tmp_path / name / "report.json").read_text())
+        saved = yaml.safe_load((tmp_path / name / "recipe.yaml").read_text())
+        return report["calibration"], saved["calibration"]["seed"]
+
+    (s0, saved0), (s1, saved1) = quantize("a", 0), quantize("b", 1)
+    assert s0["fingerprint"] != s1["fingerprint"] and (s0["shuffle_seed"], s1["shuffle_seed"]) == (0, 1) == (saved0, saved1)
+    assert s1["fingerprint"] == build_calibration(CalibrationConfig(dataset=str(f), num_samples=4, seq_len=32, shuffle=True),
+                                                  tokenizer, run_seed=1).fingerprint
+    fixed, saved = quantize("c", 1, ", seed: 0")  # the recipe's seed, whatever --seed says
+    assert fixed["fingerprint"] == s0["fingerprint"] and fixed["shuffle_seed"] == 0 == saved
+
+
 def test_jsonl_and_parquet_give_the_same_samples(tmp_path, tokenizer):
     lines = TEXT.splitlines()
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"content": t, "id": i}) for i, t in enumerate(lines)))
