@@ -172,9 +172,8 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
     if fork is None:
         raise CompressError("compress bench needs multiprocessing's forkserver (Linux or macOS)", "run each recipe with compress quantize")
     rows = []
-    for i, (path, doc) in enumerate(parsed):
+    for i, ((path, doc), name) in enumerate(zip(parsed, row_names([path for path, _ in parsed]))):
         progress(f"{path.name} ({i + 1}/{len(parsed)})", i, len(parsed))
-        name = path.stem
         out = output / "rows" / name
         recipe_text = yaml.safe_dump(doc, sort_keys=False)
         t0 = time.perf_counter()
@@ -213,6 +212,22 @@ def _with_calibration(path: Path, cal_section: dict | None) -> tuple[Path, dict]
         doc["calibration"] = cal_section
     doc.pop("evaluation", None)
     return path, doc
+
+
+def row_names(paths: list[Path]) -> list[str]:
+    """Each recipe's row name, its file's stem; recipes of one stem (from different directories, or
+    one given twice) get -2, -3, ... in order, so no row's checkpoint, log or result overwrites another's."""
+    names, seen = [], {}
+    for path in paths:
+        seen[path.stem] = seen.get(path.stem, 0) + 1
+        names.append(path.stem if seen[path.stem] == 1 else f"{path.stem}-{seen[path.stem]}")
+    taken = set()
+    for i, name in enumerate(names):  # a suffixed name may meet a recipe that had it as its stem
+        while name in taken:
+            name += "-b"
+        taken.add(name)
+        names[i] = name
+    return names
 
 
 def _run_against(side, python: str, fork, model: str, causal: bool, recipe_text: str, source: str, tok,

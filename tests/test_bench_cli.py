@@ -36,7 +36,9 @@ def test_saved_baseline_gives_the_same_kl_as_running_it(ref_llama, repo, tmp_pat
 
 
 def test_bench_compares_recipes(ref_llama, repo, tmp_path, capsys):
-    w8, w4 = tmp_path / "w8.yaml", tmp_path / "w4.yaml"
+    # two recipes of one file name (from two directories): each row keeps its own checkpoint and log
+    w8, w4 = tmp_path / "w8.yaml", tmp_path / "other" / "w8.yaml"
+    w4.parent.mkdir()
     w8.write_text("stages:\n  - rtn: {scheme: W8A16}\n")
     w4.write_text("stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n")
     bad = tmp_path / "bad.yaml"
@@ -51,12 +53,15 @@ def test_bench_compares_recipes(ref_llama, repo, tmp_path, capsys):
     rows = {r["row"]: r for r in result["rows"]}
     assert "match no linear layer" in rows["bad"]["error"]
     kl8 = next(iter(rows["w8"]["evaluation"].values()))["kl_divergence"]
-    kl4 = next(iter(rows["w4"]["evaluation"].values()))["kl_divergence"]
+    kl4 = next(iter(rows["w8-2"]["evaluation"].values()))["kl_divergence"]
     assert 0 < kl8 < kl4  # measured: 8 bits disturb the model less than 4
-    assert rows["w4"]["output"]["bytes_on_disk"] < rows["w8"]["output"]["bytes_on_disk"]
+    assert rows["w8-2"]["output"]["bytes_on_disk"] < rows["w8"]["output"]["bytes_on_disk"]
+    bits = {name: json.loads((out / "rows" / name / "config.json").read_text())["quantization_config"]["config_groups"]
+            ["group_0"]["weights"]["num_bits"] for name in ("w8", "w8-2")}
+    assert bits == {"w8": 8, "w8-2": 4} and (out / "rows" / "w8.log").is_file() and (out / "rows" / "w8-2.log").is_file()
     assert rows["w8"]["process_peak_rss_mib"] > 0 and rows["w8"]["stage_wall_s"] > 0
     md = (out / "report.md").read_text()
-    assert "| w8 |" in md and "| w4 |" in md and "**error**" in md and "## Run history" in md
+    assert "| w8 |" in md and "| w8-2 |" in md and "**error**" in md and "## Run history" in md
     saved = json.loads((out / "report.json").read_text())
     assert len(saved["history"]) == 1 and len(saved["rows"]) == 3
     html = (out / "report.html").read_text()
