@@ -114,6 +114,20 @@ def check_nm(W: torch.Tensor, n: int, m: int) -> bool:
     return bool(((W.reshape(rows, cols // m, m) == 0).sum(dim=2) >= n).all())
 
 
+def zeros_are_a_mask(record: dict | None) -> bool | None:
+    """What a layer's record (the run's per-layer notes) says of its exact zeros, as pruned_zeros'
+    `keep`: True where a pruning stage recorded its sparsity; False where a stage quantized it and
+    none pruned it (its zeros are codes that rounded to zero, about one weight in seven on a 4-bit
+    grid, as free to move as any other); None where no stage recorded it (a model pruned by another
+    tool: the 10 % rule decides)."""
+    record = record or {}
+    if record.get("sparsity"):
+        return True
+    if record.get("weights"):
+        return False
+    return None
+
+
 def pruned_zeros(W: torch.Tensor, keep: bool | None = None) -> torch.Tensor | None:
     """Where W is exactly zero, if those zeros are a pruning mask that later stages must keep:
     always with keep=True, never with False; by default (None) where at least 10 % of the weights

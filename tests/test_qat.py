@@ -165,6 +165,9 @@ def test_bundled_gptq_then_qat_recipe_starts_from_the_gptq_grid(tiny, repo, tmp_
     assert all(rec["qat_init"] == "gptq grid" and rec["weights"]["group_size"] == 64 for rec in meta["layers"].values())
     # QAT started where GPTQ ended: its step-0 held-out loss is the GPTQ model's
     assert report["stages"][1]["summary"]["training"]["history"][0]["step"] == 0
+    # GPTQ rounded many weights to zero, but pruned none: QAT keeps no mask, those weights train too
+    # (they were frozen as if pruned: about one weight in seven at 4 bits)
+    assert report["stages"][1]["summary"]["masked_layers"] == 0
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -57,7 +57,7 @@ from compress.engine import ActivationStore, BlockRunner
 from compress.modeling import get_weight, set_weight
 from compress.quant import _grouped, range_qparams, relative_error, round_ste
 from compress.schemes import QuantArgs
-from compress.sparsity import pruned_zeros
+from compress.sparsity import pruned_zeros, zeros_are_a_mask
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
 from compress.stages.rtn import quantize_weight
 
@@ -121,7 +121,8 @@ class AutoRound(EngineOptions, QuantizationStage):
         "default), or the float block's output on the compressed model's inputs")
     minmax: bool = Field(True, description="learn the clipping factors too (false: rounding offsets only)")
     preserve_sparsity: Optional[bool] = Field(
-        None, description="keep exactly-zero weights at zero (a pruning mask); default: in layers where at least 10 % of weights are zero")
+        None, description="keep exactly-zero weights at zero (a pruning mask); default: in layers an earlier stage pruned, "
+        "and in layers no stage recorded where at least 10 % of weights are zero (not in layers only quantized)")
     # besides the engine's inputs: the float path's inputs and each block's targets (compress plan)
     activation_copies: ClassVar[int] = 3
     _float_inputs: Optional[ActivationStore] = PrivateAttr(None)  # the float model's inputs to block _float_block
@@ -151,7 +152,8 @@ class AutoRound(EngineOptions, QuantizationStage):
         for name, module in layers.items():
             weights[name] = get_weight(module).to(ctx.device)
             check_weight(name, weights[name])
-        keep_zero = {n: pruned_zeros(W, self.preserve_sparsity) for n, W in weights.items()}
+        keep_zero = {n: pruned_zeros(W, self.preserve_sparsity if self.preserve_sparsity is not None
+                                     else zeros_are_a_mask(ctx.layers.get(n))) for n, W in weights.items()}
         targets = self._targets(index, runner)
         try:
             self._tune_block(index, block, names, layers, weights, keep_zero, targets, ctx, runner)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compress import kd, modeling
 from compress.engine import on_device
-from compress.sparsity import pruned_zeros
+from compress.sparsity import pruned_zeros, zeros_are_a_mask
 from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext, from_input
 from compress.targets import LINEAR_TYPES, Pattern, matches
@@ -256,14 +256,15 @@ def check_training(stage, name: str, model: torch.nn.Module, student_layers: int
 
 
 def pruning_masks(model: torch.nn.Module, ctx: StageContext) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """(weight, mask) for every linear layer an earlier stage pruned, or in which at least 10 % of
-    the weights are exactly zero (the rule GPTQ's preserve_sparsity uses): training keeps them zero."""
+    """(weight, mask) for every linear layer an earlier stage pruned, or, where no stage recorded the
+    layer, in which at least 10 % of the weights are exactly zero (zeros_are_a_mask): training keeps
+    them zero. A layer quantized and never pruned has no mask: its zeros are rounded codes."""
     masks = []
     for name, module in model.named_modules():
         if type(module).__name__ not in LINEAR_TYPES:
             continue
         w = module.weight
-        zero = pruned_zeros(w, True if ctx.layers.get(name, {}).get("sparsity") else None)
+        zero = pruned_zeros(w, zeros_are_a_mask(ctx.layers.get(name)))
         if zero is not None:
             masks.append((w, (~zero).to(w.dtype)))
     return masks

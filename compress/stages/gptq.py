@@ -50,7 +50,7 @@ from compress.modeling import get_weight, set_weight
 from compress.moe import static_input_range
 from compress.quant import QParams, compute_qparams, dequantize, quantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
-from compress.sparsity import pruned_zeros
+from compress.sparsity import pruned_zeros, zeros_are_a_mask
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
 from compress.stages.rtn import global_scales, quantize_weight
 
@@ -390,7 +390,8 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         "carrying the error of the groups quantized before it: one more partial forward per group")
     shrink_grid: int = Field(0, ge=0, description="search this many shrunk ranges per row/group for the least Hessian-weighted rounding error (0: min/max)")
     preserve_sparsity: Optional[bool] = Field(
-        None, description="keep exactly-zero weights at zero (a pruning mask); default: in layers where at least 10 % of weights are zero")
+        None, description="keep exactly-zero weights at zero (a pruning mask); default: in layers an earlier stage pruned, "
+        "and in layers no stage recorded where at least 10 % of weights are zero (not in layers only quantized)")
     min_tokens: int = Field(16, ge=1, description="a layer (a rarely routed MoE expert) that sees fewer calibration tokens falls back to round-to-nearest")
 
     @model_validator(mode="after")
@@ -436,7 +437,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
             # The group's layers read one input, so one Hessian serves them all (see shared_hessian_groups).
             first, H = weight_and_hessian(group[0], layers[group[0]], observers[group[0]], device)
             Ws = [first] + [layer_weight(name, layers[name], device) for name in group[1:]]
-            masks = [self._pruning_mask(W) for W in Ws]
+            masks = [self._pruning_mask(W, ctx.layers.get(name)) for name, W in zip(group, Ws)]
             g = [scales[name] for name in group] if scales else None
             try:
                 Qs, info = gptq_quantize_stacked(Ws, H, args, masks, g, block_size=self.block_size, damp=self.dampening_frac,
@@ -490,9 +491,11 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
                 record["activation_range"] = list(rng)
         ctx.layers[name].update(record)  # keeps what earlier stages recorded (e.g. AWQ scales)
 
-    def _pruning_mask(self, W: torch.Tensor) -> torch.Tensor | None:
-        """Where W is exactly zero, if this layer's zeros are a pruning mask to keep."""
-        return pruned_zeros(W, self.preserve_sparsity)
+    def _pruning_mask(self, W: torch.Tensor, record: dict | None) -> torch.Tensor | None:
+        """Where W is exactly zero, if this layer's zeros are a pruning mask to keep: as
+        `preserve_sparsity` says, or else as the layer's record does (zeros_are_a_mask)."""
+        keep = self.preserve_sparsity if self.preserve_sparsity is not None else zeros_are_a_mask(record)
+        return pruned_zeros(W, keep)
 
     def _round_to_nearest(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str,
                           global_scale: float | None = None, rng: tuple[float, float] | None = None,
