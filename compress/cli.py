@@ -208,6 +208,11 @@ def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, c
         raise CompressError("no model given", "pass --model: a local directory, a hub id, or `default`")
     if not output:
         raise CompressError("no output directory given", "pass --output")
+    if method == "magnitude" and structured is None:
+        given = [f"--{k.replace('_', '-')}" for k, v in {"calibration": calibration, "num_samples": num_samples}.items() if v is not None]
+        if given:  # taken silently, a user would think the data shaped the mask
+            raise CompressError(f"--method magnitude reads no calibration data: {', '.join(given)} would do nothing",
+                                "drop it, or use --method wanda or sparsegpt, which weigh weights by their inputs")
     calibration = calibration or "calibration/default.txt"
     num_samples = 128 if num_samples is None else num_samples
     if num_samples <= 0:
