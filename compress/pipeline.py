@@ -188,6 +188,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     ctx.kv_cache = activations.attached_kv(net)
     for name, record in activations.attached_inputs(net).items():
         ctx.layers.setdefault(name, {}).update(record)
+    record_input_zeros(net, ctx.layers)
     cache = None
     if cache_root is not None:
         cache = stagecache.open_cache(cache_root, recipe, modeling.local_dir(model_ref), source, calibration, seed, devices)
@@ -419,7 +420,26 @@ def size_summary(net: torch.nn.Module, layers: dict, checkpoint_dir: Path | None
     }
 
 
-INHERITED_KEYS = ("weights", "sparsity", "target_sparsity", "pattern")
+INHERITED_KEYS = ("weights", "sparsity", "target_sparsity", "pattern", "input_zeros", "sparsity_preserved")
+
+
+def record_input_zeros(net: torch.nn.Module, layers: dict[str, dict]) -> None:
+    """Linear layers the input brings with at least 10 % exact zeros and no record of where they
+    came from (a model pruned by another tool): their share is recorded as `input_zeros`, so that
+    the zeros stay a mask after a stage here quantizes the layer and records only its grid
+    (sparsity.zeros_are_a_mask), in this run and, through compress.json, in the next."""
+    from compress.sparsity import zeros_are_a_mask
+    from compress.targets import LINEAR_TYPES
+
+    for name, module in net.named_modules():
+        weight = getattr(module, "weight", None)
+        if type(module).__name__ not in LINEAR_TYPES or weight is None or weight.is_meta:
+            continue  # (offload: disk keeps weights on disk: unknown until loaded)
+        if zeros_are_a_mask(layers.get(name)) is not None:
+            continue  # its record already says (pruned here, or quantized here and never pruned)
+        share = float((weight == 0).float().mean())
+        if share >= 0.1:
+            layers.setdefault(name, {})["input_zeros"] = share
 
 
 def inherited_records(model_ref: str) -> dict[str, dict]:

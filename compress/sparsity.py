@@ -116,12 +116,13 @@ def check_nm(W: torch.Tensor, n: int, m: int) -> bool:
 
 def zeros_are_a_mask(record: dict | None) -> bool | None:
     """What a layer's record (the run's per-layer notes) says of its exact zeros, as pruned_zeros'
-    `keep`: True where a pruning stage recorded its sparsity; False where a stage quantized it and
-    none pruned it (its zeros are codes that rounded to zero, about one weight in seven on a 4-bit
-    grid, as free to move as any other); None where no stage recorded it (a model pruned by another
-    tool: the 10 % rule decides)."""
+    `keep`: True where a pruning stage recorded its sparsity, a stage kept zeros as a mask
+    (`sparsity_preserved`) or the input brought them (`input_zeros`, from a model pruned by another
+    tool); False where a stage quantized it and nothing says it was pruned (its zeros are codes
+    that rounded to zero, about one weight in seven on a 4-bit grid, as free to move as any other);
+    None where no stage recorded it (the 10 % rule decides)."""
     record = record or {}
-    if record.get("sparsity"):
+    if record.get("sparsity") or record.get("sparsity_preserved") or record.get("input_zeros"):
         return True
     if record.get("weights"):
         return False

@@ -48,6 +48,9 @@ def test_quantization_recipes_translate_with_the_same_scheme():
     for setting, theirs in (("false", None), ("group", "group"), ("true", "group"), ("static", "weight")):
         mods, _ = llmcompressor_modifiers(recipe(f"  - gptq: {{scheme: W4A16, actorder: {setting}}}\n"))
         assert mods[0]["args"]["actorder"] == theirs, setting
+    # a recipe from before static act-order was the default: static_groups: false alone kept columns in order
+    mods, _ = llmcompressor_modifiers(recipe("  - gptq: {scheme: W4A16, static_groups: false}\n"))
+    assert mods[0]["args"]["actorder"] is None
 
     # llm-compressor's symmetric grid is compress's full_range one: translated without a word;
     # absmax's grid (one code fewer) is translated too, and the difference said

@@ -194,3 +194,36 @@ def test_a_training_loss_that_stops_being_finite_is_an_error_not_a_nan_checkpoin
     with pytest.raises(CompressError, match=r"stage distill: the training loss is (nan|inf) at step [23]"):
         run_recipe(recipe, model=str(ref_llama), output=str(tmp_path / "out"), device="cpu")
     assert not (tmp_path / "out").exists()
+
+
+def test_zeros_an_input_was_pruned_with_stay_a_mask_after_quantization_here(tiny, repo, tmp_path):
+    """A model pruned by another tool (half of every block weight zero, no compress.json): its zeros
+    stay a mask through GPTQ then QAT in one run, and through RTN in one run then QAT in the next,
+    although the stages here record only the grid they quantized to (the input's zeros are recorded
+    as `input_zeros`). Without that, QAT trained the pruned weights off zero (share 0.05 left)."""
+    from safetensors.torch import load_file
+
+    model = LlamaForCausalLM.from_pretrained(tiny)
+    with torch.no_grad():
+        for name, module in model.model.layers.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                w = module.weight
+                w[w.abs() <= w.abs().flatten().kthvalue(w.numel() // 2).values] = 0
+    pruned = tmp_path / "pruned"
+    model.save_pretrained(pruned)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(pruned)
+    data = f"{{dataset: {repo}/calibration/default.txt, seq_len: 32, num_samples: 8, eval_samples: 4}}"
+    qat = f"  - qat: {{scheme: W4A16, data: {data}, train: {TRAIN % (2, 1e-2)}}}\n"
+    cal = f"calibration: {{dataset: {repo}/calibration/default.txt, num_samples: 4, seq_len: 32}}\n"
+
+    def zero_share(out):
+        weights = load_file(out / "model.safetensors")
+        return min(float((w == 0).float().mean()) for k, w in weights.items() if ".layers." in k and k.endswith("proj.weight"))
+
+    report = run_recipe(parse_recipe(cal + "stages:\n  - gptq: {scheme: W4A16, weights: {group_size: 64}}\n" + qat, "t"),
+                        model=str(pruned), output=str(tmp_path / "one"), format="dense")
+    assert report["stages"][1]["summary"]["masked_layers"] == 14 and zero_share(tmp_path / "one") >= 0.5
+    run_recipe(parse_recipe("stages:\n  - rtn: {scheme: W8A16}\n", "t"), model=str(pruned), output=str(tmp_path / "rtn"))
+    report = run_recipe(parse_recipe("stages:\n" + qat, "t"), model=str(tmp_path / "rtn"), output=str(tmp_path / "two"),
+                        format="dense")
+    assert report["stages"][0]["summary"]["masked_layers"] == 14 and zero_share(tmp_path / "two") >= 0.5

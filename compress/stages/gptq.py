@@ -32,8 +32,9 @@ Sample recipe stage:
         actorder: static        # or group, or false (see GPTQ.actorder)
         shrink_grid: 0          # > 0: search shrunk ranges per group (Hessian-weighted error)
 
-A layer whose weights are at least 10 % exact zeros (pruned by an earlier stage) keeps them at
-zero: GPTQ then only moves the surviving weights (`preserve_sparsity`).
+A pruned layer keeps its zeros at zero: GPTQ then only moves the surviving weights
+(`preserve_sparsity`; by default where the layer's record says it was pruned, here or in the input,
+see sparsity.zeros_are_a_mask, and in an unrecorded layer with at least 10 % exact zeros).
 """
 
 from __future__ import annotations
@@ -399,6 +400,9 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         w = self.resolved_scheme().weights
         if w.type != "int" and not w.fp4_format:
             raise ValueError("GPTQ quantizes to an integer or FP4 grid: FP8 weights need rtn")
+        if "actorder" not in self.model_fields_set and self.static_groups is False:
+            # a recipe from before act-order was the default: static_groups: false meant columns in order
+            object.__setattr__(self, "actorder", False)
         if self.actorder == "static" and self.static_groups is False:
             raise ValueError("actorder: static fixes group scales up front; for scales chosen as columns are reached "
                              "use actorder: group")
