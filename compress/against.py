@@ -107,7 +107,11 @@ def llmcompressor_modifiers(recipe) -> tuple[list[dict], list[str]]:
                          "args": {"config_groups": _config_groups(cfg), "ignore": ct_targets(cfg.ignore)}})
             notes += _grid_note(name, cfg)
         elif name == "gptq":
-            actorder = None if not cfg.reorders_columns else ("weight" if cfg.fixed_group_scales else "group")
+            if cfg.reorders_columns and not cfg.fixed_group_scales:
+                # compressed-tensors 0.20 refuses it: "actorder='group' has been removed"
+                raise Untranslatable("gptq: actorder: group (scales chosen as columns are reached) is gone from "
+                                     "llm-compressor; only static act-order ('weight') is translated")
+            actorder = "weight" if cfg.reorders_columns else None
             mods.append({"class": "GPTQModifier",
                          "args": {"config_groups": _config_groups(cfg), "ignore": ct_targets(cfg.ignore),
                                   "block_size": cfg.block_size, "dampening_frac": cfg.dampening_frac,

@@ -45,9 +45,12 @@ def test_quantization_recipes_translate_with_the_same_scheme():
     group = mods[1]["args"]["config_groups"]["group_0"]
     assert group["input_activations"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}
     assert "group_size" not in group["weights"] and mods[1]["args"]["actorder"] == "weight"  # the default, static
-    for setting, theirs in (("false", None), ("group", "group"), ("true", "group"), ("static", "weight")):
+    for setting, theirs in (("false", None), ("static", "weight"), ("true, static_groups: true", "weight")):
         mods, _ = llmcompressor_modifiers(recipe(f"  - gptq: {{scheme: W4A16, actorder: {setting}}}\n"))
         assert mods[0]["args"]["actorder"] == theirs, setting
+    for setting in ("group", "true"):  # compressed-tensors 0.20 refuses actorder 'group' ("has been removed")
+        with pytest.raises(Untranslatable, match="actorder: group"):
+            llmcompressor_modifiers(recipe(f"  - gptq: {{scheme: W4A16, actorder: {setting}}}\n"))
     # a recipe from before static act-order was the default: static_groups: false alone kept columns in order
     mods, _ = llmcompressor_modifiers(recipe("  - gptq: {scheme: W4A16, static_groups: false}\n"))
     assert mods[0]["args"]["actorder"] is None
