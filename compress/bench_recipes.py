@@ -217,16 +217,12 @@ def _with_calibration(path: Path, cal_section: dict | None) -> tuple[Path, dict]
 def row_names(paths: list[Path]) -> list[str]:
     """Each recipe's row name, its file's stem; recipes of one stem (from different directories, or
     one given twice) get -2, -3, ... in order, so no row's checkpoint, log or result overwrites another's."""
-    names, seen = [], {}
+    names: list[str] = []
     for path in paths:
-        seen[path.stem] = seen.get(path.stem, 0) + 1
-        names.append(path.stem if seen[path.stem] == 1 else f"{path.stem}-{seen[path.stem]}")
-    taken = set()
-    for i, name in enumerate(names):  # a suffixed name may meet a recipe that had it as its stem
-        while name in taken:
-            name += "-b"
-        taken.add(name)
-        names[i] = name
+        name, k = path.stem, 2
+        while name in names:  # also where a suffixed name meets a recipe that has it as its stem
+            name, k = f"{path.stem}-{k}", k + 1
+        names.append(name)
     return names
 
 

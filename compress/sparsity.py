@@ -129,11 +129,14 @@ def zeros_are_a_mask(record: dict | None) -> bool | None:
     return None
 
 
-def pruned_zeros(W: torch.Tensor, keep: bool | None = None) -> torch.Tensor | None:
+def pruned_zeros(W: torch.Tensor, keep: bool | None = None, record: dict | None = None) -> torch.Tensor | None:
     """Where W is exactly zero, if those zeros are a pruning mask that later stages must keep:
-    always with keep=True, never with False; by default (None) where at least 10 % of the weights
-    are zero, since a dense layer's few exact zeros are not a mask. GPTQ and the training stages
+    always with keep=True, never with False; by default (None) as the layer's `record` says
+    (zeros_are_a_mask), and where it says nothing, where at least 10 % of the weights are zero,
+    since a dense layer's few exact zeros are not a mask. GPTQ, AutoRound and the training stages
     share this rule."""
+    if keep is None:
+        keep = zeros_are_a_mask(record)
     zero = W == 0
     if keep is False:
         return None

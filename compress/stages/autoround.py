@@ -57,7 +57,7 @@ from compress.engine import ActivationStore, BlockRunner
 from compress.modeling import get_weight, set_weight
 from compress.quant import _grouped, range_qparams, relative_error, round_ste
 from compress.schemes import QuantArgs
-from compress.sparsity import pruned_zeros, zeros_are_a_mask
+from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
 from compress.stages.rtn import quantize_weight
 
@@ -152,8 +152,7 @@ class AutoRound(EngineOptions, QuantizationStage):
         for name, module in layers.items():
             weights[name] = get_weight(module).to(ctx.device)
             check_weight(name, weights[name])
-        keep_zero = {n: pruned_zeros(W, self.preserve_sparsity if self.preserve_sparsity is not None
-                                     else zeros_are_a_mask(ctx.layers.get(n))) for n, W in weights.items()}
+        keep_zero = {n: pruned_zeros(W, self.preserve_sparsity, ctx.layers.get(n)) for n, W in weights.items()}
         targets = self._targets(index, runner)
         try:
             self._tune_block(index, block, names, layers, weights, keep_zero, targets, ctx, runner)

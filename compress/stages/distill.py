@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compress import kd, modeling
 from compress.engine import on_device
-from compress.sparsity import pruned_zeros, zeros_are_a_mask
+from compress.sparsity import pruned_zeros
 from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext, from_input
 from compress.targets import LINEAR_TYPES, Pattern, matches
@@ -264,7 +264,7 @@ def pruning_masks(model: torch.nn.Module, ctx: StageContext) -> list[tuple[torch
         if type(module).__name__ not in LINEAR_TYPES:
             continue
         w = module.weight
-        zero = pruned_zeros(w, zeros_are_a_mask(ctx.layers.get(name)))
+        zero = pruned_zeros(w, record=ctx.layers.get(name))
         if zero is not None:
             masks.append((w, (~zero).to(w.dtype)))
     return masks

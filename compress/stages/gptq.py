@@ -51,7 +51,7 @@ from compress.modeling import get_weight, set_weight
 from compress.moe import static_input_range
 from compress.quant import QParams, compute_qparams, dequantize, quantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
-from compress.sparsity import pruned_zeros, zeros_are_a_mask
+from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
 from compress.stages.rtn import global_scales, quantize_weight
 
@@ -498,8 +498,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
     def _pruning_mask(self, W: torch.Tensor, record: dict | None) -> torch.Tensor | None:
         """Where W is exactly zero, if this layer's zeros are a pruning mask to keep: as
         `preserve_sparsity` says, or else as the layer's record does (zeros_are_a_mask)."""
-        keep = self.preserve_sparsity if self.preserve_sparsity is not None else zeros_are_a_mask(record)
-        return pruned_zeros(W, keep)
+        return pruned_zeros(W, self.preserve_sparsity, record)
 
     def _round_to_nearest(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str,
                           global_scale: float | None = None, rng: tuple[float, float] | None = None,
