@@ -50,6 +50,7 @@ visible to the stages' checks, which name the layer) nor spoils the rest of its 
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -176,6 +177,18 @@ def dequantize(q: torch.Tensor, qp: QParams) -> torch.Tensor:
     return ((q - qp.zero_point) * qp.scale).clamp_(-_F32_MAX, _F32_MAX)
 
 
+def quantize_dequantize(x: torch.Tensor, qp: QParams, out: torch.Tensor | None = None) -> torch.Tensor:
+    """dequantize(quantize(x, qp), qp), bit for bit, written into `out` when given. GPTQ and
+    SparseGPT call this once per weight column, thousands of times a layer, where on the CPU each
+    tensor operation's fixed cost outweighs its arithmetic: so it takes as few of them as it can."""
+    out = torch.div(x.float(), qp.scale, out=out)
+    if qp.fp4:
+        out = _round_to_fp4_(out).nan_to_num_(nan=0.0)
+    else:
+        out = out.add_(qp.zero_point).round_().clamp_(qp.qmin, qp.qmax).sub_(qp.zero_point)
+    return out.mul_(qp.scale).clamp_(-_F32_MAX, _F32_MAX)
+
+
 def _grouped(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
     """View a [rows, cols] tensor as [rows, n_groups, group_size], zero-padding a partial last group.
 
@@ -235,10 +248,10 @@ def fake_quantize(
         qparams = compute_qparams(x, bits, symmetric, strategy, group_size, full_range)
     if strategy == "group":
         grouped, pad = _grouped(x, group_size)  # type: ignore[arg-type]
-        out = dequantize(quantize(grouped, qparams), qparams).reshape(x.shape[0], -1)
+        out = quantize_dequantize(grouped, qparams).reshape(x.shape[0], -1)
         out = out[:, : x.shape[1]] if pad else out
     else:
-        out = dequantize(quantize(x, qparams), qparams)
+        out = quantize_dequantize(x, qparams)
     return out if finite is None else torch.where(finite, out, original.float())
 
 
@@ -571,24 +584,36 @@ _E4M3_SMALLEST = 2.0**-9  # e4m3's smallest subnormal
 def round_to_fp4(x: torch.Tensor) -> torch.Tensor:
     """Each element to the nearest E2M1 value, saturating at ±6, keeping x's sign; NaN gives 0;
     float32 out. No gradient: rounding has none."""
-    x = x.detach().float()
-    return _round_magnitudes_to_fp4_(x.abs()).copysign_(x).nan_to_num_(nan=0.0)
+    return _round_to_fp4_(x.detach().to(torch.float32, copy=True)).nan_to_num_(nan=0.0)
 
 
-def _round_magnitudes_to_fp4_(a: torch.Tensor) -> torch.Tensor:
-    """a (float32, >= 0) rounded in place to the nearest E2M1 magnitude, saturating at 6.
+@functools.lru_cache(maxsize=None)
+def _fp4_bit_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_round_to_fp4_`'s int32 constants as 0-dim tensors on `device`: a Python number in a tensor
+    operation is wrapped into a new tensor on every call, a few µs on the CPU, and GPTQ rounds a
+    layer one column at a time."""
+    def const(bits: int) -> torch.Tensor:
+        return torch.tensor(bits, dtype=torch.int32, device=device)
+    return const(0x7F800000), const(0x00800000), const(0x3F000000)  # exponent field, one binade, 0.5
+
+
+def _round_to_fp4_(a: torch.Tensor) -> torch.Tensor:
+    """a (float32) rounded in place to the nearest E2M1 value, saturating at ±6; NaN stays NaN.
 
     E2M1's magnitudes are a fixed-point grid per binade (step 0.5 below 2, 1 below 4, 2 up to 6), so
     rounding a/step to an integer rounds to the nearest value, and torch.round's half-to-even is
     exactly the round-half-to-even of the format (a tie goes to the value whose mantissa bit is 0:
-    0.25 → 0, 0.75 → 1, 5 → 4). The step is half the power of two at or below max(a, 1): that
-    float with its mantissa bits cleared. Dividing and multiplying by a power of two is exact.
-    GPTQ rounds column by column and W4A4 rounds every activation, so this runs often: one new
-    buffer, the rest in place (on the CPU every fresh buffer costs page faults)."""
-    a.clamp_(max=FP4_E2M1_MAX)
-    step = a.clamp(min=1.0)
-    step.view(torch.int32).bitwise_and_(0x7F800000)  # mantissa cleared: 1, 2 or 4 (NaN: Inf)
-    return a.div_(step.mul_(0.5)).round_().mul_(step)
+    0.25 → 0, 0.75 → 1, 5 → 4), on either sign. The step is half of 2^floor(log2|a|), and at least
+    0.5, read off a's bits: the exponent field alone (sign and mantissa cleared) is that power of
+    two, one less in the field halves it, and a clamp on the bits gives the floor (zero, subnormals
+    and |a| < 1 get 0.5). Dividing and multiplying by a power of two is exact. GPTQ rounds column by
+    column and W4A4 rounds every activation, so this runs often: one new buffer, the rest in place
+    (on the CPU every fresh buffer costs page faults)."""
+    exponent_field, one_binade, half = _fp4_bit_constants(a.device)
+    a.clamp_(-FP4_E2M1_MAX, FP4_E2M1_MAX)
+    step = torch.bitwise_and(a.view(torch.int32), exponent_field)
+    step = step.sub_(one_binade).clamp_(min=half).view(torch.float32)
+    return a.div_(step).round_().mul_(step)
 
 
 def nvfp4_global_scale(absmax: torch.Tensor | float) -> float:
@@ -648,13 +673,17 @@ def fake_quantize_fp4(x: torch.Tensor, group_size: int, global_scale: float | No
     `global_scale`, MXFP4 without); float32 out. NaN/Inf elements stay as they are. `activations`:
     NVFP4 blocks whose scale underflows become zero (fp4_steps). No gradient: it rounds in place."""
     x = original = x.detach()
-    x, finite = _finite_or_zero(x.float())
+    x, finite = x.float(), None
     grouped, pad = _grouped(x, group_size)
-    magnitudes = grouped.abs()
-    step = fp4_steps(magnitudes.amax(-1, keepdim=True), global_scale, underflow_to_zero=activations)
-    # dequantize(quantize(grouped)) in the one buffer: x / step has x's sign (step > 0)
-    out = _round_magnitudes_to_fp4_(magnitudes.div_(step)).mul_(step).copysign_(grouped)
-    out = out.clamp_(-_F32_MAX, _F32_MAX).reshape(x.shape[0], -1)
+    # Largest magnitude per block without a |x| buffer; a NaN or Inf shows in its block's value, and
+    # only then is x scanned for them (they stay as they are, counting as 0 in their block).
+    block_absmax = torch.maximum(grouped.amax(-1, keepdim=True), grouped.amin(-1, keepdim=True).neg_())
+    if not bool(torch.isfinite(block_absmax).all()):
+        x, finite = _finite_or_zero(x)
+        grouped, pad = _grouped(x, group_size)
+        block_absmax = grouped.abs().amax(-1, keepdim=True)
+    step = fp4_steps(block_absmax, global_scale, underflow_to_zero=activations)
+    out = _round_to_fp4_(grouped / step).mul_(step).clamp_(-_F32_MAX, _F32_MAX).reshape(x.shape[0], -1)
     out = out[:, : x.shape[1]] if pad else out
     return out if finite is None else torch.where(finite, out, original.float())
 

@@ -23,8 +23,10 @@ from compress.quant import (  # noqa: E402
     dequantize,
     fake_quantize,
     fake_quantize_fp8,
+    fp4_qparams,
     int_range,
     quantize,
+    quantize_dequantize,
 )
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
@@ -75,6 +77,23 @@ def test_quantize_dequantize_is_idempotent(x, bits, sym, layout):
     step = compute_qparams(x, bits, sym, strategy, group).scale.max()
     # the second pass may only move values by float rounding, never by a step
     assert torch.allclose(once, twice, rtol=1e-5, atol=float(step) * 1e-4), float((once - twice).abs().max())
+
+
+@SETTINGS
+@given(x=matrices(), bits=bits_st, sym=sym_st, layout=layout_st, fp4=st.booleans())
+def test_quantize_dequantize_in_one_is_the_two_steps_bit_for_bit(x, bits, sym, layout, fp4):
+    # GPTQ rounds each column with the fused quantize_dequantize, writing into its result buffer;
+    # it must give exactly what quantize then dequantize give (also on the FP4 grid, whose steps
+    # here come from NVFP4 block maxima).
+    strategy, group = layout
+    view, _, qp = codes_and_steps(x, bits, sym, strategy, group)
+    if fp4:
+        qp = fp4_qparams(view.abs().amax(-1, keepdim=True), global_scale=448.0 * 6.0 / max(float(x.abs().max()), 1e-30))
+    expected = dequantize(quantize(view, qp), qp)
+    assert torch.equal(quantize_dequantize(view, qp), expected)
+    out = torch.full_like(view, float("nan"))
+    assert quantize_dequantize(view, qp, out=out) is out and torch.equal(out, expected)
+    assert torch.equal(view, codes_and_steps(x, bits, sym, strategy, group)[0])  # the input is left as it was
 
 
 @SETTINGS

@@ -51,7 +51,7 @@ from compress.engine import calibration_batches, resolve_batch_size, token_rows
 from compress.mappings import Mapping, apply_scales, fold, fold_branches, in_block, mappings_for, scale_inputs
 from compress.moe import routes_tokens
 from compress.modeling import get_weight, set_weight
-from compress.quant import dequantize, nvfp4_global_scale, quantize, range_qparams, relative_error
+from compress.quant import nvfp4_global_scale, quantize_dequantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext
 from compress.stages.rtn import global_scales, quantize_weight
@@ -116,7 +116,7 @@ def clip_search(X: torch.Tensor, W: torch.Tensor, args: QuantArgs, grid: int = 2
 
     def quantized(ratio: torch.Tensor) -> torch.Tensor:
         qp = range_qparams(lo0 * ratio, hi0 * ratio, args, global_scale)
-        return dequantize(quantize(Wg, qp), qp)
+        return quantize_dequantize(Wg, qp)
 
     best_err = torch.full(hi0.shape, float("inf"), device=W.device)
     best_ratio = torch.ones(hi0.shape, device=W.device)

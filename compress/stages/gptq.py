@@ -49,7 +49,7 @@ from compress.engine import SolvesOutsideBlocks, block_label, solve_layers, toke
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.moe import static_input_range
-from compress.quant import QParams, compute_qparams, dequantize, quantize, range_qparams, relative_error
+from compress.quant import QParams, compute_qparams, quantize_dequantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
 from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
@@ -116,7 +116,9 @@ def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_damp: float = 10.
     while frac <= max_damp * (1 + 1e-9):
         L, info = torch.linalg.cholesky_ex((H + frac * mean_diag * eye).flip(0, 1))
         if info == 0:
-            U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+            # eye.mT: the same identity, laid out column-major as LAPACK wants its right-hand side,
+            # which saves a transposing copy (a third of the solve's time at 1536 inputs on the CPU)
+            U = torch.linalg.solve_triangular(L, eye.mT, upper=False).flip(0, 1)
             if bool(torch.isfinite(U).all()):  # a factor too near singular to invert is retried too
                 return U, frac, attempt
         frac, attempt = frac * 10, attempt + 1
@@ -136,12 +138,12 @@ def _column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | Non
     if not shrink_grid:
         return qp
     weight = torch.ones(W.shape[1], device=W.device) if weight is None else weight
-    best_err = ((W - dequantize(quantize(W, qp), qp)).pow(2) * weight).sum(1, keepdim=True)
+    best_err = ((W - quantize_dequantize(W, qp)).pow(2) * weight).sum(1, keepdim=True)
     best = qp
     for i in range(1, shrink_grid + 1):
         r = 1 - max_shrink * i / shrink_grid
         cand = range_qparams(lo * r, hi * r, args, global_scale)
-        err = ((W - dequantize(quantize(W, cand), cand)).pow(2) * weight).sum(1, keepdim=True)
+        err = ((W - quantize_dequantize(W, cand)).pow(2) * weight).sum(1, keepdim=True)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = QParams(torch.where(better, cand.scale, best.scale), torch.where(better, cand.zero_point, best.zero_point),
@@ -204,6 +206,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
     Wt = W.t().contiguous()
     Qt = torch.zeros_like(Wt)
     dropped = keep_zero.t() if keep_zero is not None else None
+    original_columns = perm.tolist() if perm is not None else range(columns)
     for i1 in range(0, columns, block_size):
         i2 = min(i1 + block_size, columns)
         W1t = Wt[i1:i2].clone()
@@ -213,17 +216,15 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
             col = i1 + i
             if group is not None:
                 if group_qparams is not None:
-                    original_col = int(perm[col]) if perm is not None else col
-                    qp = group_qparams[original_col // group]
+                    qp = group_qparams[original_columns[col] // group]
                 elif col % group == 0:
                     # Scales from the group's current (already error-compensated) values.
                     ahead = columns_ahead(W1t, i, Wt, i2, group).t()
                     qp = _column_qparams(ahead, args, diag[col : col + group], shrink_grid, global_scale=global_scale).per_column()
             w = W1t[i]
-            q = dequantize(quantize(w, qp), qp)
+            q = quantize_dequantize(w, qp, out=Qt[col])
             if dropped is not None:
-                q = q.masked_fill(dropped[col], 0.0)
-            Qt[col] = q
+                q.masked_fill_(dropped[col], 0.0)
             # The error, spread over the block's later columns: W[:, j] -= err · Hinv[col, j]
             err = torch.sub(w, q, out=Err1t[i]).div_(Hinv1[i, i])
             W1t[i + 1 :].addcmul_(Hinv1[i, i + 1 :, None], err, value=-1)

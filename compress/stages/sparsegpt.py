@@ -44,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from compress.engine import SolvesOutsideBlocks, block_label, solve_layers
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
-from compress.quant import compute_qparams, dequantize, fake_quantize, quantize
+from compress.quant import compute_qparams, fake_quantize, quantize_dequantize
 from compress.schemes import PRESETS, QuantArgs, resolve_scheme
 from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count
 from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext, done_by
@@ -117,7 +117,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
                 ahead = columns_ahead(W1t[i : i + group] * keep1[:, i : i + group].t(), 0, Wt, i2, group).t()
                 qp = compute_qparams(ahead, quant.num_bits, quant.symmetric, "channel", full_range=quant.full_range).per_column()
             w = W1t[i]
-            q = w if quant is None else dequantize(quantize(w, qp), qp)
+            q = w if quant is None else quantize_dequantize(w, qp)
             q = q.masked_fill(~keep1[:, i], 0.0)
             Qt[col] = q
             err = torch.sub(w, q, out=Err1t[i]).div_(d[i])
