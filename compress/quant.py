@@ -357,9 +357,9 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
 def _search_groups(w: torch.Tensor, top: list[float], ends: int, total: int, qmin: float, qmax: float, symmetric: bool,
                    float8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The interval search (_solve_groups) over every extreme code and starting scale, each
-    attempt only on the groups not yet verified; it gives up early when, after the grid's ends,
-    most of the weight's `total` groups are off any grid (not a quantized weight, or not this
-    scheme)."""
+    attempt only on the groups not yet verified. It gives up early when, after the grid's ends,
+    most of the weight's `total` groups are unverified and a sample of them is off every grid
+    too (not a quantized weight, or not this scheme): a search over every code is then wasted."""
     scale = zp = ok = None
     # A weight of a few groups (a [1, 64] gate, per channel: one group) is always searched in
     # full: one group off the grid's ends is then no sign that the weight is off every grid.
@@ -376,9 +376,21 @@ def _search_groups(w: torch.Tensor, top: list[float], ends: int, total: int, qmi
             bad = (~ok).squeeze(-1).nonzero().squeeze(-1)
             s_b, z_b, ok_b = _solve_groups(w[bad], t, start, qmin, qmax, symmetric, float8)
             scale[bad], zp[bad], ok[bad] = s_b, z_b, ok_b
-        if bool(ok.all()) or (i == ends - 1 and int((~ok).sum()) > too_many):
+        if bool(ok.all()):
             break
+        if i == ends - 1 and int((~ok).sum()) > too_many:
+            # Most groups miss the grid's ends. Learned scales (QAT, AutoRound) can leave every
+            # group's extreme short of them, so a few of those groups are searched in full first,
+            # where each holds no more distinct values than the grid has codes, as one on a grid does.
+            sample = (~ok).squeeze(-1).nonzero().squeeze(-1)[:_SAMPLE]
+            few_values = all(len(torch.unique(group)) <= qmax - qmin + 1 for group in w[sample])
+            if not few_values or not bool(_search_groups(w[sample], top[ends:], 0, len(sample), qmin, qmax, symmetric,
+                                                         float8)[2].any()):
+                break
     return scale, zp, ok
+
+
+_SAMPLE = 8  # groups searched in full before a weight whose groups mostly miss the grid's ends is given up
 
 
 _STARTS = 6  # starting scales per extreme code: least squares, then s0 and four nudges of it

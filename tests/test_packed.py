@@ -107,6 +107,13 @@ def test_recovered_scales_reproduce_weights_exactly(dtype):
     codes[0, ::2] = torch.tensor(kept, dtype=torch.float32)
     one = codes * torch.tensor(0.00039408524753525853)
     assert recover_qparams(one, 8, True, "channel")[2] == 0
+    # learned scales (QAT's AdamW moved them up ~10 %): every group's extreme stops short of the
+    # grid's end, in a 8-bit channel weight in bfloat16 and a 4-bit grouped one
+    for bits, strategy, group, grow in ((8, "channel", None, 1.1), (4, "group", 64, 1.3)):
+        qp = compute_qparams(W, bits, True, strategy, group)
+        qp.scale = (qp.scale * grow).to(dtype).float()
+        short = fake_quantize(W, bits, True, strategy, group, qparams=qp).to(dtype)
+        assert recover_qparams(short, bits, True, strategy, group)[2] == 0, (bits, dtype)
     # a weight off the grid is refused, not approximated
     assert recover_qparams(W.to(dtype), 4, True, "group", 64)[2] > 0
     assert recover_qparams(W[:1].to(dtype), 8, True, "channel")[2] == 1
