@@ -487,7 +487,8 @@ def eval_cmd(
         _print_results(result["results"], result["checks"], result["tasks"])
         size = result["size"]
         console.print(f"parameters {size['parameters']:,}; weights on disk {size['bytes_on_disk']:,} bytes "
-                      f"({size['bits_per_parameter_on_disk']:.2f} bits/param; {size['bits_per_parameter_packed']:.2f} once packed)")
+                      f"({size['bits_per_parameter_on_disk']:.2f} bits/param"
+                      + (", packed)" if size.get("packed") else f"; {size['bits_per_parameter_packed']:.2f} once packed)"))
         if result["checks"]:
             console.print("[green]PASS[/green]" if result["passed"] else "[red]FAIL[/red]")
     elif not result["passed"]:  # quiet, but a CI log must still say which threshold failed

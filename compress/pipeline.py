@@ -586,6 +586,7 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     layers = modeling.read_meta(modeling.resolve_model(model)).get("layers", {})
     path = Path(modeling.resolve_model(model))
     size = size_summary(net.cpu(), layers, path if path.is_dir() else None, stored_bits=modeling.saved_dtype(config).itemsize * 8)
+    size["packed"] = getattr(config, "quantization_config", None) is not None  # the file is already packed
     checks = gate(results, **thresholds) + task_gate(task_results, **task_thresholds)
     return {"model": model, "baseline": baseline, "kind": "causal-lm" if causal else "encoder",
             "results": results, "tasks": task_results, "size": size, "checks": checks,

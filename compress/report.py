@@ -140,11 +140,25 @@ def run_markdown(report: dict) -> str:
     nonzero = out.get("nonzero_parameters")
     lines += ["", "## Size", "", f"- parameters: {out['parameters']:,}"
               + (f" ({nonzero:,} nonzero, {1 - nonzero / out['parameters']:.2%} zeros; stored densely)" if nonzero is not None and nonzero < out["parameters"] else ""),
-              f"- weights on disk: {out['bytes_on_disk']:,} bytes ({out['bits_per_parameter_on_disk']:.2f} bits/parameter; weights are stored dequantized in {src['dtype']})",
-              f"- bits/parameter once packed (weights at their quantized width plus 16-bit scales and zero-points): {out['bits_per_parameter_packed']:.2f}"]
+              f"- weights on disk: {out['bytes_on_disk']:,} bytes ({out['bits_per_parameter_on_disk']:.2f} bits/parameter; "
+              f"{_storage(report)})",
+              f"- bits/parameter packed, ideally (codes at their width, scales in the model's dtype or FP4's 8-bit block "
+              f"scales, zero-points at the code width): {out['bits_per_parameter_packed']:.2f}"]
     if report.get("evaluation") or report.get("tasks"):
         lines += ["", "## Evaluation", "", evaluation_markdown(report.get("evaluation") or {}, tasks=report.get("tasks"))]
     return "\n".join(lines) + "\n"
+
+
+def _storage(report: dict) -> str:
+    """How the checkpoint holds its weights, from the format the run wrote (report.json `format`)."""
+    fmt, dtype = report.get("format") or {}, report["source_model"]["dtype"]
+    quantized = report["output"].get("quantized_parameters", 0) > 0
+    if fmt.get("format") == "packed":
+        return (f"{fmt.get('packed_layers', 'the')} quantized layers packed ({fmt.get('compressed_tensors_format', 'compressed-tensors')}, "
+                f"scales in {fmt.get('scale_dtype', dtype)}), the rest in {dtype}")
+    if quantized:
+        return f"weights stored dequantized in {dtype}: {fmt.get('reason', 'dense format')}"
+    return f"stored in {dtype}"
 
 
 def strict_json(data, **kwargs) -> str:

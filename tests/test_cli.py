@@ -54,6 +54,12 @@ def test_quantize_writes_complete_checkpoint(w8_output, ref_llama):
     assert eff["calibration"]["seq_len"] == 256
     # packed bits: 8-bit codes + per-channel scales on 2.75 M of 3.8 M params, the rest float32
     assert 14 < report["output"]["bits_per_parameter_packed"] < 16
+    # report.md says how the file holds them: packed, as report.json's format says (it once said
+    # "stored dequantized" whatever was written)
+    assert report["format"]["format"] == "packed"
+    size = (w8_output / "report.md").read_text().split("## Size")[1]
+    assert "28 quantized layers packed (pack-quantized, scales in float32), the rest in float32" in size, size
+    assert "dequantized" not in size
 
 
 def test_output_files_have_the_usual_modes(w8_output):
