@@ -69,6 +69,19 @@ class FakeQuantWeight(torch.nn.Module):
         return q.t() if self.transposed else q
 
 
+def _source_weight(source: torch.nn.Module | None, name: str, shape: torch.Size, rec: dict) -> torch.Tensor | None:
+    """The layer's float weight in the input model, where it is comparable: same shape (structured
+    pruning changes it) and no smoothing folded into it (AWQ, SmoothQuant scale the weights)."""
+    if source is None or any(k in rec for k in ("awq_alpha", "smoothquant_alpha")):
+        return None
+    try:
+        module = source.get_submodule(name)
+    except AttributeError:
+        return None
+    weight = get_weight(module) if hasattr(module, "weight") else None
+    return weight if weight is not None and weight.shape == shape else None
+
+
 class _ActivationSTE:
     """Forward pre-hook: round the layer's input per token, pass the gradient straight through."""
 
@@ -147,6 +160,10 @@ class QAT(DistillLoss, QuantizationStage):
             for h in hooks:
                 h.remove()
         errors = []
+        # The float weights a layer's error is measured against: what QAT received, unless an
+        # earlier stage had already quantized it (GPTQ then QAT): then the input model's own,
+        # which the teacher is by default.
+        source = teacher if teacher is not None and teacher_ref == ctx.source_model else None
         for name, module in modules.items():
             with torch.no_grad():
                 fq = module.parametrizations.weight[0]
@@ -154,11 +171,21 @@ class QAT(DistillLoss, QuantizationStage):
                 final = module.weight.detach().clone()  # the parametrized, quantized weight
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
             set_weight(module, (final.t() if type(module).__name__ == "Conv1D" else final).float())
-            err = relative_error(before[name], get_weight(module))
-            errors.append(err)
             rec = ctx.layers[name]
+            final = get_weight(module)
+            change = relative_error(before[name], final)
+            err, against = change, "the weights qat received"
+            if rec["qat_init"] != "round-to-nearest":  # they arrived on an earlier stage's grid
+                earlier = rec.get("stage", "an earlier stage")
+                float_weight = _source_weight(source, name, final.shape, rec)
+                if float_weight is not None:
+                    err, against = relative_error(float_weight, final), "the input model's weights"
+                else:  # no float weight to compare with: the earlier stage's error stands, and the change beside it
+                    err, against = rec.get("relative_error", change), f"the weights {earlier} received (before qat)"
+            errors.append(err)
             rec.update({"stage": "qat", "shape": list(before[name].shape), "weights": wargs.model_dump(mode="json"),
-                        "relative_error": err, "scales": self.scales})
+                        "relative_error": err, "relative_error_against": against, "qat_relative_change": change,
+                        "scales": self.scales})
             if scheme.input_activations is not None:
                 activations.attach(module, scheme.input_activations)
                 rec["input_activations"] = scheme.input_activations.model_dump(mode="json")
