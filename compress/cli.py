@@ -452,6 +452,9 @@ def eval_cmd(
     from compress.report import evaluation_markdown, junit_xml
     from compress.tasks import TaskRequest
 
+    if S.dtype not in ("auto", "float32"):
+        raise CompressError(f"--dtype {S.dtype}: eval always computes in float32 (the benchmark protocol's precision), "
+                            "whatever dtype the checkpoint was saved in", "drop --dtype")
     against_baseline = {"max_ppl_increase": max_ppl_increase, "max_kl": max_kl, "min_top1": min_top1,
                         "min_cosine": min_cosine, "max_task_drop": max_task_drop}
     given = [k for k, v in against_baseline.items() if v is not None]

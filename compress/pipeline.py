@@ -534,6 +534,10 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     threshold checks."""
     dev = pick_device(device)
     thresholds = dict(thresholds or {})
+    known = ("max_ppl_increase", "max_kl", "min_top1", "min_cosine", "min_task_score", "max_task_drop")
+    unknown = [k for k in thresholds if k not in known]
+    if unknown:  # before any model is loaded
+        raise CompressError(f"unknown threshold {unknown[0]!r}", f"use one of {', '.join(known)}")
     task_thresholds = {k: thresholds.pop(k, None) for k in ("min_task_score", "max_task_drop")}
     if not datasets and not (tasks and tasks.names):
         raise CompressError("no evaluation data given", "pass --data FILE, a text file (e.g. calibration/heldout-tinyshakespeare.txt), "

@@ -368,6 +368,10 @@ def _eval_threshold_no_baseline(tmp):
     return ["eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt", "--max-kl", "0.1"]
 
 
+def _eval_dtype(tmp):  # eval computes in float32; a --dtype (even one that does not exist) was silently ignored
+    return ["--dtype", "bogus", "eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt"]
+
+
 def _eval_data_missing(tmp):
     return ["eval", "--model", "default", "--data", str(tmp / "heldout.txt")]
 
@@ -759,6 +763,7 @@ CASES = [
     Case("dtype-unknown", _dtype_unknown, ["float8", "float32"]),
     # eval, inspect, plan
     Case("eval-threshold-no-baseline", _eval_threshold_no_baseline, ["--baseline"]),
+    Case("eval-dtype", _eval_dtype, ["--dtype bogus", "float32"]),
     Case("eval-data-missing", _eval_data_missing, ["heldout.txt", "not found"]),
     Case("eval-no-data", _eval_no_data, ["--data"]),
     Case("eval-data-too-short", _eval_data_too_short, ["tiny.txt", "window"]),

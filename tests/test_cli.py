@@ -10,6 +10,7 @@ import yaml
 
 from compress import parse_recipe, run_recipe
 from compress.cli import main
+from compress.errors import CompressError
 
 HELDOUT = "calibration/heldout-tinyshakespeare.txt"
 
@@ -129,6 +130,10 @@ def test_eval_of_a_model_with_nan_outputs_fails_every_gate(ref_llama, tmp_path, 
     assert not result["passed"] and [c["passed"] for c in result["checks"]] == [False, False, False]
     rc, _, err = run(capsys, "eval", "--model", broken, "--baseline", ref_llama, "--data", HELDOUT, "--min-top1", 0)
     assert rc == 2 and "can never fail" in err
+    # the Python API names a misspelled threshold up front (it was a TypeError after both
+    # models had been evaluated); a missing model shows that it ran before any loading
+    with pytest.raises(CompressError, match=r"unknown threshold 'max_kll'.*max_kl"):
+        evaluate_model(str(tmp_path / "no-such-model"), [HELDOUT], baseline=str(ref_llama), thresholds={"max_kll": 1e-3})
 
 
 def test_eval_identical_model_has_zero_kl(ref_llama, capsys):
