@@ -317,6 +317,9 @@ def parse_recipe(text: str, path: str = "<recipe>", default_calibration: dict | 
 def _check_contradictions(recipe: Recipe, path: str) -> None:
     for name, cfg in recipe.stages:
         if getattr(cfg, "needs_calibration", False) and recipe.calibration is None:
+            if hasattr(cfg, "train"):  # qat, distill: text to train on
+                raise CompressError(f"{path}: stage '{name}' has no text to train on: neither its 'data' nor a 'calibration' section",
+                                    "give the stage data: {dataset: FILE}, or the recipe a calibration: {dataset: FILE}")
             raise CompressError(
                 f"{path}: stage '{name}' needs calibration data ({_why_calibration(cfg)}) but the recipe has no 'calibration' section",
                 "add calibration: {dataset: ...}" + (" or use dynamic activations" if _static_only(cfg) else ""),

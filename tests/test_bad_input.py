@@ -164,6 +164,10 @@ def _gptq_without_calibration(tmp):
     return quantize(tmp, "stages:\n  - gptq:\n      scheme: W4A16\n")
 
 
+def _qat_without_data(tmp):  # it was told it needed "static activation ranges", for W4A16
+    return quantize(tmp, "stages:\n  - qat:\n      scheme: W4A16\n")
+
+
 def _static_without_calibration(tmp):
     return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A8\n      input_activations: {strategy: tensor, dynamic: false}\n")
 
@@ -702,6 +706,7 @@ CASES = [
     Case("yaml-empty", _empty_recipe, ["r.yaml", "mapping"]),
     Case("recipe-not-found", _recipe_not_found, ["nope.yaml", "not found"]),
     Case("gptq-without-calibration", _gptq_without_calibration, ["r.yaml", "'gptq' needs calibration", "layer by layer"]),
+    Case("qat-without-data", _qat_without_data, ["r.yaml", "'qat' has no text to train on", "data: {{dataset: FILE}}"]),
     Case("static-without-calibration", _static_without_calibration, ["r.yaml", "static activation ranges", "dynamic"]),
     Case("recipe-is-dir", _recipe_is_dir, ["recipes.yaml"]),
     Case("recipe-not-utf8", _recipe_not_utf8, ["r.yaml", "UTF-8"]),
