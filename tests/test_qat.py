@@ -242,3 +242,18 @@ def test_zeros_an_input_was_pruned_with_stay_a_mask_after_quantization_here(tiny
     report = run_recipe(parse_recipe("stages:\n" + qat, "t"), model=str(tmp_path / "rtn"), output=str(tmp_path / "two"),
                         format="dense")
     assert report["stages"][0]["summary"]["masked_layers"] == 14 and zero_share(tmp_path / "two") >= 0.5
+
+
+def test_qat_on_a_quantized_input_needs_a_float_teacher(tiny, tmp_path):
+    """The default teacher is the input model: a quantized one would teach its own rounding (the
+    run reported its KL against the W4 model as if it were the float one). Refused before any
+    work, unless a teacher is named or the stage trains on the text alone."""
+    w4 = tmp_path / "w4"
+    run_recipe(parse_recipe("stages:\n  - rtn: {scheme: W4A16}\n", "t"), model=str(tiny), output=str(w4))
+    data = "{dataset: calibration/default.txt, seq_len: 32, num_samples: 4, eval_samples: 2}"
+    qat = f"stages:\n  - qat: {{scheme: W4A16, data: {data}, train: {{steps: 1, batch_size: 2}}%s}}\n"
+    with pytest.raises(CompressError, match="is quantized, and with no teacher set it would distill from itself"):
+        run_recipe(parse_recipe(qat % "", "t"), model=str(w4), output=str(tmp_path / "o1"))
+    assert not (tmp_path / "o1").exists()
+    report = run_recipe(parse_recipe(qat % f", teacher: {tiny}", "t"), model=str(w4), output=str(tmp_path / "o2"))
+    assert report["stages"][0]["summary"]["teacher"] == str(tiny)

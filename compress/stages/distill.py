@@ -161,18 +161,23 @@ def refuse_quantized_student(layers: dict[str, dict], source_model: Optional[str
     `layers`: what earlier stages did (StageContext.layers) or will do (before the first stage)."""
     quantized = [n for n, r in layers.items() if r.get("weights") and not from_input(r)]
     where = "an earlier stage quantized" if quantized else None
-    source = Path(modeling.resolve_model(source_model)) if source_model else None
-    config = source / "config.json" if source is not None else None
-    # a compress output says so in its compress.json (the records it came with, even saved dense);
-    # another tool's quantized checkpoint in its config
-    packed = config is not None and config.is_file() and json.loads(config.read_text()).get("quantization_config")
-    if not where and (packed or any(r.get("weights") for r in layers.values())):
+    if not where and input_is_quantized(layers, source_model):
         where = "the input model" + (f" {source_model}" if source_model else "") + " is quantized"
     if where:
         raise CompressError(f"stage distill: {where}" + (f" ({len(quantized)} layers)" if quantized else "")
                             + "; distillation trains float weights and would save a dense model",
                             "use a qat stage (it distills from the float model through the quantization grid), "
                             "or distill before quantizing")
+
+
+def input_is_quantized(layers: dict[str, dict], source_model: Optional[str]) -> bool:
+    """Whether the recipe's input model is quantized: a compress output says so in its
+    compress.json (the records it came with, even saved dense), another tool's checkpoint in the
+    quantization_config of its config.json."""
+    source = Path(modeling.resolve_model(source_model)) if source_model else None
+    config = source / "config.json" if source is not None else None
+    packed = config is not None and config.is_file() and json.loads(config.read_text()).get("quantization_config")
+    return bool(packed) or any(r.get("weights") and from_input(r) for r in layers.values())
 
 
 # -- shared with the qat stage --------------------------------------------------------------------

@@ -36,8 +36,8 @@ from compress.quant import (QParams, compute_qparams, fake_quantize, fake_quanti
                             recover_qparams, relative_error, scale_gradient, storable_scale)
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext, check_weight
-from compress.stages.distill import (DistillLoss, check_training, load_teacher, pruning_masks, run_training, trainable_parameters,
-                                     uses_teacher)
+from compress.stages.distill import (DistillLoss, check_training, input_is_quantized, load_teacher, pruning_masks, run_training,
+                                     trainable_parameters, uses_teacher)
 from compress.targets import Pattern
 from compress.training import TrainingConfig
 from compress.training_data import TrainingData
@@ -121,7 +121,17 @@ class QAT(DistillLoss, QuantizationStage):
 
     def preflight_shapes(self, model: torch.nn.Module, records: dict[str, dict], source: torch.nn.Module) -> None:
         self._check_objective()
+        self._check_teacher(records, getattr(source.config, "_name_or_path", None) or None)
         check_training(self, "qat", model, int(model.config.num_hidden_layers), source.config)
+
+    def _check_teacher(self, records: dict[str, dict], source_model: str | None) -> None:
+        """The default teacher is the input model: when that is already quantized it would teach
+        its own rounding, and the KL it reports would be against it, not the float model."""
+        if uses_teacher(self, "qat") and self.teacher is None and input_is_quantized(records, source_model):
+            raise CompressError(f"stage qat: the input model{' ' + source_model if source_model else ''} is quantized, and "
+                                "with no teacher set it would distill from itself",
+                                "set the stage's teacher to the float model it came from, or kd_weight: 0 and ce_weight: 1 "
+                                "to train on the text alone")
 
     def _check_objective(self) -> None:
         if not uses_teacher(self, "qat") and self.ce_weight == 0:
@@ -134,6 +144,7 @@ class QAT(DistillLoss, QuantizationStage):
         modules = self.select(model, "qat")
         masks = pruning_masks(model, ctx)  # before the weights become parametrized
         self._check_objective()
+        self._check_teacher(ctx.layers, ctx.source_model)
         teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "qat") if uses_teacher(self, "qat") else (None, None)
         before, scales, hooks = {}, [], []
         for name, module in modules.items():
