@@ -152,8 +152,9 @@ def _node_at(root: yaml.Node | None, loc: tuple) -> tuple[yaml.Node | None, yaml
 
 
 def _fields_at(loc: tuple, stage_classes: dict[str, type[BaseModel]]) -> list[str]:
-    """The valid keys of the mapping that holds the last element of `loc`."""
-    return list(getattr(_model_at(loc, stage_classes), "model_fields", {}) or {})
+    """The valid keys of the mapping that holds the last element of `loc` (not `resolved`, which
+    compress writes into a saved recipe and ignores on input)."""
+    return [k for k in getattr(_model_at(loc, stage_classes), "model_fields", {}) or {} if k != "resolved"]
 
 
 def _description_at(loc: tuple, stage_classes: dict[str, type[BaseModel]]) -> str | None:
@@ -286,7 +287,7 @@ def parse_recipe(text: str, path: str = "<recipe>", default_calibration: dict | 
         else:
             continue  # reported by RecipeFile
         if name not in STAGES:
-            close = difflib.get_close_matches(str(name), list(STAGES), n=1)
+            close = difflib.get_close_matches(str(name).lower(), list(STAGES), n=1)  # QAT: qat
             hint = f"did you mean '{close[0]}'?" if close else f"known stages: {', '.join(STAGES)}"
             node, key_node = _node_at(root, ("stages", i, name))
             line = f":{(key_node or node).start_mark.line + 1}" if (key_node or node) is not None else ""

@@ -97,6 +97,14 @@ def _unknown_stage(tmp):
     return quantize(tmp, "stages:\n  - gptqq:\n      scheme: W8A16\n")
 
 
+def _stage_name_upper_case(tmp):
+    return quantize(tmp, "stages:\n  - RTN:\n      scheme: W8A16\n")
+
+
+def _stage_key_unknown(tmp):  # the hint lists the keys a user may write (not `resolved`, which compress writes)
+    return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n      bogus: 1\n")
+
+
 def _stage_typo(tmp):
     return quantize(tmp, "stages:\n  - rtnn:\n      scheme: W8A16\n")
 
@@ -714,6 +722,8 @@ CASES = [
     Case("unknown-stage", _unknown_stage,
          ["r.yaml:2", "gptqq", "did you mean 'gptq'" if "gptq" in STAGES else "known stages: rtn"]),
     Case("stage-name-typo", _stage_typo, ["r.yaml:2", "rtnn", "did you mean 'rtn'"]),
+    Case("stage-name-upper-case", _stage_name_upper_case, ["r.yaml:2", "'RTN'", "did you mean 'rtn'"]),
+    Case("stage-key-unknown", _stage_key_unknown, ["r.yaml:4", "bogus", "valid keys here: scheme, weights, input_activations, targets, ignore"]),
     Case("top-key-typo", _top_key_typo, ["r.yaml:2", "calibraton", "did you mean 'calibration'"]),
     Case("stage-key-typo", _stage_key_typo, ["r.yaml:3", "shceme", "did you mean 'scheme'"]),
     Case("weights-key-typo", _weights_key_typo, ["r.yaml:5", "num_bit", "did you mean 'num_bits'"]),
@@ -935,3 +945,8 @@ def test_evaluation_dataset_missing_writes_nothing(tmp_path: Path, capsys):
     assert "eval-missing.txt" in msg
     assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".*.tmp-*"))
+
+
+def test_the_valid_keys_hint_leaves_out_what_compress_writes_itself(tmp_path, capsys):
+    rc, err = run_cli(_stage_key_unknown(tmp_path), capsys)
+    assert rc == 2 and err.strip().endswith("valid keys here: scheme, weights, input_activations, targets, ignore"), err
