@@ -218,6 +218,32 @@ def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: d
     return f"{path}{line}: {key}: {msg}", hint
 
 
+def _booleans_for_numbers(data: Any, stage_classes: dict[str, type[BaseModel]]) -> list[dict]:
+    """YAML true/false where a number is expected, as validation errors: pydantic reads them as 1
+    and 0, so `steps: true` trained one step and `num_samples: true` calibrated on one sample."""
+    found: list[dict] = []
+
+    def numeric(annotation: Any) -> bool:
+        kinds = [a for a in (getattr(annotation, "__args__", None) or (annotation,)) if a is not type(None)]
+        return bool(kinds) and all(a in (int, float) for a in kinds)
+
+    def walk(value: Any, loc: tuple) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, (*loc, key))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                walk(item, (*loc, i))
+        elif isinstance(value, bool) and loc and not isinstance(loc[-1], int):
+            fields = getattr(_model_at(loc, stage_classes), "model_fields", None) or {}
+            field = fields.get(loc[-1])
+            if field is not None and numeric(field.annotation):
+                found.append({"loc": loc, "msg": "expected a number", "type": "bool_for_number", "input": value})
+
+    walk(data, ())
+    return found
+
+
 def _duplicate_key(node: yaml.Node | None, visited: set | None = None) -> tuple[str, int] | None:
     """The first key given twice in one mapping, and its second line: a copied line edited in one
     place only (`scheme: W4A16` then `scheme: W8A16`), which YAML resolves to the last without a word.
@@ -302,6 +328,8 @@ def parse_recipe(text: str, path: str = "<recipe>", default_calibration: dict | 
             for e in exc.errors():
                 errors.append({**e, "loc": ("stages", i, name, *e["loc"])})
 
+    booleans = _booleans_for_numbers(data, stage_classes)
+    errors = booleans + [e for e in errors if tuple(e["loc"]) not in {b["loc"] for b in booleans}]
     if errors:
         first, hint = _format_error(path, root, errors[0], stage_classes)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""

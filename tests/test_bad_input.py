@@ -827,7 +827,14 @@ CASES = [
          ["r.yaml:4", "'scheme' appears twice"]),
     Case("recipe-bool-as-bit-width", lambda tmp: quantize(tmp, "stages:\n  - rtn:\n      scheme: W4A16\n"
                                                            "      weights: {num_bits: true}\n"),
-         ["r.yaml:4", "num_bits", "valid integer, got true"]),
+         ["r.yaml:4", "num_bits", "got true"]),
+    # pydantic reads true as 1 for any other number: `steps: true` trained one step
+    Case("recipe-bool-as-steps", lambda tmp: quantize(tmp, "stages:\n  - qat:\n      scheme: W4A16\n"
+                                                      "      data: {dataset: calibration/default.txt}\n      train: {steps: true}\n"),
+         ["r.yaml:5", "stages.0.qat.train.steps: expected a number, got true"]),
+    Case("recipe-bool-as-num-samples", lambda tmp: quantize(tmp, "calibration: {dataset: calibration/default.txt, num_samples: true}\n"
+                                                            "stages:\n  - gptq: {scheme: W4A16, block_size: false}\n"),
+         ["r.yaml:1", "calibration.num_samples: expected a number, got true", "(and 1 more problem)"]),
     Case("recipe-self-referencing-alias", lambda tmp: quantize(tmp, "stages: &s [ {rtn: {scheme: W8A16}}, *s ]\n"),
          ["r.yaml:1", "stages"]),
     Case("pattern-unquoted-in-recipe", _pattern_unquoted, ["r.yaml:3", "pattern", "124", "quote"]),
