@@ -985,10 +985,16 @@ def _interrupted(argv: list[str]) -> int:
     to go on, on stderr and, with --json, on stdout as any failure is. Returns the exit code, 130."""
     message, hint = "interrupted", None
     if {"quantize", "prune", "distill"} & set(argv):  # eval, analyze, bench: nothing to resume
+        from compress.pipeline import RUNNING, kept_training_step
+
         resuming = "--resume" in argv or any(a.split("=", 1)[0] == "--cache-dir" for a in argv)
         message = "interrupted: no output was written"
         hint = ("the completed stages are in the stage cache: rerun the same command to continue" if resuming
                 else "rerun with --resume to keep completed stages across interruptions")
+        step = kept_training_step(RUNNING["work_dir"])
+        if step is not None:  # a training stage saved checkpoints (save_every), which --resume continues from
+            hint = (f"training reached a checkpoint at step {step}, kept in {RUNNING['work_dir']}: rerun the same command"
+                    + ("" if resuming else " with --resume") + " to continue from it")
     console.print(message + (f" [dim]({hint})[/dim]" if hint else ""), soft_wrap=True, highlight=False)
     return _json_error(argv, 130, message, hint)
 

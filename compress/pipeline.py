@@ -181,6 +181,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     ctx = StageContext(device=dev, devices=devices, calibration=calibration, seed=seed, progress=progress, tokenizer=tokenizer,
                        source_model=model_ref, source_hash=source["weights_sha256"], resume=resume or bool(cache_dir),
                        work_dir=dest.parent / f".{dest.name}.work")
+    RUNNING["work_dir"] = ctx.work_dir  # for the interruption message: training checkpoints kept there
     for name, record in inherited.items():
         ctx.layers[name] = dict(record)
     # An input written by compress with quantized activations or an FP8 KV cache keeps them, as it
@@ -267,7 +268,18 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                 net.to("cpu")
         write_reports(tmp, report)
     shutil.rmtree(ctx.work_dir, ignore_errors=True)  # the run is complete: its checkpoints are spent
+    RUNNING["work_dir"] = None
     return report
+
+
+# The run in progress in this process (the CLI runs one), for what an interruption leaves behind.
+RUNNING: dict = {"work_dir": None}
+
+
+def kept_training_step(work_dir: Path | None) -> int | None:
+    """The newest complete training checkpoint's step in an interrupted run's work directory."""
+    steps = [int(p.parent.name.removeprefix("step-")) for p in work_dir.glob("*/step-*/complete")] if work_dir else []
+    return max(steps) if steps else None
 
 
 def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=None) -> list[dict]:

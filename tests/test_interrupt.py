@@ -269,3 +269,24 @@ def test_resume_from_the_middle_of_bundled_recipes(tmp_path, repo, name, restora
     assert main(argv_for(path, tmp_path / "resumed", "--resume", "--cache-dir", str(cache))) == 0
     assert report_of(tmp_path / "resumed")["cache"]["restored_stages"] == restorable
     assert checkpoint_digest(tmp_path / "resumed") == checkpoint_digest(tmp_path / "full")
+
+
+def test_an_interrupted_training_run_says_where_its_checkpoint_is(tmp_path, capsys, monkeypatch):
+    """distill (or a qat stage) saves checkpoints every save_every steps beside the output, and
+    --resume continues from them; the interruption message said no output was written and to use
+    --resume "to keep completed stages", as if nothing of the run were kept."""
+    from compress import cli, pipeline
+
+    work = tmp_path / ".out.work"
+    for step, complete in ((20, True), (100, True), (120, False)):  # step 120 was still being written
+        (work / "0-distill" / f"step-{step}").mkdir(parents=True)
+        if complete:
+            (work / "0-distill" / f"step-{step}" / "complete").touch()
+    monkeypatch.setitem(pipeline.RUNNING, "work_dir", work)
+    assert cli._interrupted(["distill", "--output", str(tmp_path / "out")]) == 130
+    err = capsys.readouterr().err + capsys.readouterr().out
+    assert f"training reached a checkpoint at step 100, kept in {work}" in " ".join(err.split()), err
+    assert "with --resume to continue from it" in " ".join(err.split())
+    monkeypatch.setitem(pipeline.RUNNING, "work_dir", None)  # no training checkpoint: the stage cache hint
+    cli._interrupted(["quantize", "--recipe", "r.yaml"])
+    assert "rerun with --resume to keep completed stages" in " ".join(capsys.readouterr().err.split())
