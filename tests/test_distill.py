@@ -107,7 +107,7 @@ stages:
     assert saved["model.embed_tokens.weight"].shape[1] == 32
 
 
-def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys, monkeypatch):
+def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys, monkeypatch, minilm):
     import compress.training_data
 
     # too few sequences asked of the teacher is refused before it generates any
@@ -139,6 +139,10 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys, monkeypatch):
         (["--data", data], "no student"),
         (["--student-layers", "0,7", "--data", data], "keep_layers [0, 7]"),
         (["--student-layers", "x", "--data", data], "not a list of block numbers"),
+        (["--student-layers", "1,0", "--data", data], "keep_layers [1, 0] would reorder the blocks (list them in order: [0, 1])"),
+        # another tokenizer is named before the loss (an encoder student was told to match hidden
+        # states, and only then that the vocabularies differ)
+        (["--student", str(minilm), "--data", data], "has vocabulary size 2048, the student 30522"),
         (["--student", str(student), "--data", data, "--hidden", "a:b"], "STUDENT:TEACHER"),
         (["--student", str(student), "--data", str(tmp_path / "missing.txt")], "missing.txt"),
         (["--student", str(student), "--data", data, "--hidden", "1:9"], "hidden teacher index 9 is out of range"),

@@ -254,6 +254,11 @@ def check_training(stage, name: str, model: torch.nn.Module, student_layers: int
     if uses_teacher(stage, name):
         teacher_config = modeling.load_config(stage.teacher) if stage.teacher else source_config
     teacher_layers = int(teacher_config.num_hidden_layers) if teacher_config is not None else None
+    # the vocabularies first: with another tokenizer no loss (logits or hidden states) is meaningful
+    if teacher_config is not None and getattr(teacher_config, "vocab_size", None) != getattr(model.config, "vocab_size", None):
+        raise CompressError(f"stage {name}: teacher {stage.teacher or 'the input model'} has vocabulary size "
+                            f"{getattr(teacher_config, 'vocab_size', None)}, the student {getattr(model.config, 'vocab_size', None)}",
+                            "distill between models that share a tokenizer")
     check_loss(name, stage, modeling.is_causal_lm(model.config), student_layers, teacher_layers)
     _frozen(model, stage.freeze, name)
     if stage.data.generate is not None:
@@ -283,6 +288,8 @@ def check_keep_layers(model: torch.nn.Module, keep: list[int], stage: str) -> No
     if bad or not keep or len(set(keep)) != len(keep):
         raise CompressError(f"stage {stage}: keep_layers {keep} is not a list of distinct blocks of the model's {len(blocks)}",
                             f"choose indices from 0 to {len(blocks) - 1}")
+    if keep != sorted(keep):  # 3,1 ran block 3 before block 1: a different network, not a shallower one
+        raise CompressError(f"stage {stage}: keep_layers {keep} would reorder the blocks", f"list them in order: {sorted(keep)}")
 
 
 def keep_blocks(model: torch.nn.Module, keep: list[int], records: dict[str, dict], stage: str) -> None:
