@@ -15,7 +15,8 @@ the step sizes learn too, by LSQ's gradient. The starting scales are those of th
 they arrive: an earlier PTQ stage at the same scheme (GPTQ, AWQ, RTN) hands over its grid
 exactly, so QAT starts from the PTQ result; otherwise round-to-nearest's. After training each
 weight is set to its final quantized values, recorded like any quantization stage's, and saved
-in the same packed format.
+in the same packed format. A run whose held-out loss ends above its start gives the start back
+(`keep_start_if_worse`).
 
 Dynamic per-token activation quantization can be trained through too (the inputs are rounded in
 the forward pass, their gradient passed straight through).
@@ -102,6 +103,8 @@ class QAT(DistillLoss, QuantizationStage):
     scales: Literal["learned", "fixed"] = Field("learned", description="learned: LSQ step sizes; fixed: the starting ones")
     scale_lr: Optional[float] = Field(None, gt=0, description="peak learning rate of the scales (default: train.lr)")
     freeze: list[Pattern] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
+    keep_start_if_worse: bool = Field(True, description="when training ends with a higher held-out loss than it started "
+                                      "with, keep the starting grid (the earlier stage's, or round-to-nearest's)")
     data: TrainingData = Field(default_factory=TrainingData)
     train: TrainingConfig = Field(default_factory=TrainingConfig)
 
@@ -164,12 +167,24 @@ class QAT(DistillLoss, QuantizationStage):
         trainable = trainable_parameters(model, self.freeze, "qat")
         trainable = [p for p in trainable if not any(p is s for s in scales)]
         extra = [{"params": scales, "lr": self.scale_lr or self.train.lr, "weight_decay": 0.0}] if scales else []
+        # Every trained value as it starts (on the CPU): training that ends worse than its start
+        # (an 8-bit grid barely loses anything, and AdamW's steps of about lr move weights by
+        # more than its step size) gives the start back rather than a worse model.
+        start = [(p, p.detach().to("cpu", copy=True)) for p in trainable + scales] if self.keep_start_if_worse else []
         try:
             summary = run_training(self, "qat", model, teacher, teacher_ref, ctx, self.data, self.train,
                                    trainable=trainable, extra_groups=extra, masks=masks)
         finally:
             for h in hooks:
                 h.remove()
+        loss_start, loss_end = summary.get("held_out_loss_before"), summary.get("held_out_loss_after")
+        if start and loss_start is not None and loss_end is not None and not loss_end < loss_start:
+            with torch.no_grad():
+                for param, value in start:
+                    param.copy_(value)
+            summary["kept_start"] = (f"held-out loss {loss_end:.4g} after training, {loss_start:.4g} before: the starting "
+                                     "weights and grid are kept (keep_start_if_worse)")
+        del start
         errors = []
         # The float weights a layer's error is measured against: what QAT received, unless an
         # earlier stage had already quantized it (GPTQ then QAT): then the input model's own,
