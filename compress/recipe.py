@@ -227,7 +227,13 @@ def _booleans_for_numbers(data: Any, stage_classes: dict[str, type[BaseModel]]) 
         kinds = [a for a in (getattr(annotation, "__args__", None) or (annotation,)) if a is not type(None)]
         return bool(kinds) and all(a in (int, float) for a in kinds)
 
+    seen: set[int] = set()  # a YAML alias may repeat a node, or hold itself
+
     def walk(value: Any, loc: tuple) -> None:
+        if isinstance(value, (dict, list)):
+            if id(value) in seen:
+                return
+            seen.add(id(value))
         if isinstance(value, dict):
             for key, item in value.items():
                 walk(item, (*loc, key))
