@@ -103,6 +103,7 @@ def quantize(
                                              "$COMPRESS_CACHE, else ~/.cache/compress); giving it implies --resume."),
     format: Optional[str] = typer.Option(None, "--format", help="packed (compressed-tensors: int4 packed, int8, FP8), dense "
                                          "(dequantized, in the model's dtype) or auto (the default: packed when every quantized layer can be); overrides the recipe."),
+    no_eval: bool = typer.Option(False, "--no-eval", help="skip the recipe's evaluation section (as prune and distill do)."),
 ):
     """Run a recipe's stages on a model and save the compressed checkpoint with its report.
 
@@ -114,6 +115,8 @@ def quantize(
     if format is not None and format not in ("packed", "dense", "auto"):
         raise CompressError(f"--format {format!r} is not a format", "use packed, dense or auto")
     r = load_recipe(recipe)
+    if no_eval:
+        r.evaluation = None
     with progress_bar() as progress:
         report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
                             seed=S.seed, progress=progress, format=format, resume=resume,

@@ -576,6 +576,7 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     if baseline is not None:
         try:
             modeling.resolve_model(baseline)
+            modeling.load_config(baseline)  # a hub id that cannot be loaded fails here, named as the baseline
         except CompressError as exc:  # say which of the two models it is
             raise CompressError(f"--baseline: {exc.message}", exc.hint) from None
     net, tokenizer, config = modeling.load_model(model, dtype="float32", device=dev)

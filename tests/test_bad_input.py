@@ -419,6 +419,10 @@ def _eval_baseline_missing(tmp):
     return ["eval", "--model", "default", "--baseline", str(tmp / "gone"), "--data", "calibration/heldout-tinyshakespeare.txt"]
 
 
+def _eval_baseline_hub_id_unknown(tmp):  # offline, not cached: it was not named as the baseline
+    return ["eval", "--model", "default", "--baseline", "no-such-org/no-such-model", "--data", "calibration/heldout-tinyshakespeare.txt"]
+
+
 def _eval_no_windows(tmp):
     return ["eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt", "--max-windows", "0"]
 
@@ -798,6 +802,7 @@ CASES = [
          marks=NEEDS_LM_EVAL),
     Case("eval-task-data-missing", _eval_task_data_missing, ["lm-eval could not run mine", "gone.jsonl"], marks=NEEDS_LM_EVAL),
     Case("eval-baseline-missing", _eval_baseline_missing, ["--baseline", "gone", "does not exist"]),
+    Case("eval-baseline-hub-id-unknown", _eval_baseline_hub_id_unknown, ["--baseline: ", "no-such-org/no-such-model"]),
     Case("inspect-foreign-dir", _inspect_foreign, ["plain", "compress.json"]),
     Case("inspect-missing", _inspect_missing, ["nothing", "does not exist"]),
     Case("plan-no-model", _plan_no_model, ["r.yaml", "no model"]),

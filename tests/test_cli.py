@@ -513,3 +513,16 @@ def test_the_readme_quickstart_runs_as_written(repo, tmp_path, monkeypatch, caps
         assert main(["--quiet", *command[1:]]) == 0, " ".join(command)
         capsys.readouterr()
     assert (tmp_path / "out/w8/model.safetensors").is_file() and (tmp_path / "out/w8-eval.md").is_file()
+
+
+def test_quantize_no_eval_skips_the_recipes_evaluation(tmp_path, capsys):
+    """prune and distill had --no-eval, quantize had not: a recipe with an evaluation section
+    always evaluated."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"stages:\n  - rtn: {{scheme: W8A16}}\nevaluation: {{datasets: [{HELDOUT}], max_windows: 2}}\n")
+    for extra, evaluated in ((["--no-eval"], False), ([], True)):
+        out = tmp_path / f"out{len(extra)}"
+        rc, stdout, _ = run(capsys, "--json", "quantize", "--recipe", recipe, "--model", "default", "--output", out, *extra)
+        assert rc == 0
+        assert bool(json.loads(stdout).get("evaluation")) == evaluated
+        assert bool(json.loads((out / "report.json").read_text()).get("evaluation")) == evaluated
