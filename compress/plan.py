@@ -100,6 +100,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     assignments: dict[str, dict] = {}  # layer -> what the stages do to it; names and shapes follow reshaping stages
     warnings: list[str] = []
     partial: dict[tuple[int, str, int], list[str]] = {}  # (stage, name, group size) -> layers with a partial last group
+    requantized: dict[tuple[int, str, str], list[str]] = {}  # (stage, name, earlier scheme) -> layers quantized twice
     unpackable: dict[str, str] = {}  # layer -> why the format cannot hold what its stages leave
     guessed = False
     with StageShapes(recipe, net, assignments) as walk:
@@ -156,6 +157,11 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 before = assignments.get(n)
                 if rescales and (before or {}).get("weights") is not None:
                     unpackable[n] = f"{n}, rescaled by {name} after it was quantized"
+                # Quantized, then quantized again: the second grid rounds the first one's values
+                # (rtn W8A16 then rtn W4A16). QAT at the same scheme is meant to start from it.
+                if (before or {}).get("weights") is not None and entry["weights"] is not None and \
+                        not (name == "qat" and before["weights"] == entry["weights"]):
+                    requantized.setdefault((i, name, f"{before['stage']}: {before['scheme']}"), []).append(n)
                 if before is not None and "scheme" in before:  # stages chain on a layer: pruned, then quantized, ...
                     entry["stage"] = f"{before['stage']} → {name}"
                     entry["scheme"] = f"{before['scheme']} → {entry['scheme']}"
@@ -175,6 +181,10 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         listed = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
         warnings.append(f"stage {i + 1} ({name}): {len(layers)} layer{'s' if len(layers) > 1 else ''} with an input width "
                         f"that is not a multiple of group_size {group}, whose last group is partial: {listed}")
+    for (i, name, earlier), layers in requantized.items():
+        listed = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+        warnings.append(f"stage {i + 1} ({name}) quantizes {len(layers)} layer{'s' if len(layers) > 1 else ''} that are "
+                        f"already quantized ({earlier}), rounding the earlier grid's values again: {listed}")
     saved = walk.model  # as it will be saved: reshaped, experts fused
     fmt, fmt_reason, refused = _format(recipe, saved, assignments, list(unpackable.values()), walk.exact)
     if refused:

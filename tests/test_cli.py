@@ -526,3 +526,15 @@ def test_quantize_no_eval_skips_the_recipes_evaluation(tmp_path, capsys):
         assert rc == 0
         assert bool(json.loads(stdout).get("evaluation")) == evaluated
         assert bool(json.loads((out / "report.json").read_text()).get("evaluation")) == evaluated
+
+
+def test_plan_warns_when_a_stage_quantizes_what_an_earlier_one_quantized(tmp_path, capsys, repo):
+    """rtn W8A16 then rtn W4A16 ran without a word: the second rounds the first's values. GPTQ
+    then QAT at the same scheme (the bundled w4a16-qat recipe) is meant, and not warned about."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages:\n  - rtn: {scheme: W8A16}\n  - rtn: {scheme: W4A16, targets: ['re:.*mlp.*']}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", "default")
+    [warning] = [w for w in json.loads(out)["warnings"] if "already quantized" in w]
+    assert rc == 0 and warning.startswith("stage 2 (rtn) quantizes 12 layers that are already quantized (rtn: W[int8 per-channel sym]")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", repo / "recipes/w4a16-qat.yaml", "--model", "default")
+    assert rc == 0 and not [w for w in json.loads(out)["warnings"] if "already quantized" in w]
