@@ -121,6 +121,11 @@ class AtomicOutput:
             # --force replaces the whole directory: only ever one that compress wrote
             raise CompressError(f"output directory {dest} exists and was not written by compress (no compress.json); "
                                 "--force replaces only compress outputs", "choose another --output, or empty that directory yourself")
+        added = _added_since_written(self.dest)
+        if added:  # a user's notes saved into an output would go with it
+            listed = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+            raise CompressError(f"output directory {dest} holds files compress did not write ({listed}); --force would delete them",
+                                "move them out of the directory, or choose another --output")
         self.tmp = self.dest.parent / f".{self.dest.name}.tmp-{os.getpid()}"
 
     def __enter__(self) -> Path:
@@ -142,6 +147,7 @@ class AtomicOutput:
         try:  # a Ctrl-C here must not leave the finished temporary directory behind, nor lose dest
             kill_point("before-move")
             (self.tmp / INCOMPLETE_MARKER).unlink(missing_ok=True)
+            (self.tmp / MANIFEST).write_text("".join(f + "\n" for f in _files(self.tmp)))
             _usual_file_modes(self.tmp)
             if self.dest.exists():
                 old = self.dest.parent / f".{self.dest.name}.old-{os.getpid()}"
@@ -184,6 +190,23 @@ class AtomicOutput:
         for p in self._left_by_dead_runs("old"):
             os.replace(p, self.dest)
             return
+
+
+MANIFEST = ".compress-files"  # every file a finished output was written with, one relative path a line
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _added_since_written(directory: Path) -> list[str]:
+    """Files in a compress output that its run did not write (none known for outputs written
+    before the manifest existed)."""
+    manifest = directory / MANIFEST
+    if not directory.is_dir() or not manifest.is_file():
+        return []
+    written = set(manifest.read_text().splitlines())
+    return [f for f in _files(directory) if f not in written]
 
 
 def _rss_bytes() -> int:

@@ -538,3 +538,24 @@ def test_plan_warns_when_a_stage_quantizes_what_an_earlier_one_quantized(tmp_pat
     assert rc == 0 and warning.startswith("stage 2 (rtn) quantizes 12 layers that are already quantized (rtn: W[int8 per-channel sym]")
     rc, out, _ = run(capsys, "--json", "plan", "--recipe", repo / "recipes/w4a16-qat.yaml", "--model", "default")
     assert rc == 0 and not [w for w in json.loads(out)["warnings"] if "already quantized" in w]
+
+
+def test_force_keeps_files_the_user_added_to_an_output(tmp_path, capsys):
+    """--force replaces a compress output whole: notes a user saved into it went with it, without
+    a word. Each finished output lists the files it was written with (.compress-files), and --force
+    refuses while others are there; an output written before that list existed is replaced as before."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages:\n  - rtn: {scheme: W8A16}\n")
+    out = tmp_path / "out"
+    argv = ["--quiet", "quantize", "--recipe", recipe, "--model", "default", "--output", out, "--force"]
+    assert run(capsys, *argv)[0] == 0
+    written = (out / ".compress-files").read_text().splitlines()
+    assert {"compress.json", "model.safetensors", "report.json"} <= set(written) and ".compress-files" not in written
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    (out / "sub" / "plot.png").write_bytes(b"\x89PNG")
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2 and "holds files compress did not write (notes.txt, sub/plot.png); --force would delete them" in err
+    assert (out / "notes.txt").read_text() == "mine" and (out / "sub" / "plot.png").is_file()
+    (out / ".compress-files").unlink()  # as an output written before the list existed
+    assert run(capsys, *argv)[0] == 0 and not (out / "notes.txt").exists()
