@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -546,11 +547,12 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     threshold checks."""
     dev = pick_device(device)
     thresholds = dict(thresholds or {})
-    known = ("max_ppl_increase", "max_kl", "min_top1", "min_cosine", "min_task_score", "max_task_drop")
+    on_tasks = list(inspect.signature(task_gate).parameters)[1:]  # the thresholds are the gates' keywords
+    known = list(inspect.signature(gate).parameters)[1:] + on_tasks
     unknown = [k for k in thresholds if k not in known]
     if unknown:  # before any model is loaded
         raise CompressError(f"unknown threshold {unknown[0]!r}", f"use one of {', '.join(known)}")
-    task_thresholds = {k: thresholds.pop(k, None) for k in ("min_task_score", "max_task_drop")}
+    task_thresholds = {k: thresholds.pop(k, None) for k in on_tasks}
     if not datasets and not (tasks and tasks.names):
         raise CompressError("no evaluation data given", "pass --data FILE, a text file (e.g. calibration/heldout-tinyshakespeare.txt), "
                             "or --tasks NAMES")

@@ -685,16 +685,9 @@ def fake_quantize_fp4(x: torch.Tensor, group_size: int, global_scale: float | No
     `global_scale`, MXFP4 without); float32 out. NaN/Inf elements stay as they are. `activations`:
     NVFP4 blocks whose scale underflows become zero (fp4_steps). No gradient: it rounds in place."""
     x = original = x.detach()
-    x, finite = x.float(), None
+    x, finite = _finite_or_zero(x.float())
     grouped, pad = _grouped(x, group_size)
-    # Largest magnitude per block without a |x| buffer; a NaN or Inf shows in its block's value, and
-    # only then is x scanned for them (they stay as they are, counting as 0 in their block).
-    block_absmax = torch.maximum(grouped.amax(-1, keepdim=True), grouped.amin(-1, keepdim=True).neg_())
-    if not bool(torch.isfinite(block_absmax).all()):
-        x, finite = _finite_or_zero(x)
-        grouped, pad = _grouped(x, group_size)
-        block_absmax = grouped.abs().amax(-1, keepdim=True)
-    step = fp4_steps(block_absmax, global_scale, underflow_to_zero=activations)
+    step = fp4_steps(grouped.abs().amax(-1, keepdim=True), global_scale, underflow_to_zero=activations)
     out = _round_to_fp4_(grouped / step).mul_(step).clamp_(-_F32_MAX, _F32_MAX).reshape(x.shape[0], -1)
     out = out[:, : x.shape[1]] if pad else out
     return out if finite is None else torch.where(finite, out, original.float())

@@ -335,7 +335,8 @@ def parse_recipe(text: str, path: str = "<recipe>", default_calibration: dict | 
                 errors.append({**e, "loc": ("stages", i, name, *e["loc"])})
 
     booleans = _booleans_for_numbers(data, stage_classes)
-    errors = booleans + [e for e in errors if tuple(e["loc"]) not in {b["loc"] for b in booleans}]
+    reported = {b["loc"] for b in booleans}  # pydantic may also refuse the 1 or 0 it read there
+    errors = booleans + [e for e in errors if tuple(e["loc"]) not in reported]
     if errors:
         first, hint = _format_error(path, root, errors[0], stage_classes)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""

@@ -188,12 +188,16 @@ def load_teacher(ref: Optional[str], student: torch.nn.Module, ctx: StageContext
     if ref is None:
         raise CompressError(f"stage {stage}: no teacher", "set the stage's teacher: a hub id or model directory")
     teacher, _, config = modeling.load_model(ref, dtype="float32", device=ctx.device)
-    if getattr(config, "vocab_size", None) != getattr(student.config, "vocab_size", None):
-        raise CompressError(f"stage {stage}: teacher {ref} has vocabulary size {getattr(config, 'vocab_size', None)}, "
-                            f"the student {getattr(student.config, 'vocab_size', None)}",
-                            "distill between models that share a tokenizer")
+    check_vocabularies(stage, ref, config, student.config)
     teacher.requires_grad_(False)
     return teacher, ref
+
+
+def check_vocabularies(stage: str, teacher_ref: str, teacher_config, student_config) -> None:
+    teacher_vocab, student_vocab = getattr(teacher_config, "vocab_size", None), getattr(student_config, "vocab_size", None)
+    if teacher_vocab != student_vocab:
+        raise CompressError(f"stage {stage}: teacher {teacher_ref} has vocabulary size {teacher_vocab}, the student {student_vocab}",
+                            "distill between models that share a tokenizer")
 
 
 def _frozen(model: torch.nn.Module, freeze: list[str], stage: str) -> dict[str, bool]:
@@ -255,10 +259,8 @@ def check_training(stage, name: str, model: torch.nn.Module, student_layers: int
         teacher_config = modeling.load_config(stage.teacher) if stage.teacher else source_config
     teacher_layers = int(teacher_config.num_hidden_layers) if teacher_config is not None else None
     # the vocabularies first: with another tokenizer no loss (logits or hidden states) is meaningful
-    if teacher_config is not None and getattr(teacher_config, "vocab_size", None) != getattr(model.config, "vocab_size", None):
-        raise CompressError(f"stage {name}: teacher {stage.teacher or 'the input model'} has vocabulary size "
-                            f"{getattr(teacher_config, 'vocab_size', None)}, the student {getattr(model.config, 'vocab_size', None)}",
-                            "distill between models that share a tokenizer")
+    if teacher_config is not None:
+        check_vocabularies(name, stage.teacher or "the input model", teacher_config, model.config)
     check_loss(name, stage, modeling.is_causal_lm(model.config), student_layers, teacher_layers)
     _frozen(model, stage.freeze, name)
     if stage.data.generate is not None:
