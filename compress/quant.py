@@ -341,6 +341,13 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
         top = [qmax, qmax + 1, *range(qmax - 1, 0, -1)] if symmetric else list(range(2**bits - 1, 0, -1))
     ends = 2 if symmetric and not float8 else 1
     scale, zp, ok = _quick_groups(w, top[:ends], qmin, qmax, symmetric, float8)
+    for steps in (1, 2, 3) if not float8 else ():  # the smallest nonzero weight as 1, 2 or 3 steps
+        if bool(ok.all()):
+            break
+        bad = (~ok).squeeze(-1).nonzero().squeeze(-1)
+        codes = (_extreme_codes(w[bad], symmetric) * steps).clamp_(max=qmax - qmin + 1)
+        s_b, z_b, ok_b = _solve_groups(w[bad], codes, 1, qmin, qmax, symmetric, float8)
+        scale[bad], zp[bad], ok[bad] = s_b, z_b, ok_b
     if not bool(ok.all()):
         bad = (~ok).squeeze(-1).nonzero().squeeze(-1)
         s_b, z_b, ok_b = _search_groups(w[bad], top, ends, len(w), qmin, qmax, symmetric, float8)
@@ -352,6 +359,22 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
         scale = scale.reshape(1)
         zero_point = None if zero_point is None else zero_point.reshape(1)
     return scale, zero_point, failed
+
+
+def _extreme_codes(w: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """Each group's extreme as a code, read off the group itself: its extent (as _solve_groups
+    measures it) over its smallest nonzero magnitude, which on a grid is |q - z| · s >= s and, in a
+    group of more than a few weights, usually one step. A learned scale (QAT, AutoRound) or GPTQ
+    can leave the extreme anywhere short of the grid's end; this names its code at once, where
+    the search goes through every code from the end down. [n, 1] float32, at least 1."""
+    x = w.float()
+    magnitude = x.abs()
+    unit = torch.where(magnitude > 0, magnitude, torch.full_like(x, float("inf"))).amin(-1, keepdim=True)
+    if symmetric:
+        extent = magnitude.amax(-1, keepdim=True)
+    else:  # the code span
+        extent = x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)
+    return torch.round(extent / unit).nan_to_num_(nan=1.0, posinf=1.0).clamp_(min=1)
 
 
 def _search_groups(w: torch.Tensor, top: list[float], ends: int, total: int, qmin: float, qmax: float, symmetric: bool,
@@ -493,7 +516,7 @@ def _solve_groups(w: torch.Tensor, top: float, start: int, qmin: float, qmax: fl
         the codes it takes across the interval (round(w / s) is monotone in s) rounds back to it."""
         c = codes(scale)
         use = c != 0
-        if small:
+        if small is not None:
             few = use & (c.abs() <= small)
             use = torch.where(few.any(-1, keepdim=True), few, use)
         a, b = allowed(c)
@@ -535,7 +558,7 @@ def _solve_groups(w: torch.Tensor, top: float, start: int, qmin: float, qmax: fl
     else:
         start_scale = s0 * (1 + (0.0, 2**-9, -(2**-9), 2**-8, -(2**-8))[start - 1])
     trials = []
-    for cand in refine(start_scale, None if float8 else max(2.0, top / 4)):
+    for cand in refine(start_scale, None if float8 else torch.clamp(torch.as_tensor(top, dtype=torch.float32) / 4, min=2.0)):
         # and the float32 neighbours, for a value that rounded out of its interval
         up, down = torch.full_like(cand, float("inf")), torch.full_like(cand, -float("inf"))
         trials += [cand, torch.nextafter(cand, up), torch.nextafter(cand, down)]
