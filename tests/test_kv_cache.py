@@ -273,6 +273,30 @@ def test_a_later_run_on_a_kv_cache_checkpoint_keeps_it(w4_kv, tmp_path):
     assert again["results"][HELD]["token_perplexity"] == pytest.approx(report["evaluation"][HELD]["token_perplexity"], rel=1e-9)
 
 
+def test_removing_blocks_renumbers_the_kv_scales_with_their_layers(w4_kv, tmp_path):
+    """Removing whole blocks renumbers the kept ones: each kept attention layer keeps its own key
+    and value scales under its new index, and the file holds scales for those layers only (it
+    held the removed layers' scales, and the old numbering, which gave block 3 block 1's)."""
+    out, first = w4_kv
+    report = run_recipe(parse_recipe(f"model: {out}\n{CALIBRATION}stages:\n"
+                                     "  - structured: {structure: blocks, ratio: 0.5}\n", "test"),
+                        output=str(tmp_path / "cut"), device="cpu")
+    kept = [b for b in range(4) if b not in report["stages"][0]["summary"]["removed_blocks"]]
+    assert kept != [0, 1]  # the test needs a kept block that moves
+    ranges = report["kv_cache"]["ranges"]
+    assert list(ranges) == [f"model.layers.{new}.self_attn" for new in range(len(kept))]
+    for new, old in enumerate(kept):
+        assert ranges[f"model.layers.{new}.self_attn"] == first["kv_cache"]["ranges"][f"model.layers.{old}.self_attn"]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "cut" / "model.safetensors"), "pt") as f:
+        scales = sorted(k for k in f.keys() if k.endswith(("k_scale", "v_scale")))
+        for new, old in enumerate(kept):
+            expected = first["kv_cache"]["ranges"][f"model.layers.{old}.self_attn"][0] / FP8_E4M3_MAX
+            assert f.get_tensor(f"model.layers.{new}.self_attn.k_scale").item() == pytest.approx(expected, rel=1e-6)
+    assert scales == [f"model.layers.{b}.self_attn.{k}" for b in range(len(kept)) for k in ("k_scale", "v_scale")]
+
+
 def test_attention_that_names_its_cache_layer_past(tmp_path):
     """GPT-NeoX (like GPT-J, Falcon and Bloom) calls the cache argument `layer_past`."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM

@@ -55,6 +55,7 @@ from typing import Callable, Literal, Optional
 import torch
 from pydantic import Field
 
+from compress import activations
 from compress.engine import find_blocks, observe_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import weight_shape
@@ -247,6 +248,8 @@ class Structured(Stage):
             details["removed_blocks"] = [i for i in range(total) if i not in keep]
             details["block_importance"] = [round(float(s), 5) for s in scores]
         self._cut(model, path, blocks, family, keep, changes(n_remove), ctx.layers)
+        if ctx.kv_cache is not None:  # an FP8 KV cache's scales follow their attention layer to its new index
+            ctx.kv_cache = activations.attached_kv(model)
         if self.structure != "blocks":  # which channels / heads each block kept, in its record
             layer = family.mlp_out if self.structure == "mlp-channels" else family.attention[3]
             for b, kept in enumerate(keep):
