@@ -667,8 +667,9 @@ def bench(
     if max_windows <= 0:
         raise CompressError(f"--max-windows {max_windows} must be positive", "e.g. --max-windows 64")
     check_side_output(output, "--output", _local_models(model), directory=True)
-    if output.is_dir() and any(output.iterdir()) and not (output / "report.json").is_file():
-        raise CompressError(f"--output {output} exists and holds files that are not a compress bench's",
+    if output.is_dir() and any(output.iterdir()) and not _is_bench_output(output):
+        raise CompressError(f"--output {output} exists and holds files that are not a compress bench's"
+                            + (" (a compressed checkpoint)" if (output / "compress.json").is_file() else ""),
                             "choose a new or empty directory (a bench's own output may be reused)")
     created = not output.exists()
     try:
@@ -691,6 +692,16 @@ def bench(
     if failed:
         console.print(f"[red]error:[/red] {escape(message)} [dim]({escape(hint)})[/dim]", soft_wrap=True, highlight=False)
         raise typer.Exit(2)
+
+
+def _is_bench_output(path: Path) -> bool:
+    """A directory an earlier compress bench wrote: its report.json lists rows. Every checkpoint
+    has a report.json too, and compress.json beside it."""
+    try:
+        report = json.loads((path / "report.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and "rows" in report and not (path / "compress.json").exists()
 
 
 def _print_bench(result: dict, model: str) -> None:

@@ -68,6 +68,25 @@ def test_bench_compares_recipes(ref_llama, repo, tmp_path, capsys):
     assert "<script" not in html and not re.search(r"(src|href)=\"https?:", html)
     plots = re.findall(r"<svg.*?</svg>", html, re.S)
     assert plots and all(p.count('<circle class="point') == 2 for p in plots)  # the two rows that ran
+    # run again into the same output with one recipe: the earlier rows' checkpoints and logs go
+    assert main(["-q", "bench", "--model", str(ref_llama), "--recipes", str(w8), "--data", str(repo / HELDOUT),
+                 "--max-windows", "4", "--output", str(out)]) == 0
+    assert sorted(p.name for p in (out / "rows").iterdir()) == ["w8", "w8.json", "w8.log"]
+
+
+def test_bench_refuses_a_checkpoint_as_its_output(ref_llama, tmp_path, capsys):
+    """A compress checkpoint has a report.json too: bench must not overwrite its reports."""
+    checkpoint = tmp_path / "w4"
+    checkpoint.mkdir()
+    for name in ("compress.json", "report.json"):
+        (checkpoint / name).write_text("{}")
+    recipe = tmp_path / "w8.yaml"
+    recipe.write_text("stages:\n  - rtn: {scheme: W8A16}\n")
+    rc = main(["bench", "--model", str(ref_llama), "--recipes", str(recipe), "--output", str(checkpoint)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "a compressed checkpoint" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["compress.json", "report.json"]
+    assert (checkpoint / "report.json").read_text() == "{}"
 
 
 def test_bench_without_recipes_is_a_one_line_error(ref_llama, tmp_path, capsys):
