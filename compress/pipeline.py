@@ -291,13 +291,20 @@ def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=N
     try:
         start = cache.restore(net, ctx, reports) if cache is not None else 0
         saved_dtype = next(net.parameters()).dtype  # a half-precision checkpoint holds its scales so too
+        reshaped = None  # the first stage that changed the model's shapes
         for index, (name, stage) in enumerate(recipe.stages[start:], start):
             ctx.stage_index = index
             with PeakMemory() as mem, scales_stored_as(saved_dtype):
                 summary = stage.apply(net, ctx)
             reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
                             "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary})
-            if cache is not None:
+            if reshaped is None and getattr(stage, "reshapes", False):
+                reshaped = f"stage {index + 1} ({name})"
+            if cache is not None and reshaped is not None:
+                # a rerun loads the model in its original shapes, which no entry from here on fits:
+                # storing one would write the whole model for nothing
+                cache.skipped[index] = f"after {reshaped}, which changes the model's shapes"
+            elif cache is not None:
                 cache.store(index, net, ctx, reports[-1])
             kill_point(f"stage-done:{index}")
     finally:

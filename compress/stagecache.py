@@ -22,9 +22,9 @@ and renamed into place, so a killed run never leaves an entry that looks complet
 
 Why only with --resume (or --cache-dir): storing an entry writes the whole model once per stage,
 which for a 7B model is 14 GB of disk traffic per stage; a run that will not be resumed should
-not pay that. Limits: entries whose parameter names or shapes do not fit the freshly loaded model
-(after structured pruning, which changes shapes and the config) are not restored, so such a
-recipe resumes at most from before its structured stage; CUDA generator state is not stored, so
+not pay that. Limits: an entry must fit the freshly loaded model's parameter names and shapes, so
+none is stored from the first stage that changes them on (structured pruning, distillation into
+fewer blocks): such a recipe resumes at most from before that stage; CUDA generator state is not stored, so
 resumed GPU runs are not guaranteed to be bitwise equal; `offload: disk` is not cached.
 """
 
