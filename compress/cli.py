@@ -1003,7 +1003,10 @@ def _interrupted(argv: list[str]) -> int:
 
         resuming = "--resume" in argv or any(a.split("=", 1)[0] == "--cache-dir" for a in argv)
         message = "interrupted: no output was written"
-        hint = ("the completed stages are in the stage cache: rerun the same command to continue" if resuming
+        cache = RUNNING.get("cache")
+        kept = cache is not None and bool(cache.stored or cache.restored)
+        hint = ("the completed stages are in the stage cache: rerun the same command to continue" if resuming and kept
+                else "no stage completed before the interruption: rerun the same command" if resuming
                 else "rerun with --resume to keep completed stages across interruptions")
         step = kept_training_step(RUNNING["work_dir"])
         if step is not None:  # a training stage saved checkpoints (save_every), which --resume continues from

@@ -194,6 +194,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     cache = None
     if cache_root is not None:
         cache = stagecache.open_cache(cache_root, recipe, modeling.local_dir(model_ref), source, calibration, seed, devices)
+    RUNNING["cache"] = cache  # for the interruption message: which stages a rerun would not redo
     with atomic as tmp:
         if recipe.offload == "disk":
             # Blocks stream from the input checkpoint through the engine into tmp's shards.
@@ -269,12 +270,12 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                 net.to("cpu")
         write_reports(tmp, report)
     shutil.rmtree(ctx.work_dir, ignore_errors=True)  # the run is complete: its checkpoints are spent
-    RUNNING["work_dir"] = None
+    RUNNING.update(work_dir=None, cache=None)
     return report
 
 
 # The run in progress in this process (the CLI runs one), for what an interruption leaves behind.
-RUNNING: dict = {"work_dir": None}
+RUNNING: dict = {"work_dir": None, "cache": None}
 
 
 def kept_training_step(work_dir: Path | None) -> int | None:

@@ -294,3 +294,12 @@ def test_an_interrupted_training_run_says_where_its_checkpoint_is(tmp_path, caps
     monkeypatch.setitem(pipeline.RUNNING, "work_dir", None)  # no training checkpoint: the stage cache hint
     cli._interrupted(["quantize", "--recipe", "r.yaml"])
     assert "rerun with --resume to keep completed stages" in " ".join(capsys.readouterr().err.split())
+    # with --resume: the stage cache is named only when it holds a stage of this run
+    from types import SimpleNamespace
+
+    for stored, restored, expected in (([], 0, "no stage completed before the interruption: rerun the same command"),
+                                       ([0], 0, "the completed stages are in the stage cache"),
+                                       ([], 1, "the completed stages are in the stage cache")):
+        monkeypatch.setitem(pipeline.RUNNING, "cache", SimpleNamespace(stored=stored, restored=restored))
+        cli._interrupted(["quantize", "--recipe", "r.yaml", "--resume"])
+        assert expected in " ".join(capsys.readouterr().err.split()), (stored, restored)
