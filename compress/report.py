@@ -135,7 +135,7 @@ def run_markdown(report: dict) -> str:
         sparse = ""
         if pruned:
             sparse = f" {rec['sparsity']:.4f}{' (' + rec['pattern'] + ')' if rec.get('pattern') else ''} |" if "sparsity" in rec else " - |"
-        lines.append(f"| {name} | {'x'.join(map(str, rec.get('shape', [])))} | {wdesc} | {adesc} | {_fmt(rec.get('relative_error', float('nan')))} |{sparse}")
+        lines.append(f"| {name} | {'x'.join(map(str, rec.get('shape', [])))} | {wdesc} | {adesc} | {_fmt(rec['relative_error']) if 'relative_error' in rec else '-'} |{sparse}")
     out = report["output"]
     nonzero = out.get("nonzero_parameters")
     lines += ["", "## Size", "", f"- parameters: {out['parameters']:,}"
