@@ -966,6 +966,13 @@ def _main(argv: list[str] | None) -> int:
         return _json_error(argv, 2, exc.message, exc.hint)
     except typer.Exit as exc:
         return exc.exit_code
+    except SystemExit as exc:
+        # rich (and click) answer a closed pipe (`compress inspect out | head -1`) by exiting 1;
+        # 1 is a failed eval gate here, so exit as a process that SIGPIPE ended, as other Unix
+        # tools do (128 + 13)
+        if exc.code == 1 and isinstance(exc.__context__, BrokenPipeError):
+            return 141
+        raise
     except typer.Abort:
         console.print("aborted")
         return 130

@@ -559,3 +559,17 @@ def test_force_keeps_files_the_user_added_to_an_output(tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "mine" and (out / "sub" / "plot.png").is_file()
     (out / ".compress-files").unlink()  # as an output written before the list existed
     assert run(capsys, *argv)[0] == 0 and not (out / "notes.txt").exists()
+
+
+def test_a_closed_pipe_is_not_a_failed_gate(repo):
+    """`compress recipes | head -1`: the reader goes away before compress writes. rich exits 1 on
+    the broken pipe, and 1 is the eval gate's failure; compress exits 141 (128 + SIGPIPE) instead,
+    as a Unix tool that SIGPIPE ended does, and writes nothing to stderr."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "compress", "recipes"], cwd=repo, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the interpreter has even imported compress
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 141 and err == b"", err
