@@ -439,6 +439,21 @@ def test_grouped_quantization_before_a_cut_is_refused():
         Structured(structure="mlp-channels", ratio=0.25).apply(model, ctx)
     summary = Structured(structure="heads", ratio=0.5).apply(model, ctx)  # whole heads of 16 columns: groups intact
     assert summary["kept_per_block"].startswith("1 of 2")
+    # a KV group takes its two query heads, 32 side-by-side input columns of o_proj: a group of 32
+    # stays whole (the grid survives the cut exactly), one of 64 would be split
+    from compress.quant import recover_qparams
+
+    for group, allowed in ((32, True), (64, False)):
+        model, ctx = tiny_llama(), calib_ctx()
+        RoundToNearest(scheme="W4A16", weights={"group_size": group}).apply(model, ctx)
+        if not allowed:
+            with pytest.raises(CompressError, match=f"o_proj was quantized in groups of {group}"):
+                Structured(structure="heads", ratio=0.5).apply(model, ctx)
+            continue
+        Structured(structure="heads", ratio=0.5).apply(model, ctx)
+        for layer in model.model.layers:
+            o_proj = layer.self_attn.o_proj.weight
+            assert o_proj.shape == (64, 32) and recover_qparams(o_proj.detach(), 4, True, "group", group)[2] == 0
 
 
 def test_recipe_validation(tmp_path):

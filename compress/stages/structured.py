@@ -371,12 +371,18 @@ class Structured(Stage):
 
     def _check_earlier_stages(self, blocks, path: str, family: Family, config, records: dict[str, dict]) -> None:
         """Input columns cut out of a layer quantized in groups (or pruned N:M) by an earlier stage
-        would leave its groups misaligned: refused, unless whole heads span whole groups. `records`:
-        what earlier stages did (or, before the first stage, will do) to each layer."""
+        would leave its groups misaligned: refused, unless each cut spans whole groups. A KV group
+        goes with its query heads, which sit side by side in the output projection's input (query
+        head h reads KV group h // n_rep): n_rep · head_dim columns at a time. `records`: what
+        earlier stages did (or, before the first stage, will do) to each layer."""
         if self.structure == "blocks":
             return
-        layer, unit = (family.mlp_out, 1) if self.structure == "mlp-channels" else \
-            (family.attention[3], _head_dim(blocks[0].get_submodule(family.attention[0].rsplit(".", 1)[0]), config))
+        if self.structure == "mlp-channels":
+            layer, unit = family.mlp_out, 1
+        else:
+            n_rep = config.num_attention_heads // config.num_key_value_heads
+            head_dim = _head_dim(blocks[0].get_submodule(family.attention[0].rsplit(".", 1)[0]), config)
+            layer, unit = family.attention[3], n_rep * head_dim
         for b in range(len(blocks)):
             name = f"{path}.{b}.{layer}"
             rec = records.get(name, {})
