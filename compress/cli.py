@@ -788,6 +788,15 @@ def analyze(
         if not modeling.is_causal_lm(config):
             raise CompressError(f"{model} is not a causal LM", "analyze ranks layers by next-token KL or perplexity")
         modeling.check_context(config, seq_len, "--seq-len")
+        from compress.pipeline import inherited_records
+        from compress.stages.distill import input_is_quantized
+
+        warnings = []
+        if input_is_quantized(inherited_records(model), model):  # its layers would be rounded from their grid values
+            warnings.append(f"{model} is already quantized: each layer is measured re-quantized from its stored values, "
+                            "not from float weights; analyze the float model it came from")
+            if not S.quiet and not S.json:
+                console.print(f"[yellow]warning:[/yellow] {escape(warnings[-1])}", soft_wrap=True, highlight=False)
         try:
             cal = build_calibration(CalibrationConfig(**calibration), tokenizer, run_seed=S.seed)
         except CompressError as exc:  # it names recipe keys; here they are options
@@ -800,7 +809,7 @@ def analyze(
         scale_bits = scale_bits_of(modeling.saved_dtype(config))
         result = run_analysis(net, ids, widths, group_size or None, targets=list(targets) or ["Linear"], progress=progress,
                               scale_bits=scale_bits)
-    result.update({"model": model, "metric": metric, "scheme_bits": bits, "data": calibration["dataset"]})
+    result.update({"model": model, "metric": metric, "scheme_bits": bits, "data": calibration["dataset"], "warnings": warnings})
     result["ranking"] = [{"layer": n, "cost": c} for n, c in ranking(result, bits, metric)]
     if emit_recipe is not None:
         alloc = allocate_bits(result, budget, metric)

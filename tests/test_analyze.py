@@ -98,6 +98,11 @@ def test_analyze_ranks_layers_and_emits_a_recipe_that_runs(ref_llama, repo, tmp_
         assert torch.allclose(modeling.get_weight(packed.get_submodule(name)), expected, rtol=0, atol=1e-6), name
     header = recipe.read_text().splitlines()[0]
     assert header.startswith("# compress analyze") and yaml.safe_load(recipe.read_text())["model"] == str(ref_llama)
+    # the mixed checkpoint analysed in turn: its layers would be measured from their grid values, and it says so
+    assert out["warnings"] == []
+    rc = main(["analyze", "--model", str(tmp_path / "out"), "--scheme", "W3", "--group-size", "64", "--windows", "1",
+               "--targets", r"re:model\.layers\.0\.self_attn\.q_proj", "--data", str(repo / "calibration/default.txt")])
+    assert rc == 0 and "is already quantized" in " ".join(capsys.readouterr().err.split())
 
 
 @pytest.mark.parametrize("args, message", [
