@@ -101,6 +101,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     warnings: list[str] = []
     partial: dict[tuple[int, str, int], list[str]] = {}  # (stage, name, group size) -> layers with a partial last group
     requantized: dict[tuple[int, str, str], list[str]] = {}  # (stage, name, earlier scheme) -> layers quantized twice
+    repruned: dict[tuple[int, str, str], list[str]] = {}  # (stage, name, what it prunes to) -> layers already as sparse
     unpackable: dict[str, str] = {}  # layer -> why the format cannot hold what its stages leave
     guessed = False
     with StageShapes(recipe, net, assignments) as walk:
@@ -110,7 +111,8 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 weights = QuantArgs(**rec["weights"]) if rec.get("weights") else None
                 assignments[n] = {"stage": rec["stage"], "shape": list(modeling.weight_shape(modules[n])),
                                   "scheme": weights.describe() if weights else f"pruned {rec.get('pattern') or rec.get('sparsity')}",
-                                  "weights": weights, "activations": None}
+                                  "weights": weights, "activations": None,
+                                  "sparsity": rec.get("sparsity"), "pattern": rec.get("pattern")}
         for i, (name, stage, model) in enumerate(walk):
             if not walk.exact and not guessed:
                 guessed = True
@@ -145,6 +147,10 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             # GPTQ's act-order without static groups mixes scales within a group: the run writes dense
             mixed = (getattr(stage, "reorders_columns", False) and not getattr(stage, "fixed_group_scales", False)
                      and scheme is not None and scheme.weights.strategy in ("group", "tensor_group"))
+            try:  # a pruning stage's target per layer (an override or N:M that does not fit is refused by preflight)
+                pruned_to = stage.layer_targets(chosen, name) if hasattr(stage, "layer_targets") else {}
+            except CompressError:
+                pruned_to = {}
             for n, m in chosen.items():
                 out_f, in_f = modeling.weight_shape(m)
                 entry = {"stage": name, "shape": [out_f, in_f], "scheme": scheme.describe() if scheme else described,
@@ -162,11 +168,23 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 if (before or {}).get("weights") is not None and entry["weights"] is not None and \
                         not (name == "qat" and before["weights"] == entry["weights"]):
                     requantized.setdefault((i, name, f"{before['stage']}: {before['scheme']}"), []).append(n)
+                target = pruned_to.get(n)
+                if target is not None:
+                    entry.update(sparsity=target.sparsity, pattern=target.pattern)
+                    # Pruned before at least as far, to the same pattern or none: the weights this stage
+                    # would remove are zeros already (each method removes the lowest-scored, and a zero
+                    # scores 0), so it changes nothing there.
+                    if (before or {}).get("sparsity") is not None and before["sparsity"] >= target.sparsity - 1e-9 and \
+                            target.pattern in (None, before.get("pattern")):
+                        repruned.setdefault((i, name, target.describe()), []).append(
+                            f"{n} ({before.get('pattern') or format(before['sparsity'], 'g')})")
                 if before is not None and "scheme" in before:  # stages chain on a layer: pruned, then quantized, ...
                     entry["stage"] = f"{before['stage']} → {name}"
                     entry["scheme"] = f"{before['scheme']} → {entry['scheme']}"
                     if entry["weights"] is None:  # a later stage that does not quantize keeps the earlier grid
                         entry["weights"], entry["activations"] = before["weights"], before["activations"]
+                    if entry.get("sparsity") is None and before.get("sparsity") is not None:  # and the zeros
+                        entry["sparsity"], entry["pattern"] = before["sparsity"], before.get("pattern")
                 assignments[n] = entry
                 if scheme and scheme.weights and scheme.weights.strategy == "group" and in_f % scheme.weights.group_size:
                     partial.setdefault((i, name, scheme.weights.group_size), []).append(f"{n} ({in_f})")
@@ -181,6 +199,10 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         listed = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
         warnings.append(f"stage {i + 1} ({name}): {len(layers)} layer{'s' if len(layers) > 1 else ''} with an input width "
                         f"that is not a multiple of group_size {group}, whose last group is partial: {listed}")
+    for (i, name, target), layers in repruned.items():
+        listed = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+        warnings.append(f"stage {i + 1} ({name}) prunes {len(layers)} layer{'s' if len(layers) > 1 else ''} to {target} "
+                        f"that an earlier stage already pruned as far: it changes nothing there: {listed}")
     for (i, name, earlier), layers in requantized.items():
         listed = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
         warnings.append(f"stage {i + 1} ({name}) quantizes {len(layers)} layer{'s' if len(layers) > 1 else ''} that are "

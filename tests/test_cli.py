@@ -540,6 +540,26 @@ def test_plan_warns_when_a_stage_quantizes_what_an_earlier_one_quantized(tmp_pat
     assert rc == 0 and not [w for w in json.loads(out)["warnings"] if "already quantized" in w]
 
 
+def test_plan_warns_when_a_pruning_stage_would_change_nothing(tmp_path, capsys, repo):
+    """magnitude 0.5 then magnitude 0.3 ran without a word, and the second removed nothing: the
+    weights it would remove are zeros already. Pruning further, or to a pattern the earlier stage
+    did not leave, is not warned about; nor is the bundled 2:4 SparseGPT then GPTQ recipe."""
+    recipe = tmp_path / "r.yaml"
+    cases = [("magnitude: {sparsity: 0.5}", "magnitude: {sparsity: 0.3, targets: ['re:.*mlp.*']}",
+              "stage 2 (magnitude) prunes 12 layers to 0.3 unstructured that an earlier stage already pruned as far"),
+             ("wanda: {pattern: '2:4'}", "sparsegpt: {sparsity: 0.5}", "stage 2 (sparsegpt) prunes 28 layers to 0.5"),
+             ("magnitude: {sparsity: 0.5}", "magnitude: {sparsity: 0.6}", None),
+             ("magnitude: {sparsity: 0.5}", "magnitude: {pattern: '2:4'}", None)]
+    for first, second, expected in cases:
+        recipe.write_text(f"calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 32}}\n"
+                          f"stages:\n  - {first}\n  - {second}\n")
+        rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", "default")
+        found = [w for w in json.loads(out)["warnings"] if "changes nothing" in w]
+        assert rc == 0 and (found[0].startswith(expected) if expected else not found), (first, second, found)
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", repo / "recipes/sparse24-sparsegpt-w4a16.yaml", "--model", "default")
+    assert rc == 0 and not [w for w in json.loads(out)["warnings"] if "changes nothing" in w]
+
+
 def test_force_keeps_files_the_user_added_to_an_output(tmp_path, capsys):
     """--force replaces a compress output whole: notes a user saved into it went with it, without
     a word. Each finished output lists the files it was written with (.compress-files), and --force
