@@ -97,6 +97,56 @@ def test_a_mapping_that_is_not_exact_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_awq_refuses_a_map_that_is_not_exact_even_where_no_scaling_wins(tmp_path):
+    """AWQ scored a map leaving a reader of the norm out (v_proj) badly for every α, kept s = 1 and
+    folded nothing, so nothing checked it: the layers were silently plain round-to-nearest and counted
+    as smoothed. The map is checked whatever α wins. The default map still runs, and counts only the
+    layers it really scaled."""
+    from compress.errors import CompressError
+
+    torch.manual_seed(0)
+    save(SMOOTHING_FAMILIES["llama"]().eval(), tmp_path / "in")
+    for mapping in ("{smooth: input_layernorm, balance: [self_attn.q_proj, self_attn.k_proj], inspect: self_attn}",
+                    "{smooth: mlp.gate_proj, balance: [mlp.down_proj], inspect: mlp.down_proj}"):
+        recipe = recipe_on(tmp_path / "in", f"awq: {{scheme: W4A16, weights: {{group_size: 32}}, grid: 3, mappings: [{mapping}]}}",
+                           samples=4)
+        with pytest.raises(CompressError, match=r"block 0: moving scales from .* not exact"):
+            run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+        assert not (tmp_path / "out").exists()
+    report = run_recipe(recipe_on(tmp_path / "in", "awq: {scheme: W4A16, weights: {group_size: 32}, grid: 3}", samples=4),
+                        output=str(tmp_path / "out"), device="cpu")
+    scaled = [n for n, r in report["layers"].items() if r.get("awq_alpha") is not None]
+    assert report["stages"][0]["summary"]["smoothed_layers"] == len(scaled)
+
+
+def test_awq_rounds_the_layers_outside_the_blocks_and_refuses_activation_schemes(tmp_path):
+    """A BERT pooler (or a targeted lm_head) lies in no smoothing map: AWQ left it in float and
+    unreported, though the plan listed it. It is round-to-nearest now, with a note. And AWQ with an
+    activation scheme wrote a weight-only model while its summary named the activations: refused,
+    pointing to quantize: false and a stage that calibrates the activations."""
+    from compress.errors import CompressError
+    from compress.quant import fake_quantize
+
+    torch.manual_seed(0)
+    save(SMOOTHING_FAMILIES["bert"]().eval(), tmp_path / "in")
+    recipe = recipe_on(tmp_path / "in", "awq: {scheme: W4A16, weights: {group_size: 32}, grid: 3}", samples=4)
+    report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+    pooler = report["layers"]["pooler.dense"]
+    assert pooler["stage"] == "awq" and "outside the transformer blocks" in pooler["note"]
+    assert report["stages"][0]["summary"]["rtn_outside_blocks"] == 1
+    assert report["stages"][0]["summary"]["layers"] == len(report["layers"])
+    from compress import modeling
+
+    before, _, _ = modeling.load_model(str(tmp_path / "in"))
+    after, _, _ = modeling.load_model(str(tmp_path / "out"))
+    W = before.pooler.dense.weight.detach()
+    assert torch.equal(after.pooler.dense.weight.detach(), fake_quantize(W, 4, True, "group", 32))
+    for scheme in ("NVFP4", "W8A8"):
+        with pytest.raises(CompressError, match="AWQ quantizes weights only.*quantize: false"):
+            recipe_on(tmp_path / "in", f"awq: {{scheme: {scheme}}}")
+    recipe_on(tmp_path / "in", "awq: {scheme: W8A8, quantize: false}")  # scales only: the next stage quantizes
+
+
 def test_a_mapping_naming_no_module_is_refused_before_calibration(tmp_path):
     from compress.errors import CompressError
 

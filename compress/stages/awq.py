@@ -53,7 +53,7 @@ from compress.moe import routes_tokens
 from compress.modeling import get_weight, set_weight
 from compress.quant import nvfp4_global_scale, quantize_dequantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
-from compress.stages.base import EngineOptions, QuantizationStage, StageContext
+from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
 from compress.stages.rtn import global_scales, quantize_weight
 
 # ---------------------------------------------------------------------------------------------
@@ -197,12 +197,18 @@ class AWQ(EngineOptions, QuantizationStage):
     quantize: bool = Field(True, description="false: only apply the scales, leaving quantization to a later stage (e.g. gptq)")
     _mappings: list = PrivateAttr(default_factory=list)
     _forwards: int = PrivateAttr(1)  # calibration batches per block: each keeps its share of max_tokens
+    _in_blocks: set = PrivateAttr(default_factory=set)  # the selected layers the engine handed to compress_block
 
     @model_validator(mode="after")
     def _integer_weights(self) -> "AWQ":
         w = self.resolved_scheme().weights
         if w.type != "int" and not w.fp4_format:
             raise ValueError("AWQ quantizes to an integer or FP4 grid: FP8 weights need rtn")
+        if self.quantize and self.resolved_scheme().input_activations is not None:
+            # AWQ scales and rounds weights; the activations' static ranges would have to be observed
+            # again after its folds change the inputs, which the rtn and gptq stages do
+            raise ValueError("AWQ quantizes weights only: for activation quantization (W4A4, W8A8) set quantize: false "
+                             "here, which applies the scales, and follow with an rtn or gptq stage of this scheme")
         return self
 
     def observe(self, name: str, module: torch.nn.Module) -> InputSampler:
@@ -212,6 +218,7 @@ class AWQ(EngineOptions, QuantizationStage):
     def compress_block(self, index: int, block: torch.nn.Module, prefix: str, layers: dict, observers: dict,
                        ctx: StageContext, runner) -> None:
         args = self.resolved_scheme().weights
+        self._in_blocks.update(layers)
         input_scale: dict[str, torch.Tensor] = {}
         tokens_per_batch = max(1, next(iter(observers.values())).tokens // max(1, len(runner)))
         n_batches = max(1, -(-self.max_tokens // tokens_per_batch))  # enough batches for max_tokens
@@ -278,6 +285,13 @@ class AWQ(EngineOptions, QuantizationStage):
                     restore()
             alpha = min(errors, key=errors.get)  # None: no scaling helped
             s = candidates[alpha]
+            if alpha is None and not mapping._branch:
+                # Nothing is folded, but the map must still be one that folds exactly: a map that is not
+                # (a reader of the smoothed op left out, a scale through an activation) scores every
+                # candidate badly, and would otherwise pass as "no scaling helped" instead of being refused.
+                fold(mapping, block, candidates[max(a for a in candidates if a is not None)], runner, f"block {index}",
+                     check_batches, before=reference)
+                restore()
             if alpha is not None and mapping._branch:
                 branch_folds.append((mapping, s))  # no other mapping reads its layers
                 branch_batches = max(branch_batches, check_batches)
@@ -331,14 +345,32 @@ class AWQ(EngineOptions, QuantizationStage):
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         selected = self.select(model, "awq")
         self._mappings = mappings_for(model, self.mappings, self.blocks)
+        self._in_blocks = set()
         samples = ctx.calibration.samples
         self._forwards = max(1, len(calibration_batches(samples, resolve_batch_size(self.batch_size, ctx.device, samples,
                                                                                    routes_tokens(model)))))
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
+        outside = [n for n in selected if n not in self._in_blocks]
+        if self.quantize:
+            # Layers outside the transformer blocks (a BERT pooler, a targeted lm_head) are in no
+            # smoothing map: round-to-nearest, and the report says so.
+            args = self.resolved_scheme().weights
+            for name in outside:
+                module = selected[name]
+                W = get_weight(module)
+                check_weight(name, W)
+                g = global_scales({name: module}, args).get(name)  # NVFP4's, else None
+                Q = quantize_weight(W, args, g)
+                set_weight(module, Q)
+                record = ctx.layers.setdefault(name, {})
+                record.pop("global_scale", None)
+                record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
+                               "relative_error": relative_error(W, Q), **({"global_scale": g} if g is not None else {}),
+                               "note": "outside the transformer blocks: round-to-nearest"})
         done = [ctx.layers[n] for n in selected if "output_error" in ctx.layers.get(n, {})]
-        summary.update({"layers": len(done), "scheme": self.resolved_scheme().describe(),
-                        "mappings": len(self._mappings),
-                        "smoothed_layers": sum(1 for n in selected if "awq_alpha" in ctx.layers.get(n, {}))})
+        summary.update({"layers": len(done) + (len(outside) if self.quantize else 0), "scheme": self.resolved_scheme().describe(),
+                        "mappings": len(self._mappings), "rtn_outside_blocks": len(outside) if self.quantize else 0,
+                        "smoothed_layers": sum(1 for n in selected if ctx.layers.get(n, {}).get("awq_alpha") is not None)})
         if done:
             summary["mean_output_error"] = sum(r["output_error"] for r in done) / len(done)
             summary["mean_rtn_output_error"] = sum(r["rtn_output_error"] for r in done) / len(done)
