@@ -22,7 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from compress.errors import CompressError
-from compress.modeling import get_weight, set_weight
+from compress.modeling import get_weight, set_weight, weight_shape
 
 
 class Mapping(BaseModel):
@@ -127,6 +127,9 @@ def mappings_for(model: torch.nn.Module, override: list[Mapping] | None = None, 
                 raise CompressError(f"mapping {mapping.smooth} -> {', '.join(mapping.balance)}"
                                     f"{f' (inspect {mapping.inspect})' if mapping.inspect else ''} names a module no block has; "
                                     f"{_describe_block(model)}", "use names inside a block, as listed")
+            for block in blocks:
+                for concrete in in_block([mapping], block):
+                    _check_widths(concrete, block)
         return list(override)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -137,6 +140,33 @@ def mappings_for(model: torch.nn.Module, override: list[Mapping] | None = None, 
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", heads) or heads
     return [m for m, needs_mha in TABLES[model_type] if not needs_mha or kv_heads == heads]
+
+
+def _output_width(module: torch.nn.Module) -> int | None:
+    """Channels a smoothed op gives: a norm's, or a linear layer's outputs (None: another kind)."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    if is_norm(module):
+        return weight.shape[0]
+    return weight_shape(module)[0] if weight.dim() == 2 else None
+
+
+def _check_widths(mapping: Mapping, block: torch.nn.Module) -> None:
+    """A per-channel scale moves from the smoothed op's outputs to its readers' inputs only where
+    they are the same channels: one width. (Under grouped-query attention v_proj gives fewer
+    channels than o_proj reads, each value head serving several query heads.)"""
+    width = _output_width(block.get_submodule(mapping.smooth))
+    for name in mapping.balance:
+        reader = block.get_submodule(name)
+        if width is None or not isinstance(getattr(reader, "weight", None), torch.Tensor) or reader.weight.dim() != 2:
+            continue
+        reads = weight_shape(reader)[1]
+        if reads != width:
+            gqa = " (grouped-query attention: each value head serves several query heads)" if reads % width == 0 else ""
+            raise CompressError(f"mapping {mapping.smooth} -> {', '.join(mapping.balance)}: {mapping.smooth} gives {width} "
+                                f"channels but {name} reads {reads}{gqa}, so scales cannot move between them exactly",
+                                "drop this mapping, or name layers that read exactly what the smoothed op gives")
 
 
 def in_block(mappings: list[Mapping], block: torch.nn.Module) -> list[Mapping]:

@@ -159,6 +159,23 @@ def test_a_mapping_naming_no_module_is_refused_before_calibration(tmp_path):
         run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
 
 
+def test_a_mapping_between_different_widths_is_refused_before_calibration(tmp_path):
+    """v_proj -> o_proj (llm-compressor's default Llama AWQ map) under grouped-query attention: v_proj
+    gives fewer channels than o_proj reads. It was an internal error from inside the fold; it is a
+    one-line refusal naming both widths, from the plan as from the run, before any calibration."""
+    from compress.errors import CompressError
+
+    torch.manual_seed(0)
+    save(SMOOTHING_FAMILIES["llama"]().eval(), tmp_path / "in")
+    for stage in ("smoothquant: {", "awq: {scheme: W4A16, "):
+        recipe = recipe_on(tmp_path / "in", f"{stage}mappings: [{{smooth: self_attn.v_proj, balance: [self_attn.o_proj]}}]}}",
+                           samples=4)
+        with pytest.raises(CompressError, match=r"self_attn.v_proj gives 32 channels but self_attn.o_proj reads 64 "
+                                                 r"\(grouped-query attention"):
+            run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+        assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16"])
 def test_a_single_layer_mapping_is_scored_without_a_forward_as_with_one(scheme):
     """AWQ scores v -> o or up -> down on the balance layer's own sampled inputs: the error must be
