@@ -609,6 +609,11 @@ def _smoothquant_alpha_out_of_range(tmp):
     return quantize(tmp, calib_recipe("calibration/default.txt").replace(GOOD_STAGE, "stages:\n  - smoothquant:\n      alpha: 2\n"))
 
 
+def _smoothquant_alpha_override_out_of_range(tmp):
+    return quantize(tmp, calib_recipe("calibration/default.txt").replace(
+        GOOD_STAGE, "stages:\n  - smoothquant:\n      alpha_overrides: {mlp.up_proj: -2}\n"))
+
+
 def _batch_size(value):
     def setup(tmp):
         return quantize(tmp, calib_recipe("calibration/default.txt").replace(
@@ -666,6 +671,8 @@ CASES_ISSUE9 = [
     Case("recipe-pattern-contradicts-sparsity", _recipe_pattern_contradicts_sparsity, ["r.yaml:3", "0.3", "2:4"]),
     Case("recipe-sparsity-out-of-range", _recipe_sparsity_out_of_range, ["r.yaml:3", "sparsity"]),
     Case("smoothquant-alpha-out-of-range", _smoothquant_alpha_out_of_range, ["r.yaml:7", "alpha"]),
+    Case("smoothquant-alpha-override-out-of-range", _smoothquant_alpha_override_out_of_range,
+         ["r.yaml:7", "alpha_overrides.mlp.up_proj", "greater than or equal to 0"]),
     Case("gptq-damping-zero", _gptq_damping_zero, ["r.yaml:8", "dampening_frac"]),
     Case("gptq-actorder-static-without-static-groups", _gptq_actorder("actorder: static\n      static_groups: false"),
          ["r.yaml", "actorder: static", "actorder: group"]),

@@ -18,7 +18,7 @@ pattern. This stage only smooths; a following stage quantizes (rtn or gptq with 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
 from pydantic import Field, PrivateAttr
@@ -52,7 +52,8 @@ class SmoothQuant(EngineOptions, Stage):
     """Per-channel smoothing of activation outliers into the weights, block by block."""
 
     alpha: float = Field(0.5, ge=0, le=1, description="migration strength: 0 keeps activations, 1 moves all into weights")
-    alpha_overrides: dict[Pattern, float] = Field(default_factory=dict, description="alpha per layer pattern (name, suffix or re:)")
+    alpha_overrides: dict[Pattern, Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=dict, description="alpha per layer pattern (name, suffix or re:), each in [0, 1] as alpha")
     mappings: Optional[list[Mapping]] = Field(None, description="replace the architecture's smoothing map")
     ignore: list[Pattern] = Field(default_factory=lambda: ["lm_head"], description="layers never smoothed")
     _mappings: list = PrivateAttr(default_factory=list)
