@@ -126,17 +126,19 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             targets = getattr(stage, "targets", None)
             if targets is None:
                 continue
-            linear = [n for n, m in model.named_modules() if type(m).__name__ in LINEAR_TYPES]
             ignore = getattr(stage, "ignore", [])
             for p in unused_patterns(model, targets):
                 warnings.append(f"stage {i + 1} ({name}): target '{p}' matches no linear layer")
-            for p in unused_patterns(model, ignore):
-                warnings.append(f"stage {i + 1} ({name}): ignore entry '{p}' matches no linear layer")
+            if "ignore" in getattr(stage, "model_fields_set", {"ignore"}):  # the default lm_head, on an encoder, is no news
+                for p in unused_patterns(model, ignore):
+                    warnings.append(f"stage {i + 1} ({name}): ignore entry '{p}' matches no linear layer")
             chosen = select_modules(model, targets, ignore)
+            head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
             if not chosen and not hasattr(stage, "select"):  # one with select is refused (pipeline.preflight)
                 warnings.append(f"stage {i + 1} ({name}): selects no layer at all")
-            elif len(chosen) == len(linear):
-                warnings.append(f"stage {i + 1} ({name}): selects every linear layer, lm_head included; is that meant?")
+            elif head is not None and any(m is head for m in chosen.values()):
+                head_name = next(n for n, m in chosen.items() if m is head)
+                warnings.append(f"stage {i + 1} ({name}): selects the output layer {head_name} too; is that meant?")
             scheme = stage.resolved_scheme() if hasattr(stage, "resolved_scheme") else None
             joint = stage_weights(stage) if scheme is None else None  # SparseGPT's `quantize:`
             rescales = scheme is not None and stage_weights(stage) is None  # AWQ's quantize: false scales only
