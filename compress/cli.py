@@ -557,7 +557,8 @@ def _print_plan(p: dict, recipe: Path, model_ref: str) -> None:
         written = f"{dense} ({p['format_reason']}; {packed} where it could)"
     else:
         written = f"{dense} ({p['format_reason']})"
-    Console().print(f"peak memory ≈ {e['peak_memory_bytes'] / 2**20:.0f} MiB{training}; output ≈ {written}; "
+    Console().print(f"peak memory ≈ {e['peak_memory_bytes'] / 2**20:.0f} MiB{training} for the model, one block's work and "
+                    f"the activations (the Python process itself adds a few hundred MiB); output ≈ {written}; "
                     f"{e['bits_per_parameter_packed']:.2f} bits/parameter packed")
 
 

@@ -79,6 +79,17 @@ def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable:
     return decision.format, decision.reason, None
 
 
+def _as_stored(assignment: dict) -> QuantArgs:
+    """A layer's weight scheme at the code width the format stores (int8 codes for W4A8)."""
+    from compress.packing import stored_code_bits
+
+    w, a = assignment["weights"], assignment["activations"]
+    if w.fp4_format:
+        return w
+    width = stored_code_bits(w.model_dump(mode="json"), a.model_dump(mode="json") if a is not None else None)
+    return w if width == w.num_bits else w.model_copy(update={"num_bits": width})
+
+
 def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     """`dtype`: --dtype as the run would get it (auto: the checkpoint's own)."""
     if dtype != "auto" and dtype not in modeling.DTYPES:
@@ -216,7 +227,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     params_after = sum(p.numel() for p in saved.parameters())
 
     quantized_params = sum(a["shape"][0] * a["shape"][1] for a in assignments.values() if a["weights"])
-    packed_bits = sum(packed_weight_bits(*a["shape"], a["weights"], scale_bits_of(dtype)) for a in assignments.values() if a["weights"])
+    packed_bits = sum(packed_weight_bits(*a["shape"], _as_stored(a), scale_bits_of(dtype)) for a in assignments.values() if a["weights"])
     packed_bits += (params_after - quantized_params) * dtype_bits
     model_bytes = params * dtype.itemsize
     largest = max((a["shape"][0] * a["shape"][1] for a in assignments.values()), default=0)

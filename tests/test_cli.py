@@ -611,3 +611,18 @@ def test_plan_asks_about_the_output_layer_only_where_there_is_one(tmp_path, caps
     recipe.write_text("stages:\n  - rtn: {scheme: W8A16, ignore: []}\n")
     rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", "default")
     assert rc == 0 and json.loads(out)["warnings"] == ["stage 1 (rtn): selects the output layer lm_head too; is that meant?"]
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16, input_activations: {num_bits: 8, type: int, strategy: token, dynamic: true}"])
+def test_plan_estimates_the_bytes_the_run_writes(tmp_path, capsys, scheme):
+    """W4A8 is written int-quantized (compressed-tensors packs int4 only for weight-only schemes:
+    with activation quantization the codes sit in int8); the plan estimated int4 packing, half the
+    file's quantized bytes. Its estimate now follows the format's code width."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"stages:\n  - rtn: {{scheme: {scheme}}}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", "default")
+    estimate = json.loads(out)["estimates"]["output_bytes_packed"]
+    assert rc == 0 and main(["-q", "quantize", "--recipe", str(recipe), "--model", "default", "--no-eval",
+                             "--output", str(tmp_path / "out")]) == 0
+    written = json.loads((tmp_path / "out" / "report.json").read_text())["output"]["bytes_on_disk"]
+    assert abs(estimate - written) < 0.01 * written, (estimate, written)
