@@ -245,6 +245,7 @@ def test_plan_follows_what_each_stage_leaves_and_what_the_run_refuses(tmp_path, 
         report = run_recipe(parse_recipe(calibration + text, "test"), model=str(ref_llama), output=str(tmp_path / out),
                             device="cpu")
         assert report["format"]["format"] == "dense"
+        return report
 
     # SparseGPT's joint quantization quantizes its layers
     rc, p = plan_of("stages:\n  - sparsegpt: {sparsity: 0.5, quantize: {scheme: W4A16, weights: {group_size: 64}}}\n")
@@ -252,7 +253,8 @@ def test_plan_follows_what_each_stage_leaves_and_what_the_run_refuses(tmp_path, 
     # GPTQ's act-order with group scales chosen as columns are reached (actorder: group, or true
     # without static groups) leaves groups of mixed scales: written dense; the default packs
     actorder = "stages:\n  - gptq: {scheme: W4A16, weights: {group_size: 64}, actorder: group}\n"
-    dense_in_both(actorder, "actorder: group", "out")
+    report = dense_in_both(actorder, "actorder: group", "out")
+    assert "GPTQ with actorder: group chose its scales as columns were reached" in report["format"]["reason"]
     rc, p = plan_of(actorder.replace("actorder: group", "actorder: true"))
     assert rc == 0 and p["format"] == "dense" and "actorder: group" in p["format_reason"]
     for packs in ("actorder: true, static_groups: true", "actorder: static", "actorder: false", "block_size: 128"):

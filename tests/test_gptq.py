@@ -764,3 +764,14 @@ def test_observing_keeps_no_autograd_graph(tiny_models):
     whole = _observe_whole(net, ctx, selected, Observing(lambda name, module: GraphProbe()))
     assert len(engine) == len(whole) == len(selected)
     assert sum(p.graphs for p in engine.values()) == 0 and sum(p.graphs for p in whole.values()) == 0
+
+
+def test_actorder_takes_compressed_tensors_names():
+    """An llm-compressor recipe says actorder: weight (compressed-tensors' name for static) or
+    dynamic (for group); both were refused as unknown values."""
+    from compress.recipe import parse_recipe
+
+    for given, meant in (("weight", "static"), ("dynamic", "group"), ("static", "static"), ("group", "group")):
+        recipe = parse_recipe("calibration: {dataset: calibration/default.txt}\n"
+                              f"stages:\n  - gptq: {{scheme: W4A16, actorder: {given}}}\n", "test")
+        assert recipe.stages[0][1].actorder == meant

@@ -42,7 +42,7 @@ from __future__ import annotations
 from typing import Literal, Optional, Union
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from compress import activations
 from compress.engine import SolvesOutsideBlocks, block_label, solve_layers, token_rows
@@ -383,7 +383,8 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         "static", description="column order. static: decreasing Hessian diagonal, each group's scales fixed from the "
         "unquantized weight first (groups stay contiguous: packs as usual); group: decreasing diagonal, a group's "
         "scales chosen when its first column is reached (groups then mix columns: written dense); false: columns in "
-        "order; true: group, or static with static_groups: true")
+        "order; true: group, or static with static_groups: true. compressed-tensors' names weight (= static) and "
+        "dynamic (= group) are read as those")
     static_groups: Optional[bool] = Field(
         None, description="fix every group's scales from the unquantized weight before any column is quantized "
         "(implied by actorder: static)")
@@ -395,6 +396,12 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         None, description="keep exactly-zero weights at zero (a pruning mask); default: in layers an earlier stage pruned, "
         "and in layers no stage recorded where at least 10 % of weights are zero (not in layers only quantized)")
     min_tokens: int = Field(16, ge=1, description="a layer (a rarely routed MoE expert) that sees fewer calibration tokens falls back to round-to-nearest")
+
+    @field_validator("actorder", mode="before")
+    @classmethod
+    def _compressed_tensors_names(cls, value):
+        # compressed-tensors (and so llm-compressor recipes) call static "weight" and group "dynamic"
+        return {"weight": "static", "dynamic": "group"}.get(value, value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _integer_weights(self) -> "GPTQ":
@@ -487,6 +494,8 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         ctx.layers[name].pop("global_scale", None)  # from an earlier stage; `info` has this one's
         if info["damp_retries"]:
             record["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"
+        if self.reorders_columns and not self.fixed_group_scales and scheme.weights.strategy in ("group", "tensor_group"):
+            record["mixed_group_scales"] = True  # actorder: group; what packing names when it writes dense
         if scheme.input_activations is not None:
             a = scheme.input_activations
             rng = None if a.dynamic else (obs.lo, obs.hi)
