@@ -279,8 +279,8 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
     w = rec["weights"]
     weight = module.weight.detach().cpu()
     if rec.get("mixed_group_scales") and rec.get("stage") == "gptq":
-        raise NotPackable(f"layer {name}: GPTQ with actorder: group chose its scales as columns were reached, so its "
-                          "groups mix scales, which the format cannot store", "use actorder: static (the default) to pack")
+        raise NotPackable(f"layer {name}: GPTQ chose its group scales as act-order reached the columns (actorder: group), "
+                          "so its groups mix scales, which the format cannot store", "use actorder: static (the default) to pack")
     if fp4_format(w):
         return _pack(name, module, rec, weight, _fp4_scales(name, weight, rec))
     scale, zero_point, failed = recover_qparams(weight, w["num_bits"], w["symmetric"], w["strategy"], w.get("group_size"),

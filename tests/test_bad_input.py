@@ -678,7 +678,7 @@ CASES_ISSUE9 = [
          ["r.yaml", "actorder: static", "actorder: group"]),
     Case("gptq-actorder-group-with-static-groups", _gptq_actorder("actorder: group\n      static_groups: true"),
          ["r.yaml", "actorder: group", "actorder: static"]),
-    Case("gptq-actorder-unknown", _gptq_actorder("actorder: weight"), ["r.yaml", "actorder"]),
+    Case("gptq-actorder-unknown", _gptq_actorder("actorder: weights"), ["r.yaml", "actorder"]),
     Case("batch-size-zero", _batch_size(0), ["r.yaml:8", "batch_size", "or auto (got 0)"]),
     Case("batch-size-word", _batch_size("many"), ["r.yaml:8", "batch_size", "or auto (got 'many')"]),
     Case("targets-not-a-list", _targets_not_a_list, ["r.yaml:4", "targets", "list"]),

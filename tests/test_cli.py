@@ -254,7 +254,7 @@ def test_plan_follows_what_each_stage_leaves_and_what_the_run_refuses(tmp_path, 
     # without static groups) leaves groups of mixed scales: written dense; the default packs
     actorder = "stages:\n  - gptq: {scheme: W4A16, weights: {group_size: 64}, actorder: group}\n"
     report = dense_in_both(actorder, "actorder: group", "out")
-    assert "GPTQ with actorder: group chose its scales as columns were reached" in report["format"]["reason"]
+    assert "GPTQ chose its group scales as act-order reached the columns (actorder: group)" in report["format"]["reason"]
     rc, p = plan_of(actorder.replace("actorder: group", "actorder: true"))
     assert rc == 0 and p["format"] == "dense" and "actorder: group" in p["format_reason"]
     for packs in ("actorder: true, static_groups: true", "actorder: static", "actorder: false", "block_size: 128"):
