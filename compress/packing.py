@@ -221,10 +221,8 @@ def stored_code_bits(weights: dict, activations: dict | None) -> int:
     """The width each weight code takes in the file: the format compressed-tensors chooses for the
     scheme packs integer codes to their width only for weight-only schemes (pack-quantized); with
     activation quantization (W4A8) it stores them in int8 (int-quantized)."""
-    from compressed_tensors.compressors.format import infer_module_format
-
-    fmt = infer_module_format(torch.nn.Linear, ct_scheme({"weights": weights, "input_activations": activations}, ["Linear"]))
-    return 8 if fmt.value in ("int-quantized", "float-quantized") else int(weights["num_bits"])
+    _, fmt = _compressor(ct_scheme({"weights": weights, "input_activations": activations}, ["Linear"]))
+    return 8 if fmt in ("int-quantized", "float-quantized") else int(weights["num_bits"])
 
 
 def _activation_qparams(rec: dict) -> dict[str, torch.Tensor]:

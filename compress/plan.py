@@ -79,6 +79,11 @@ def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable:
     return decision.format, decision.reason, None
 
 
+def _listed(layers: list[str]) -> str:
+    """The first three of a warning's layers, and how many more."""
+    return ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+
+
 def _as_stored(assignment: dict) -> QuantArgs:
     """A layer's weight scheme at the code width the format stores (int8 codes for W4A8)."""
     from compress.packing import stored_code_bits
@@ -209,17 +214,14 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     assignments = dict(sorted(assignments.items(), key=lambda item: order.get(item[0], len(order))))
     unpackable = {n: why for n, why in unpackable.items() if n in assignments}  # layers of removed blocks go
     for (i, name, group), layers in partial.items():
-        listed = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
         warnings.append(f"stage {i + 1} ({name}): {len(layers)} layer{'s' if len(layers) > 1 else ''} with an input width "
-                        f"that is not a multiple of group_size {group}, whose last group is partial: {listed}")
+                        f"that is not a multiple of group_size {group}, whose last group is partial: {_listed(layers)}")
     for (i, name, target), layers in repruned.items():
-        listed = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
         warnings.append(f"stage {i + 1} ({name}) prunes {len(layers)} layer{'s' if len(layers) > 1 else ''} to {target} "
-                        f"that an earlier stage already pruned as far: it changes nothing there: {listed}")
+                        f"that an earlier stage already pruned as far: it changes nothing there: {_listed(layers)}")
     for (i, name, earlier), layers in requantized.items():
-        listed = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
         warnings.append(f"stage {i + 1} ({name}) quantizes {len(layers)} layer{'s' if len(layers) > 1 else ''} that are "
-                        f"already quantized ({earlier}), rounding the earlier grid's values again: {listed}")
+                        f"already quantized ({earlier}), rounding the earlier grid's values again: {_listed(layers)}")
     saved = walk.model  # as it will be saved: reshaped, experts fused
     fmt, fmt_reason, refused = _format(recipe, saved, assignments, list(unpackable.values()), walk.exact)
     if refused:

@@ -362,19 +362,23 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
 
 
 def _extreme_codes(w: torch.Tensor, symmetric: bool) -> torch.Tensor:
-    """Each group's extreme as a code, read off the group itself: its extent (as _solve_groups
-    measures it) over its smallest nonzero magnitude, which on a grid is |q - z| · s >= s and, in a
-    group of more than a few weights, usually one step. A learned scale (QAT, AutoRound) or GPTQ
-    can leave the extreme anywhere short of the grid's end; this names its code at once, where
-    the search goes through every code from the end down. [n, 1] float32, at least 1."""
+    """Each group's extreme as a code, read off the group itself: its extent (_group_extent) over
+    its smallest nonzero magnitude, which on a grid is |q - z| · s >= s and, in a group of more
+    than a few weights, usually one step. A learned scale (QAT, AutoRound) or GPTQ can leave the
+    extreme anywhere short of the grid's end; this names its code at once, where the search goes
+    through every code from the end down. [n, 1] float32, at least 1."""
     x = w.float()
     magnitude = x.abs()
     unit = torch.where(magnitude > 0, magnitude, torch.full_like(x, float("inf"))).amin(-1, keepdim=True)
+    return torch.round(_group_extent(x, symmetric) / unit).nan_to_num_(nan=1.0, posinf=1.0).clamp_(min=1)
+
+
+def _group_extent(x: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """What a group's extreme code times its scale spans: max |x| (symmetric), or the range that
+    includes 0 (asymmetric: the code span times the scale). [n, 1] for groups x [n, group]."""
     if symmetric:
-        extent = magnitude.amax(-1, keepdim=True)
-    else:  # the code span
-        extent = x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)
-    return torch.round(extent / unit).nan_to_num_(nan=1.0, posinf=1.0).clamp_(min=1)
+        return x.abs().amax(-1, keepdim=True)
+    return x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)
 
 
 def _search_groups(w: torch.Tensor, top: list[float], ends: int, total: int, qmin: float, qmax: float, symmetric: bool,
@@ -452,10 +456,7 @@ def _quick_groups(w: torch.Tensor, tops: list[float], qmin: float, qmax: float, 
     scale of the weight's half dtype, that value rounded to it). Only the groups none of these
     verify go to the interval search. (scale, zero point, verified), each [n, 1]."""
     x = w.float()
-    if symmetric or float8:
-        extent = x.abs().amax(-1, keepdim=True)
-    else:
-        extent = x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)
+    extent = _group_extent(x, symmetric or float8)
     scale = zp = ok = None
     for top in tops:
         s0 = extent / top
@@ -489,10 +490,7 @@ def _solve_groups(w: torch.Tensor, top: float, start: int, qmin: float, qmax: fl
     x64 = x.double()
     lo = (x64 + torch.nextafter(w, -inf).double()) / 2  # the reals that round to w in its dtype
     hi = (x64 + torch.nextafter(w, inf).double()) / 2
-    if symmetric or float8:
-        extent = x.abs().amax(-1, keepdim=True)
-    else:
-        extent = x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)
+    extent = _group_extent(x, symmetric or float8)
 
     def codes(s: torch.Tensor) -> torch.Tensor:
         if float8:

@@ -309,13 +309,9 @@ class AWQ(EngineOptions, QuantizationStage):
         scales = global_scales(layers, args)  # NVFP4: one per fused group, of the scaled weights
         for name, module in layers.items():
             if not observers[name].tokens:  # an expert no calibration token reached: nothing to search on
-                W = get_weight(module)
-                Q = quantize_weight(W, args, scales.get(name))
-                set_weight(module, Q)
-                ctx.layers.setdefault(name, {}).update({
-                    "stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
-                    "relative_error": relative_error(W, Q), "tokens": 0,
-                    "note": "no calibration token reached this layer (an expert the router never chose): round-to-nearest"})
+                self._round_to_nearest(name, module, args, scales.get(name), ctx, {"tokens": 0},
+                                       "no calibration token reached this layer (an expert the router never chose): "
+                                       "round-to-nearest")
                 continue
             X = observers[name].inputs()
             if name in input_scale:
@@ -338,6 +334,18 @@ class AWQ(EngineOptions, QuantizationStage):
                            "rtn_output_error": output_error(X0, W0, rtn) / X.shape[0], "tokens": observers[name].tokens,
                            "search_tokens": X.shape[0]})
 
+    @staticmethod
+    def _round_to_nearest(name: str, module: torch.nn.Module, args: QuantArgs, global_scale: float | None,
+                          ctx: StageContext, extra: dict, note: str) -> None:
+        """A layer AWQ has nothing to search on, rounded to nearest and recorded with why."""
+        W = get_weight(module)
+        Q = quantize_weight(W, args, global_scale)
+        set_weight(module, Q)
+        record = ctx.layers.setdefault(name, {})
+        record.pop("global_scale", None)  # from an earlier stage
+        record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
+                       "relative_error": relative_error(W, Q), **extra, "note": note})
+
     def preflight(self, model: torch.nn.Module) -> None:
         mappings_for(model, self.mappings, self.blocks)  # no map for the architecture, or one naming no module
         super().preflight(model)
@@ -356,17 +364,10 @@ class AWQ(EngineOptions, QuantizationStage):
             # smoothing map: round-to-nearest, and the report says so.
             args = self.resolved_scheme().weights
             for name in outside:
-                module = selected[name]
-                W = get_weight(module)
-                check_weight(name, W)
-                g = global_scales({name: module}, args).get(name)  # NVFP4's, else None
-                Q = quantize_weight(W, args, g)
-                set_weight(module, Q)
-                record = ctx.layers.setdefault(name, {})
-                record.pop("global_scale", None)
-                record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
-                               "relative_error": relative_error(W, Q), **({"global_scale": g} if g is not None else {}),
-                               "note": "outside the transformer blocks: round-to-nearest"})
+                check_weight(name, get_weight(selected[name]))
+                g = global_scales({name: selected[name]}, args).get(name)  # NVFP4's, else None
+                self._round_to_nearest(name, selected[name], args, g, ctx, {"global_scale": g} if g is not None else {},
+                                       "outside the transformer blocks: round-to-nearest")
         done = [ctx.layers[n] for n in selected if "output_error" in ctx.layers.get(n, {})]
         summary.update({"layers": len(done) + (len(outside) if self.quantize else 0), "scheme": self.resolved_scheme().describe(),
                         "mappings": len(self._mappings), "rtn_outside_blocks": len(outside) if self.quantize else 0,
