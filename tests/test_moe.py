@@ -5,6 +5,7 @@ expert and keep the routing exact."""
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import (AutoModelForCausalLM, AutoTokenizer, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM)
 
@@ -303,6 +304,36 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest(moe_model, tmp_path, m
             starved = layers[f"model.layers.{block}.mlp.experts.3.{part}"]
             assert starved["tokens"] == 0 and "round-to-nearest" in starved["note"]
             assert layers[f"model.layers.{block}.mlp.experts.0.{part}"]["tokens"] > 0
+
+
+def test_an_unreached_experts_nvfp4_gate_and_up_share_one_global_scale(moe_model, tmp_path, monkeypatch):
+    """NVFP4 with AWQ, a router that never picks expert 3, whose gate weights are 8x its up
+    weights (two binades apart): its round-to-nearest fallback uses one global scale for gate and
+    up, as every searched expert does, and the checkpoint stores that one for both (vLLM fuses them
+    into one w13 and expects one scale)."""
+    family, path, model = moe_model
+    swaps = unfuse_experts(model)
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.mlp.experts[3].gate_proj.weight.mul_(8)
+    fuse_experts(swaps)
+    model.save_pretrained(path)
+    monkeypatch.setattr(type(model.model.layers[0].mlp.gate), "forward", _never_expert_3)
+    out = tmp_path / "out"
+    layers = run_recipe(recipe_on(path, "awq: {scheme: NVFP4A16, grid: 3, clip_grid: 2}", samples=4), output=str(out),
+                        device="cpu")["layers"]
+    stored = {}
+    for file in out.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            stored.update({k: float(f.get_tensor(k)) for k in f.keys() if k.endswith("weight_global_scale")})
+    for block in range(2):
+        expert = f"model.layers.{block}.mlp.experts.3"
+        gate, up = layers[f"{expert}.gate_proj"], layers[f"{expert}.up_proj"]
+        assert gate["tokens"] == 0 and gate["global_scale"] == up["global_scale"]
+        # Mixtral's checkpoint keeps its original names (w1 gate, w3 up)
+        gate_key, up_key = ((f"model.layers.{block}.block_sparse_moe.experts.3.w1", f"model.layers.{block}.block_sparse_moe.experts.3.w3")
+                            if family == "mixtral" else (f"{expert}.gate_proj", f"{expert}.up_proj"))
+        assert stored[f"{gate_key}.weight_global_scale"] == stored[f"{up_key}.weight_global_scale"] == gate["global_scale"]
 
 
 @pytest.mark.parametrize("stage", ["rtn", "gptq"])

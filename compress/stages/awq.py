@@ -309,7 +309,8 @@ class AWQ(EngineOptions, QuantizationStage):
         scales = global_scales(layers, args)  # NVFP4: one per fused group, of the scaled weights
         for name, module in layers.items():
             if not observers[name].tokens:  # an expert no calibration token reached: nothing to search on
-                self._round_to_nearest(name, module, args, scales.get(name), ctx, {"tokens": 0},
+                g = scales.get(name)  # NVFP4: its fused group's, which vLLM expects gate and up to share
+                self._round_to_nearest(name, module, args, g, ctx, {"tokens": 0, **({"global_scale": g} if g is not None else {})},
                                        "no calibration token reached this layer (an expert the router never chose): "
                                        "round-to-nearest")
                 continue
