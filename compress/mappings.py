@@ -253,8 +253,8 @@ def fold(mapping: Mapping, block: torch.nn.Module, scales: torch.Tensor, runner,
          before: list[torch.Tensor] | None = None) -> None:
     """Move `scales` from the mapping's smoothed op into every module of its balance list in `block`
     (quantized later or not: a router too), then require_exact on the inspected module's outputs
-    over the first `batches` calibration batches of `runner` (an engine BlockRunner); `before`: those
-    outputs already taken on the unfolded block."""
+    over `batches` calibration batches of `runner` (an engine BlockRunner; they are spread over the
+    calibration set); `before`: those outputs already taken on the unfolded block."""
     if before is None:
         before = runner.outputs(batches, mapping.inspect)
     readers = [block.get_submodule(b) for b in mapping.balance]

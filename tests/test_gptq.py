@@ -308,10 +308,13 @@ def test_auto_batch_size_fills_the_device_token_budget():
     assert resolve_batch_size("auto", torch.device("cpu"), []) == 1
     padded = calibration_batches(lines, 3)
     assert len(padded) == 1 and padded[0]["input_ids"].shape == (3, 30)
-    assert padded[0]["attention_mask"].sum(1).tolist() == [12, 30, 7]
+    assert padded[0]["attention_mask"].sum(1).tolist() == [30, 12, 7]  # longest first
     # samples without masks keep the padding's mask (only an unpadded batch lets the model build its own)
     bare = [{"input_ids": s["input_ids"]} for s in lines]
-    assert calibration_batches(bare, 3)[0]["attention_mask"].sum(1).tolist() == [12, 30, 7]
+    assert calibration_batches(bare, 3)[0]["attention_mask"].sum(1).tolist() == [30, 12, 7]
+    # batched by length, so little is padded: [30, 28] and [12, 7] fill 84 slots ([12, 30], [7, 28] would fill 116)
+    four = bare + [{"input_ids": torch.zeros(1, 28, dtype=torch.long)}]
+    assert [b["input_ids"].shape for b in calibration_batches(four, 2)] == [(2, 30), (2, 12)]
     assert "attention_mask" not in calibration_batches(bare[:1], 1)[0]
     assert len(calibration_batches(windows, resolve_batch_size("auto", torch.device("cpu"), windows))) == 32
 
@@ -343,7 +346,10 @@ def test_padding_is_dropped_from_statistics_and_block_outputs():
     runner = BlockRunner(Block(), store, [BlockInput(None, {}, m) for m in masks], torch.device("cpu"))
     for outputs in (runner.outputs(), runner.outputs(module="proj")):
         assert [o.shape for o in outputs] == [(8, 4), (3, 4), (10, 4)]
-    assert [o.shape[0] for o in runner.outputs(limit=2, module="proj")] == [8, 3]
+    # a stage scoring on 2 of the 3 batches gets the first and the last (batches go longest first)
+    assert runner.spread(2) == [0, 2] and runner.spread(1) == [0] and runner.spread(5) == [0, 1, 2]
+    assert [o.shape[0] for o in runner.outputs(limit=2, module="proj")] == [8, 10]
+    assert [o.shape[0] for o in runner.outputs_of(["proj"], limit=2)["proj"]] == [8, 10]
 
 
 def test_activation_spill_to_disk_gives_same_result(tiny_models, tmp_path):
