@@ -307,8 +307,15 @@ def _pack(name: str, module: torch.nn.Linear, rec: dict, weight: torch.Tensor,
     # division can round an 8-bit code to its neighbour
     state = {"weight": weight.float(), **scales}
     state.update(_activation_qparams(rec))
-    packed = compressor.compress(state, scheme)
-    again = compressor.decompress(dict(packed), scheme)["weight"]
+    try:
+        packed = compressor.compress(state, scheme)
+        again = compressor.decompress(dict(packed), scheme)["weight"]
+    except (RuntimeError, ValueError) as exc:
+        # compressed-tensors 0.20 cannot unpack the int4 zero points of a layer with 8 rows or
+        # fewer (a classifier head, an MoE gate): a file it wrote, nobody could read
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise NotPackable(f"layer {name}: compressed-tensors cannot pack it and read it back ({detail})",
+                          "pass --format dense, or leave the layer out of the stage (ignore)") from None
     if again.shape != weight.shape or not torch.equal(again.to(weight.dtype), weight):
         raise NotPackable(f"layer {name}: compressed-tensors does not decompress it to the same weights",
                             "pass --format dense, and please report it")

@@ -437,6 +437,27 @@ def test_dense_format_and_fallback(tiny, tmp_path):
     assert report["format"]["format"] == "dense" and "not a whole number of groups of 48" in report["format"]["reason"]
 
 
+def test_a_layer_compressed_tensors_cannot_read_back_is_written_dense(tmp_path):
+    """compressed-tensors 0.20 packs the int4 zero points of a layer with 8 rows or fewer (here
+    k_proj and v_proj: one KV head of 8) into a tensor it then fails to unpack. `auto` writes dense
+    and names the layer; `--format packed` refuses it with the same words, not a traceback."""
+    from compress.errors import CompressError
+
+    torch.manual_seed(0)
+    path = tmp_path / "narrow-kv"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=1, vocab_size=2048)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(path)
+    stage = "{scheme: W4A16_ASYM, weights: {group_size: 16}}"
+    _, report = quantize(tmp_path, "auto", stage, model=path)
+    assert report["format"]["format"] == "dense"
+    assert "layer model.layers.0.self_attn.k_proj: compressed-tensors cannot pack it and read it back" in report["format"]["reason"]
+    with pytest.raises(CompressError, match="k_proj: compressed-tensors cannot pack it and read it back"):
+        quantize(tmp_path, "packed", stage, model=path, fmt="packed")
+    _, report = quantize(tmp_path, "sym", "{scheme: W4A16, weights: {group_size: 16}}", model=path)
+    assert report["format"]["format"] == "packed"  # no zero points: nothing to unpack
+
+
 # ---------------------------------------------------------------------------------------------
 # The command line: inspect, damaged checkpoints
 
