@@ -201,7 +201,29 @@ def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloade
         if requested == "packed":
             raise not_packable(problems)
         return Decision("dense", f"the packed format cannot express {_first_of(problems)}", problems)
-    return Decision("packed", f"compressed-tensors: each of the {len(quantized)} quantized layers has a scheme the format expresses")
+    return Decision("packed", f"compressed-tensors: each of the {len(quantized)} quantized layers has a scheme the format expresses"
+                              + _experts_plain_transformers_cannot_load(net, layers))
+
+
+def _experts_plain_transformers_cannot_load(net: torch.nn.Module, layers: dict) -> str:
+    """A note for a packed mixture-of-experts checkpoint that plain transformers cannot open.
+    transformers fuses the per-expert matrices as it loads them, and with compressed-tensors
+    0.20 that works for symmetric integer weights (W4A16, W8A16) and FP8 only: zero points,
+    int8 activations and FP4 blocks fail (tests/test_moe.py), as do unquantized experts beside
+    quantized layers. compress reads all of them; the note says so where the run ends."""
+    if not any(moe.is_fused_experts(m) for m in net.modules()):
+        return ""
+    experts = [n for n, r in layers.items() if "weights" in r and _experts_of(net, n) is not None]
+    if experts:  # one scheme for every expert (_expert_problems)
+        rec = layers[experts[0]]
+        _, fmt = _compressor(ct_scheme(rec, [experts[0]]))
+        if rec["weights"]["symmetric"] and fmt in ("pack-quantized", "float-quantized"):
+            return ""
+        what = f"experts quantized as {fmt}" + ("" if rec["weights"]["symmetric"] else " with zero points")
+    else:
+        what = "unquantized experts beside quantized layers"
+    return (f"; plain transformers (compressed-tensors 0.20) cannot load {what} (compress "
+            "reads them); pass --format dense for a checkpoint it loads")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,8 +335,7 @@ def _pack(name: str, module: torch.nn.Linear, rec: dict, weight: torch.Tensor,
     except (RuntimeError, ValueError) as exc:
         # compressed-tensors 0.20 cannot unpack the int4 zero points of a layer with 8 rows or
         # fewer (a classifier head, an MoE gate): a file it wrote, nobody could read
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise NotPackable(f"layer {name}: compressed-tensors cannot pack it and read it back ({detail})",
+        raise NotPackable(f"layer {name}: compressed-tensors cannot pack it and read it back ({first_line(exc)})",
                           "pass --format dense, or leave the layer out of the stage (ignore)") from None
     if again.shape != weight.shape or not torch.equal(again.to(weight.dtype), weight):
         raise NotPackable(f"layer {name}: compressed-tensors does not decompress it to the same weights",

@@ -53,14 +53,30 @@ def matches(pattern: str, name: str, module: torch.nn.Module) -> bool:
 def select_modules(
     model: torch.nn.Module, targets: list[str], ignore: list[str]
 ) -> dict[str, torch.nn.Module]:
-    """Linear-like modules matched by any target and by no ignore entry, in model order."""
+    """Linear-like modules matched by any target and by no ignore entry, in model order. A
+    mixture-of-experts gate (moe_gates) is selected only by a target that names it, not by a
+    class name such as `Linear`."""
+    gates = moe_gates(model)
     chosen = {}
     for name, module in model.named_modules():
         if type(module).__name__ not in LINEAR_TYPES:
             continue
-        if any(matches(p, name, module) for p in targets) and not any(matches(p, name, module) for p in ignore):
+        named_by = [p for p in targets if matches(p, name, module)]
+        if name in gates:
+            named_by = [p for p in named_by if p not in ("Linear", type(module).__name__)]
+        if named_by and not any(matches(p, name, module) for p in ignore):
             chosen[name] = module
     return chosen
+
+
+def moe_gates(model: torch.nn.Module) -> set[str]:
+    """The linear layers that sit directly in a mixture-of-experts block, beside its `experts`: a
+    router kept as a Linear, or Qwen-MoE's shared_expert_gate (one output through a sigmoid).
+    vLLM and SGLang build these as plain unquantized layers, so a quantized one makes a checkpoint
+    they cannot load; they are a sliver of the weights, and the routing is worth keeping exact."""
+    blocks = [name for name, module in model.named_modules() if isinstance(getattr(module, "experts", None), torch.nn.Module)]
+    return {f"{block}.{child}" if block else child for block in blocks
+            for child, module in model.get_submodule(block).named_children() if type(module).__name__ in LINEAR_TYPES}
 
 
 def unused_patterns(model: torch.nn.Module, patterns: list[str]) -> list[str]:

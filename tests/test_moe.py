@@ -142,7 +142,7 @@ def test_quantized_experts_are_packed_one_matrix_each_and_reload_alike(moe_model
     recipe = recipe_on(path, "rtn: {scheme: W4A16, weights: {group_size: 16}}", samples=2)
     packed = run_recipe(recipe, output=str(tmp_path / "packed"), device="cpu")
     run_recipe(recipe, output=str(tmp_path / "dense"), device="cpu", format="dense")
-    assert packed["format"]["format"] == "packed"
+    assert packed["format"]["format"] == "packed" and "plain transformers" not in packed["format"]["reason"]
     with safe_open(tmp_path / "packed" / "model.safetensors", "pt") as f:
         keys = set(f.keys())
     experts = "block_sparse_moe.experts" if family == "mixtral" else "mlp.experts"
@@ -164,6 +164,37 @@ def test_quantized_experts_are_packed_one_matrix_each_and_reload_alike(moe_model
     assert torch.equal(plain, expected) and torch.equal(ours, expected)
 
 
+@pytest.mark.parametrize("scheme", ["W4A16_ASYM", "W8A8"])
+def test_the_run_says_when_plain_transformers_cannot_load_its_experts(moe_model, tmp_path, scheme):
+    """Zero points or int8 activations on the experts: written packed (compress reads them), and
+    the format's reason, which the run prints last, says plain transformers cannot load them, as
+    it indeed cannot (its fusing of per-expert matrices does not handle them)."""
+    family, path, _ = moe_model
+    out = tmp_path / "packed"
+    written = run_recipe(recipe_on(path, f"rtn: {{scheme: {scheme}, weights: {{group_size: 16}}}}", samples=2),
+                         output=str(out), device="cpu")["format"]
+    assert written["format"] == "packed" and "plain transformers (compressed-tensors 0.20) cannot load experts" in written["reason"]
+    with pytest.raises(Exception):
+        AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(5, V, (2, 24), generator=torch.Generator().manual_seed(2))
+    assert torch.isfinite(modeling.load_model(str(out), dtype="float32")[0](input_ids=ids).logits).all()
+
+
+def test_moe_gates_are_left_in_float_unless_named(tmp_path):
+    """Qwen2-MoE's shared_expert_gate (a Linear with one output, beside the experts) is not taken
+    by `Linear`: vLLM builds it unquantized and could not load it quantized. Named, it is taken."""
+    torch.manual_seed(0)
+    path = tmp_path / "qwen2_moe"
+    MOE["qwen2_moe"]().save_pretrained(path)
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(path)
+    layers = run_recipe(recipe_on(path, "rtn: {scheme: W4A16, weights: {group_size: 16}}", samples=2), output=str(tmp_path / "a"),
+                        device="cpu")["layers"]
+    assert "model.layers.0.mlp.shared_expert.down_proj" in layers and not any("shared_expert_gate" in n for n in layers)
+    layers = run_recipe(recipe_on(path, "rtn: {scheme: W8A16, targets: [Linear, shared_expert_gate]}", samples=2),
+                        output=str(tmp_path / "b"), device="cpu")["layers"]
+    assert {"model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.shared_expert_gate"} <= set(layers)
+
+
 def test_unquantized_experts_are_saved_in_the_hub_layout_beside_packed_layers(moe_model, tmp_path):
     """Attention quantized, experts left in float: the file is packed, the experts written dense
     under their saved per-expert keys (as transformers saves them), and compress reloads it.
@@ -173,7 +204,9 @@ def test_unquantized_experts_are_saved_in_the_hub_layout_beside_packed_layers(mo
 
     family, path, _ = moe_model
     recipe = recipe_on(path, "rtn: {scheme: W4A16, weights: {group_size: 16}, targets: ['re:.*self_attn.*']}", samples=2)
-    assert run_recipe(recipe, output=str(tmp_path / "packed"), device="cpu")["format"]["format"] == "packed"
+    written = run_recipe(recipe, output=str(tmp_path / "packed"), device="cpu")["format"]
+    assert written["format"] == "packed"
+    assert "plain transformers (compressed-tensors 0.20) cannot load unquantized experts beside quantized layers" in written["reason"]
     run_recipe(recipe, output=str(tmp_path / "dense"), device="cpu", format="dense")
     with safe_open(tmp_path / "packed" / "model.safetensors", "pt") as f:
         keys = set(f.keys())
@@ -245,10 +278,13 @@ def test_smoothing_reaches_every_expert_and_keeps_the_router_exact(moe_model, tm
             assert layers[f"{p}experts.{e}.down_proj"]["smoothquant_smooth"] == f"{p}experts.{e}.up_proj"
         if family == "qwen2_moe":
             assert layers[f"{p}shared_expert.down_proj"]["smoothquant_smooth"] == f"{p}shared_expert.up_proj"
-            assert layers[f"{p}shared_expert_gate"]["smoothquant_smooth"] == f"model.layers.{block}.post_attention_layernorm"
+            assert f"{p}shared_expert_gate" not in layers  # a gate, like the router: scaled, never quantized
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    for block in range(2):  # the routers are scaled with the experts they feed
+    for block in range(2):  # the routers (and Qwen's shared-expert gate) are scaled with the experts they feed
         assert not torch.equal(model.model.layers[block].mlp.gate.weight, saved.model.layers[block].mlp.gate.weight)
+        if family == "qwen2_moe":
+            assert not torch.equal(model.model.layers[block].mlp.shared_expert_gate.weight,
+                                   saved.model.layers[block].mlp.shared_expert_gate.weight)
     ids = torch.randint(5, V, (2, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         a, b = model(input_ids=ids).logits, saved(input_ids=ids).logits
