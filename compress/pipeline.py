@@ -441,7 +441,11 @@ def size_summary(net: torch.nn.Module, layers: dict, checkpoint_dir: Path | None
     }
 
 
+# What a compress checkpoint's records hand to a run on it: a layer's grid and its zeros, and with
+# them its error against the float model it came from (a stage here that cannot measure its own
+# against the float weights, QAT on a W4 input, reports that one beside its change).
 INHERITED_KEYS = ("weights", "sparsity", "target_sparsity", "pattern", "input_zeros", "sparsity_preserved")
+INHERITED_WITH = ("relative_error",)
 
 
 def record_input_zeros(net: torch.nn.Module, layers: dict[str, dict]) -> None:
@@ -475,6 +479,7 @@ def inherited_records(model_ref: str) -> dict[str, dict]:
     for name, record in layers.items():
         kept = {k: record[k] for k in INHERITED_KEYS if record.get(k) is not None}
         if kept:
+            kept.update({k: record[k] for k in INHERITED_WITH if record.get(k) is not None})
             if isinstance(record.get("shape"), list):  # what the packed size is counted from
                 kept["shape"] = record["shape"]
             stage = str(record.get("stage", "compress"))

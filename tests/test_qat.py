@@ -260,6 +260,38 @@ def test_qat_on_a_quantized_input_needs_a_float_teacher(tiny, tmp_path):
     assert not (tmp_path / "o1").exists()
     report = run_recipe(parse_recipe(qat % f", teacher: {tiny}", "t"), model=str(w4), output=str(tmp_path / "o2"))
     assert report["stages"][0]["summary"]["teacher"] == str(tiny)
+    # its error: the W4 input's own against the float model it came from, beside QAT's small change
+    # (that change was reported as the layer's error)
+    w4_layers = json.loads((w4 / "compress.json").read_text())["layers"]
+    for name, rec in report["layers"].items():
+        assert rec["relative_error"] == w4_layers[name]["relative_error"] > 0.05
+        assert rec["qat_relative_change"] < rec["relative_error"]
+
+
+def test_qat_error_after_removing_blocks_compares_each_layer_with_its_own_input_layer(tmp_path):
+    """Removing block 1 of 3 moves old block 2 to index 1. QAT (a tiny step) after rtn measures
+    each layer against its float weights in the input model: old block 2's for the new block 1,
+    not old block 1's, so its error is rtn's, not that of two unrelated matrices (~1.4)."""
+    tok = AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR)
+    torch.manual_seed(0)
+    path = tmp_path / "three"
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=128)).save_pretrained(path)
+    tok.save_pretrained(path)
+    data = "{dataset: calibration/default.txt, seq_len: 32, num_samples: 8, eval_samples: 2}"
+    recipe = parse_recipe(f"""
+calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 32}}
+stages:
+  - structured: {{structure: blocks, ratio: 0.34}}
+  - rtn: {{scheme: W4A16, weights: {{group_size: 32}}}}
+  - qat: {{scheme: W4A16, weights: {{group_size: 32}}, data: {data}, train: {TRAIN % (1, 1e-7)}, keep_start_if_worse: false}}
+""", "t")
+    report = run_recipe(recipe, model=str(path), output=str(tmp_path / "out"))
+    assert report["stages"][0]["summary"]["kept_blocks"] == "2 of 3"
+    layers = report["layers"]
+    for name, rec in layers.items():
+        assert rec["relative_error_against"] == "the input model's weights"
+        assert rec["relative_error"] < 0.2 and rec["qat_relative_change"] < 1e-3, name
 
 
 def test_training_that_ends_worse_than_it_started_keeps_the_start(tiny, repo, tmp_path):

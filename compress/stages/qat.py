@@ -39,6 +39,7 @@ from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext, check_weight
 from compress.stages.distill import (DistillLoss, check_training, input_is_quantized, load_teacher, pruning_masks, run_training,
                                      trainable_parameters, uses_teacher)
+from compress.stages.structured import input_layer_name
 from compress.targets import Pattern
 from compress.training import TrainingConfig
 from compress.training_data import TrainingData
@@ -71,8 +72,9 @@ class FakeQuantWeight(torch.nn.Module):
 
 
 def _source_weight(source: torch.nn.Module | None, name: str, shape: torch.Size, rec: dict) -> torch.Tensor | None:
-    """The layer's float weight in the input model, where it is comparable: same shape (structured
-    pruning changes it) and no smoothing folded into it (AWQ, SmoothQuant scale the weights)."""
+    """The float weight of the input model's layer `name`, where it is comparable: same shape
+    (structured pruning changes it) and no smoothing folded into it (AWQ, SmoothQuant scale the
+    weights)."""
     if source is None or any(k in rec for k in ("awq_alpha", "smoothquant_alpha")):
         return None
     try:
@@ -150,6 +152,9 @@ class QAT(DistillLoss, QuantizationStage):
         self._check_teacher(ctx.layers, ctx.source_model)
         teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "qat") if uses_teacher(self, "qat") else (None, None)
         before, scales, hooks = {}, [], []
+        # Layers that arrive quantized (an earlier stage's grid, or the input's): what QAT received
+        # is not float, so its change from them is not the layer's error.
+        arrived_quantized = {n for n in modules if "weights" in ctx.layers.get(n, {})}
         for name, module in modules.items():
             weight = get_weight(module)
             check_weight(name, weight)
@@ -201,9 +206,9 @@ class QAT(DistillLoss, QuantizationStage):
             final = get_weight(module)
             change = relative_error(before[name], final)
             err, against = change, "the weights qat received"
-            if rec["qat_init"] != "round-to-nearest":  # they arrived on an earlier stage's grid
+            if name in arrived_quantized:
                 earlier = rec.get("stage", "an earlier stage")
-                float_weight = _source_weight(source, name, final.shape, rec)
+                float_weight = _source_weight(source, input_layer_name(model, name), final.shape, rec)
                 if float_weight is not None:
                     err, against = relative_error(float_weight, final), "the input model's weights"
                 else:  # no float weight to compare with: the earlier stage's error stands, and the change beside it

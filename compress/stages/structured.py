@@ -476,6 +476,9 @@ class Structured(Stage):
                        records: dict[str, dict]) -> None:
         parent_path, attr = path.rsplit(".", 1) if "." in path else ("", path)
         kept = torch.nn.ModuleList([blocks[i] for i in keep])
+        for old, block in zip(keep, kept):
+            if not hasattr(block, INPUT_INDEX):  # set by the first removal on every block it keeps
+                setattr(block, INPUT_INDEX, old)
         for new, block in enumerate(kept):
             for m in block.modules():
                 if isinstance(getattr(m, "layer_idx", None), int):
@@ -492,6 +495,24 @@ class Structured(Stage):
             renamed[name] = rec
         records.clear()
         records.update(renamed)
+
+
+# Each kept block's index in the input model, on the block itself: a later stage that compares a
+# layer with the input model's (QAT's error) looks it up there (input_layer_name).
+INPUT_INDEX = "_compress_input_index"
+
+
+def input_layer_name(model: torch.nn.Module, name: str) -> str:
+    """What the layer `name` is called in the input model: removing blocks moves the kept ones down."""
+    try:
+        path, blocks = find_blocks(model)
+    except CompressError:
+        return name  # an architecture without a block list: nothing was removed
+    if not name.startswith(path + "."):
+        return name
+    index, rest = name[len(path) + 1:].split(".", 1)
+    origin = getattr(blocks[int(index)], INPUT_INDEX, None) if index.isdigit() and int(index) < len(blocks) else None
+    return name if origin is None else f"{path}.{origin}.{rest}"
 
 
 def per_layer_config(config, keep: list[int]) -> dict:
