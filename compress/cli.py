@@ -312,7 +312,8 @@ def distill(
 
 # The recipe keys `compress distill` sets, as its options (longest first: one key may prefix another).
 DISTILL_OPTIONS = {"data.generate.num_sequences": "--generate", "data.num_samples": "--num-samples",
-                   "data.eval_samples": "--eval-samples", "data.seq_len": "--seq-len", "eval_samples": "--eval-samples"}
+                   "data.eval_samples": "--eval-samples", "data.seq_len": "--seq-len", "eval_samples": "--eval-samples",
+                   "keep_layers": "--student-layers"}
 
 
 def _in_option_terms(exc: CompressError, options: dict[str, str]) -> CompressError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,7 +138,7 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys, monkeypatch, mini
         (["--student", str(student)], "no training data"),
         (["--student", str(student), "--data", data, "--generate", "4"], "both given"),
         (["--data", data], "no student"),
-        (["--student-layers", "0,7", "--data", data], "keep_layers [0, 7]"),
+        (["--student-layers", "0,7", "--data", data], "--student-layers [0, 7] is not a list of distinct blocks"),
         (["--student-layers", "x", "--data", data], "not a list of block numbers"),
         # another tokenizer is named before the loss (an encoder student was told to match hidden
         # states, and only then that the vocabularies differ)
@@ -162,6 +163,20 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys, monkeypatch, mini
         err = capsys.readouterr().err
         assert code == 2 and words in err and "Traceback" not in err, (argv, err)
         assert not (tmp_path / "bad").exists()
+
+    # a teacher whose tokenizer has the student's vocabulary size but other ids (its vocabulary
+    # shuffled, as two unrelated 32,000-token tokenizers differ) is refused, as `compress eval` refuses it
+    shuffled = tmp_path / "shuffled-teacher"
+    shutil.copytree(teacher, shuffled)
+    spec = json.loads((shuffled / "tokenizer.json").read_text())
+    words_ = [w for w in spec["model"]["vocab"] if w not in {t["content"] for t in spec.get("added_tokens", [])}]
+    ids = [spec["model"]["vocab"][w] for w in words_]
+    spec["model"]["vocab"].update(zip(words_, ids[1:] + ids[:1]))
+    (shuffled / "tokenizer.json").write_text(json.dumps(spec))
+    code = main(["distill", "--teacher", str(shuffled), "--student", str(student), "--data", data, "--steps", "2",
+                 "--seq-len", "32", "--output", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert code == 2 and "has a tokenizer that maps text to different ids" in err and not (tmp_path / "bad").exists(), err
 
 
 def test_a_training_stage_after_another_is_checked_before_the_first_one_runs(ref_llama, tmp_path, capsys, monkeypatch):

@@ -187,8 +187,13 @@ def load_teacher(ref: Optional[str], student: torch.nn.Module, ctx: StageContext
     ref = ref or ctx.source_model
     if ref is None:
         raise CompressError(f"stage {stage}: no teacher", "set the stage's teacher: a hub id or model directory")
-    teacher, _, config = modeling.load_model(ref, dtype="float32", device=ctx.device)
+    teacher, teacher_tokenizer, config = modeling.load_model(ref, dtype="float32", device=ctx.device)
     check_vocabularies(stage, ref, config, student.config)
+    if teacher_tokenizer is not None and ctx.tokenizer is not None and teacher_tokenizer.get_vocab() != ctx.tokenizer.get_vocab():
+        # one vocabulary size, other ids (Llama 2 and Mistral both have 32,000): the teacher would
+        # read the student's ids as other words, and its targets would teach nonsense
+        raise CompressError(f"stage {stage}: teacher {ref} has a tokenizer that maps text to different ids from the "
+                            f"student's ({ctx.source_model})", "distill between models that share a tokenizer")
     teacher.requires_grad_(False)
     return teacher, ref
 
