@@ -611,21 +611,10 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
         kv = info["kv_cache"]["ranges"]
         out.print(f"KV cache: fp8 e4m3, per-tensor static key and value scales for {len(kv)} attention layers "
                   f"({'k_scale and v_scale in the checkpoint' if info['format'] == 'packed' else 'in compress.json only'})")
-    # No vertical rules: eight columns leave more room for the full layer names.
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    pruned = any(r["sparsity"] is not None for r in info["layers"].values())
-    for col in ("layer", "shape", "weights", "activations", "rel. error") + (("sparsity",) if pruned else ()) + ("bytes on disk", "vs fp16"):
-        t.add_column(col, **_name_column(col, info["layers"]))
-    for n, rec in info["layers"].items():
-        w, a = rec.get("weights"), rec.get("input_activations")
-        sparse = ((f"{rec['sparsity']:.4f}" + (f" ({rec['pattern']})" if rec.get("pattern") else "")) if rec["sparsity"] is not None else "-",) if pruned else ()
-        ratio = f"{rec['bytes_on_disk'] / rec['float16_bytes']:.3f}" if rec.get("float16_bytes") and rec["bytes_on_disk"] else "-"
-        err = rec.get("relative_error")
-        t.add_row(n, "x".join(map(str, rec.get("shape", []))),
-                  weights_label(w),
-                  f"{a['type']}{a['num_bits']} {a['strategy']} {'dynamic' if a['dynamic'] else 'static'}" if a else "-",
-                  f"{err:.4g}" if err is not None else "-", *sparse, f"{rec['bytes_on_disk']:,}", ratio)
-    _print_wide(t)
+    if info["layers"]:
+        _print_wide(_layer_table(info["layers"]))
+    else:  # distillation alone, say: the weights were trained, no layer quantized or pruned
+        out.print("layers: none quantized or pruned")
     sz = info["sizes"]
     line = f"size: {sz['source_bytes'] or 0:,} bytes before, {sz['bytes_on_disk']:,} bytes on disk after"
     if sz.get("quantized_layers_ratio_to_float16") is not None:
@@ -638,6 +627,25 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
         out.print("recipe:\n" + escape(yaml.safe_dump(info["recipe"], sort_keys=False).rstrip()))
     if report.get("evaluation"):
         _print_results(report["evaluation"])
+
+
+def _layer_table(layers: dict) -> Table:
+    """compress inspect's table of the quantized or pruned layers. No vertical rules: eight
+    columns leave more room for the full layer names."""
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    pruned = any(r["sparsity"] is not None for r in layers.values())
+    for col in ("layer", "shape", "weights", "activations", "rel. error") + (("sparsity",) if pruned else ()) + ("bytes on disk", "vs fp16"):
+        t.add_column(col, **_name_column(col, layers))
+    for n, rec in layers.items():
+        w, a = rec.get("weights"), rec.get("input_activations")
+        sparse = ((f"{rec['sparsity']:.4f}" + (f" ({rec['pattern']})" if rec.get("pattern") else "")) if rec["sparsity"] is not None else "-",) if pruned else ()
+        ratio = f"{rec['bytes_on_disk'] / rec['float16_bytes']:.3f}" if rec.get("float16_bytes") and rec["bytes_on_disk"] else "-"
+        err = rec.get("relative_error")
+        t.add_row(n, "x".join(map(str, rec.get("shape", []))),
+                  weights_label(w),
+                  f"{a['type']}{a['num_bits']} {a['strategy']} {'dynamic' if a['dynamic'] else 'static'}" if a else "-",
+                  f"{err:.4g}" if err is not None else "-", *sparse, f"{rec['bytes_on_disk']:,}", ratio)
+    return t
 
 
 @app.command()

@@ -126,6 +126,8 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys, monkeypatch, mini
     assert s["steps"] == 3 and s["training"]["loss"]["divergence"] == "jsd" and s["training"]["loss"]["ce_weight"] == 0.5
     assert report["evaluation"][data]["kl_divergence"] > 0  # measured against the teacher
     assert (out / "report.md").is_file()
+    assert main(["inspect", str(out)]) == 0  # no layer table of headers alone: distillation quantizes nothing
+    assert "layers: none quantized or pruned" in capsys.readouterr().out
 
     # a quantized student would come out dense: distillation trains float weights
     quantized = tmp_path / "quantized"
