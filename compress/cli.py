@@ -279,6 +279,7 @@ def distill(
     divergence: str = typer.Option("forward", help="forward KL, reverse KL or jsd."),
     ce_weight: float = typer.Option(0.0, help="λ: weight of the next-token loss on the training text."),
     hidden: list[str] = typer.Option([], help="match hidden states STUDENT:TEACHER (block outputs; -1 the last); repeat for several."),
+    hidden_loss: str = typer.Option("auto", help="how hidden states are matched: mse, cosine, or auto (cosine for an encoder, mse for a causal LM)."),
     save_every: int = typer.Option(50, min=0, help="resumable checkpoint every N steps (0: none)."),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint of an interrupted run with the same settings."),
     eval_data: list[str] = typer.Option([], "--eval-data", help="evaluation text(s) after training (default: the bundled held-out text)."),
@@ -294,7 +295,7 @@ def distill(
     from compress.pipeline import run_recipe
 
     doc = _distill_recipe(teacher, student, student_layers, output, data, generate, steps, lr, batch_size, seq_len,
-                          num_samples, eval_samples, temperature, divergence, ce_weight, hidden, save_every, eval_data, no_eval)
+                          num_samples, eval_samples, temperature, divergence, ce_weight, hidden, hidden_loss, save_every, eval_data, no_eval)
     r = _parse_built_recipe(doc, "compress distill")
     modeling.check_context(modeling.load_config(r.model), seq_len, "--seq-len")  # named as the user typed it
     try:
@@ -347,7 +348,7 @@ def _parse_built_recipe(doc: str, command: str, renamed: dict[str, str] = {}) ->
 
 
 def _distill_recipe(teacher, student, student_layers, output, data, generate, steps, lr, batch_size, seq_len,
-                    num_samples, eval_samples, temperature, divergence, ce_weight, hidden, save_every, eval_data, no_eval) -> str:
+                    num_samples, eval_samples, temperature, divergence, ce_weight, hidden, hidden_loss, save_every, eval_data, no_eval) -> str:
     """The recipe `compress distill` runs, as YAML text, after checking the options agree."""
     import yaml
 
@@ -376,6 +377,7 @@ def _distill_recipe(teacher, student, student_layers, output, data, generate, st
         pairs.append({"student": s_idx, "teacher": t_idx})
     if pairs:
         body["hidden"] = pairs
+        body["hidden_loss"] = hidden_loss
     body["data"] = {"seq_len": seq_len, "eval_samples": eval_samples}
     if generate is not None:
         body["data"]["generate"] = {"num_sequences": generate}

@@ -59,7 +59,9 @@ class DistillLoss(BaseModel):
     kd_weight: float = Field(1.0, ge=0, description="weight of the logit distillation loss (0: none)")
     ce_weight: float = Field(0.0, ge=0, description="λ: weight of the next-token cross-entropy on the training text")
     hidden: list[HiddenPair] = Field(default_factory=list, description="hidden-state pairs to match")
-    hidden_loss: Literal["mse", "cosine"] = "mse"
+    hidden_loss: Literal["auto", "mse", "cosine"] = Field(
+        "auto", description="auto: cosine for an encoder (a few of BERT's hidden dimensions are far larger than the "
+                            "rest, and mse fits them at the cost of the direction embeddings are compared by), mse for a causal LM")
 
 
 class DistillationObjective(torch.nn.Module):
@@ -317,11 +319,13 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
     """Data, objective, loop, and the summary both training stages report."""
     causal = modeling.is_causal_lm(model.config)
     loss_cfg = DistillLoss(**{k: getattr(stage, k) for k in DistillLoss.model_fields})
+    if loss_cfg.hidden_loss == "auto":
+        loss_cfg = loss_cfg.model_copy(update={"hidden_loss": "mse" if causal else "cosine"})
     check_loss(name, loss_cfg, causal, int(model.config.num_hidden_layers),
                int(teacher.config.num_hidden_layers) if teacher is not None else None)
     teacher_hash = modeling.weights_hash(teacher_ref) if teacher_ref else None
     train_ids, eval_ids, source = training_sequences(data, ctx.tokenizer, ctx.calibration, teacher, teacher_hash,
-                                                     ctx.seed, name, ctx.progress)
+                                                     ctx.seed, name, ctx.progress, encoder=not causal)
     # back in the CPU memory it had (unfused experts stay views), and in its dtype, trained in float32
     with on_device(model, ctx.device), in_float32(model):
         objective = DistillationObjective(model, teacher, loss_cfg, causal)
