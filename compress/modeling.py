@@ -116,6 +116,11 @@ def load_model(ref: str, dtype: str = "auto", device: str | torch.device = "cpu"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
+def load_tokenizer(ref: str):
+    """The tokenizer of a local dir, hub id or `default`, without its weights."""
+    return _load_tokenizer(ref, resolve_model(ref))
+
+
 def _load_tokenizer(ref: str, path: str | Path):
     from transformers import AutoTokenizer
 

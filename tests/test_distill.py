@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,6 +88,18 @@ def tiny_pair(tmp_path, student_width=32):
         tok.save_pretrained(path)
         paths.append(path)
     return paths
+
+
+def shuffled_tokenizer_copy(model: Path, to: Path) -> Path:
+    """A copy of `model` whose tokenizer maps text to other ids at the same vocabulary size (its
+    words' ids rotated by one), as two unrelated 32,000-token tokenizers differ."""
+    shutil.copytree(model, to)
+    spec = json.loads((to / "tokenizer.json").read_text())
+    words = [w for w in spec["model"]["vocab"] if w not in {t["content"] for t in spec.get("added_tokens", [])}]
+    ids = [spec["model"]["vocab"][w] for w in words]
+    spec["model"]["vocab"].update(zip(words, ids[1:] + ids[:1]))
+    (to / "tokenizer.json").write_text(json.dumps(spec))
+    return to
 
 
 def test_hidden_state_distillation_through_a_projection(tmp_path, repo):
@@ -166,15 +179,9 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys, monkeypatch, mini
         assert code == 2 and words in err and "Traceback" not in err, (argv, err)
         assert not (tmp_path / "bad").exists()
 
-    # a teacher whose tokenizer has the student's vocabulary size but other ids (its vocabulary
-    # shuffled, as two unrelated 32,000-token tokenizers differ) is refused, as `compress eval` refuses it
-    shuffled = tmp_path / "shuffled-teacher"
-    shutil.copytree(teacher, shuffled)
-    spec = json.loads((shuffled / "tokenizer.json").read_text())
-    words_ = [w for w in spec["model"]["vocab"] if w not in {t["content"] for t in spec.get("added_tokens", [])}]
-    ids = [spec["model"]["vocab"][w] for w in words_]
-    spec["model"]["vocab"].update(zip(words_, ids[1:] + ids[:1]))
-    (shuffled / "tokenizer.json").write_text(json.dumps(spec))
+    # a teacher whose tokenizer has the student's vocabulary size but other ids is refused, as
+    # `compress eval` refuses it
+    shuffled = shuffled_tokenizer_copy(teacher, tmp_path / "shuffled-teacher")
     code = main(["distill", "--teacher", str(shuffled), "--student", str(student), "--data", data, "--steps", "2",
                  "--seq-len", "32", "--output", str(tmp_path / "bad")])
     err = capsys.readouterr().err
@@ -217,7 +224,9 @@ def test_a_training_stage_after_another_is_checked_before_the_first_one_runs(ref
     head = ("calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\n"
             "stages:\n  - sparsegpt: {sparsity: 0.5}\n")
     train = "data: {dataset: calibration/default.txt, seq_len: 64, num_samples: 4, eval_samples: 2}, train: {steps: 1}"
+    shuffled = shuffled_tokenizer_copy(ref_llama, tmp_path / "shuffled")
     for stage, words in (
+        (f"qat: {{scheme: W4A16, teacher: {shuffled}, {train}}}", "has a tokenizer that maps text to different ids"),
         (f"distill: {{hidden: [{{student: 9, teacher: 4}}], {train}}}", "hidden student index 9 is out of range: the student has hidden states 0..4"),
         (f"distill: {{keep_layers: [0, 1], hidden: [{{student: 3, teacher: 4}}], {train}}}", "hidden student index 3 is out of range: the student has hidden states 0..2"),
         (f"distill: {{hidden: [{{student: 2, teacher: -6}}], {train}}}", "hidden teacher index -6 is out of range"),

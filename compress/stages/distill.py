@@ -191,13 +191,18 @@ def load_teacher(ref: Optional[str], student: torch.nn.Module, ctx: StageContext
         raise CompressError(f"stage {stage}: no teacher", "set the stage's teacher: a hub id or model directory")
     teacher, teacher_tokenizer, config = modeling.load_model(ref, dtype="float32", device=ctx.device)
     check_vocabularies(stage, ref, config, student.config)
-    if teacher_tokenizer is not None and ctx.tokenizer is not None and teacher_tokenizer.get_vocab() != ctx.tokenizer.get_vocab():
-        # one vocabulary size, other ids (Llama 2 and Mistral both have 32,000): the teacher would
-        # read the student's ids as other words, and its targets would teach nonsense
-        raise CompressError(f"stage {stage}: teacher {ref} has a tokenizer that maps text to different ids from the "
-                            f"student's ({ctx.source_model})", "distill between models that share a tokenizer")
+    check_tokenizers(stage, ref, teacher_tokenizer, ctx.source_model, ctx.tokenizer)
     teacher.requires_grad_(False)
     return teacher, ref
+
+
+def check_tokenizers(stage: str, teacher_ref: str, teacher_tokenizer, student_ref: Optional[str], student_tokenizer) -> None:
+    """One vocabulary size is not one tokenizer (Llama 2 and Mistral both have 32,000 tokens): a
+    teacher that maps text to other ids would read the student's ids as other words, and its
+    targets would teach nonsense. `compress eval` refuses such a pair too."""
+    if teacher_tokenizer is not None and student_tokenizer is not None and teacher_tokenizer.get_vocab() != student_tokenizer.get_vocab():
+        raise CompressError(f"stage {stage}: teacher {teacher_ref} has a tokenizer that maps text to different ids from the "
+                            f"student's ({student_ref or 'the input model'})", "distill between models that share a tokenizer")
 
 
 def check_vocabularies(stage: str, teacher_ref: str, teacher_config, student_config) -> None:
@@ -268,6 +273,9 @@ def check_training(stage, name: str, model: torch.nn.Module, student_layers: int
     # the vocabularies first: with another tokenizer no loss (logits or hidden states) is meaningful
     if teacher_config is not None:
         check_vocabularies(name, stage.teacher or "the input model", teacher_config, model.config)
+    student_ref = getattr(source_config, "_name_or_path", None) or None
+    if stage.teacher and student_ref and uses_teacher(stage, name):  # before any stage's work, not when this one starts
+        check_tokenizers(name, stage.teacher, modeling.load_tokenizer(stage.teacher), student_ref, modeling.load_tokenizer(student_ref))
     check_loss(name, stage, modeling.is_causal_lm(model.config), student_layers, teacher_layers)
     _frozen(model, stage.freeze, name)
     if stage.data.generate is not None:
