@@ -514,11 +514,12 @@ def _time_forward(model, tokenizer, recipe, device: str = "cpu") -> dict:
     in the batches the calibration engine runs them in: the yardstick for GPTQ's wall time."""
     import torch
 
+    from compress import modeling
     from compress.calibration import build_calibration
     from compress.engine import calibration_batches, resolve_batch_size
     from compress.moe import routes_tokens
 
-    cal = build_calibration(recipe.calibration, tokenizer)
+    cal = build_calibration(recipe.calibration, tokenizer, encoder=not modeling.is_causal_lm(model.config))
     setting = next((cfg.batch_size for _, cfg in recipe.stages if hasattr(cfg, "batch_size")), "auto")
     batch_size = resolve_batch_size(setting, torch.device(device), cal.samples, routes_tokens(model))
     batches = calibration_batches(cal.samples, batch_size)

@@ -240,7 +240,7 @@ def _run_against(side, python: str, fork, model: str, causal: bool, recipe_text:
         modifiers, notes = side.llmcompressor_modifiers(recipe)
     except side.Untranslatable as exc:
         return {"skipped": str(exc)}
-    calibration = build_calibration(recipe.calibration, tok) if recipe.calibration is not None else None
+    calibration = build_calibration(recipe.calibration, tok, encoder=not causal) if recipe.calibration is not None else None
     result = side.run_llmcompressor(python, model, causal, calibration, modifiers, workdir)
     result["notes"], result["modifiers_spec"] = notes, modifiers
     if "error" in result:

@@ -208,6 +208,35 @@ def token_windows(tokenizer, text: str, seq_len: int) -> torch.Tensor:
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).reshape(n, seq_len)
 
 
+def special_frame(tokenizer) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after a text (BERT: [CLS] and [SEP])."""
+    framed = tokenizer("word", add_special_tokens=True, verbose=False)["input_ids"]
+    bare = tokenizer("word", add_special_tokens=False, verbose=False)["input_ids"]
+    start = next(i for i in range(len(framed) - len(bare) + 1) if framed[i : i + len(bare)] == bare)
+    return framed[:start], framed[start + len(bare):]
+
+
+def text_windows(tokenizer, text: str, seq_len: int, count: int | None, encoder: bool, key: str = "seq_len") -> torch.Tensor:
+    """[n, seq_len] consecutive windows of `text`: the first `count` (tokenizing only what they
+    need, leading_windows) or, with `count` None, all of them. A causal LM's are text alone, as
+    the benchmark protocol cuts them; an `encoder`'s are framed by its tokenizer's special tokens
+    ([CLS] text [SEP]), as every input it embeds is, so that calibration statistics and training
+    targets come from inputs like the ones it serves. `key` names seq_len in an error."""
+    before, after = special_frame(tokenizer) if encoder else ([], [])
+    inner = seq_len - len(before) - len(after)
+    if inner < 1:
+        raise CompressError(f"{key} {seq_len} leaves no room for text between the tokenizer's {len(before) + len(after)} "
+                            "special tokens", f"raise {key.rsplit(' ', 1)[-1]}")
+    ids = leading_windows(tokenizer, text, inner, count) if count else None
+    if ids is None:
+        ids = token_windows(tokenizer, text, inner)
+    if before or after:
+        n = len(ids)
+        ids = torch.cat([torch.tensor([before] * n, dtype=torch.long).reshape(n, -1), ids,
+                         torch.tensor([after] * n, dtype=torch.long).reshape(n, -1)], dim=1)
+    return ids
+
+
 WINDOW_MARGIN = 64  # tokens past the last window: far enough that a cut there cannot change it
 
 
@@ -248,9 +277,9 @@ def draw_seed(cfg, run_seed: int = 0) -> int:
     return run_seed if cfg.seed is None else cfg.seed
 
 
-def build_calibration(cfg, tokenizer, run_seed: int = 0) -> CalibrationSet:
+def build_calibration(cfg, tokenizer, run_seed: int = 0, encoder: bool = False) -> CalibrationSet:
     """Tokenize a recipe's `calibration` section into samples; a shuffled draw uses
-    draw_seed(cfg, run_seed)."""
+    draw_seed(cfg, run_seed). An `encoder`'s packed windows are framed by its special tokens."""
     seed = draw_seed(cfg, run_seed)
     specs = [cfg.dataset] if isinstance(cfg.dataset, str) else list(cfg.dataset)
     stream = _stream_budget(cfg, tokenizer, seed) if cfg.streaming else None
@@ -271,9 +300,9 @@ def build_calibration(cfg, tokenizer, run_seed: int = 0) -> CalibrationSet:
         text = "\n\n".join(t for t in texts if t.strip())
         if not text.strip():
             raise CompressError(f"calibration data {source} is empty", "give a file with text in it")
-        windows = None if cfg.shuffle else leading_windows(tokenizer, text, cfg.seq_len, cfg.num_samples)
-        if windows is None:  # shuffled (every window is a candidate) or a short text
-            windows = token_windows(tokenizer, text, cfg.seq_len)
+        # shuffled, every window is a candidate
+        windows = text_windows(tokenizer, text, cfg.seq_len, None if cfg.shuffle else cfg.num_samples, encoder,
+                               "calibration.seq_len")
         if len(windows) < cfg.num_samples:
             raise CompressError(
                 f"calibration data {source} gives {len(windows)} windows of {cfg.seq_len} tokens, "

@@ -156,7 +156,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     calibration = None
     if recipe.calibration is not None:  # built even for stages that do not need it: its fingerprint is provenance
         progress("tokenizing calibration data", 0, 1)
-        calibration = build_calibration(recipe.calibration, tokenizer, run_seed=seed)
+        calibration = build_calibration(recipe.calibration, tokenizer, run_seed=seed, encoder=not modeling.is_causal_lm(config))
         kill_point("calibrated")
     # What evaluation will need of the tokenizer is checked now, not after the stages: local
     # evaluation files are read (a conversation needs a chat template), and lm-eval's chat_template.

@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from compress.calibration import leading_windows, read_texts, token_windows
+from compress.calibration import read_texts, text_windows
 from compress.errors import CompressError
 
 
@@ -68,21 +68,12 @@ def _too_few_generated(cfg: TrainingData, n: int, stage: str) -> None:
                         f"generate more (data.generate.num_sequences), or lower {lower}")
 
 
-def special_frame(tokenizer) -> tuple[list[int], list[int]]:
-    """The special tokens the tokenizer puts before and after a text (BERT: [CLS] and [SEP])."""
-    framed = tokenizer("word", add_special_tokens=True, verbose=False)["input_ids"]
-    bare = tokenizer("word", add_special_tokens=False, verbose=False)["input_ids"]
-    start = next(i for i in range(len(framed) - len(bare) + 1) if framed[i : i + len(bare)] == bare)
-    return framed[:start], framed[start + len(bare):]
-
-
 def training_sequences(cfg: TrainingData, tokenizer, calibration=None, teacher=None, teacher_hash: str | None = None,
                        seed: int = 0, stage: str = "train", progress=lambda *_: None,
                        encoder: bool = False) -> tuple[torch.Tensor, torch.Tensor, str]:
     """(train [n, seq_len], held-out [eval_samples, seq_len], source description). For an
     `encoder` (BERT), each window of a text is framed by the tokenizer's special tokens ([CLS] ...
-    [SEP]), as every input it will embed is: without them, its hidden states are trained on inputs
-    it never sees."""
+    [SEP]), as every input it will embed is (text_windows; calibration windows are built so too)."""
     want = None if cfg.num_samples is None else cfg.num_samples + cfg.eval_samples
     if cfg.generate is not None:
         if teacher is None:
@@ -96,18 +87,7 @@ def training_sequences(cfg: TrainingData, tokenizer, calibration=None, teacher=N
                            if t.strip())
         if not text.strip():
             raise CompressError(f"stage {stage}: training data {', '.join(specs)} is empty", "give a file with text in it")
-        before, after = special_frame(tokenizer) if encoder else ([], [])
-        inner = cfg.seq_len - len(before) - len(after)
-        if inner < 1:
-            raise CompressError(f"stage {stage}: data.seq_len {cfg.seq_len} leaves no room for text between the "
-                                f"tokenizer's {len(before) + len(after)} special tokens", "raise data.seq_len")
-        ids = leading_windows(tokenizer, text, inner, want) if want and not cfg.shuffle else None
-        if ids is None:
-            ids = token_windows(tokenizer, text, inner)
-        if before or after:
-            n = len(ids)
-            ids = torch.cat([torch.tensor([before] * n, dtype=torch.long).reshape(n, -1), ids,
-                             torch.tensor([after] * n, dtype=torch.long).reshape(n, -1)], dim=1)
+        ids = text_windows(tokenizer, text, cfg.seq_len, want if not cfg.shuffle else None, encoder, f"stage {stage}: data.seq_len")
         if cfg.shuffle and want and want <= len(ids):
             # a seeded choice, kept in text order; the held-out windows are the last of them
             pick = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))[:want].sort().values

@@ -193,6 +193,8 @@ def test_an_encoder_student_trains_on_framed_windows_and_matches_hidden_states_b
     and its hidden states are matched by cosine unless asked otherwise: mse spent MiniLM's
     training on its few very large dimensions, and a 3-block student's embeddings moved away from
     the teacher's (mean cosine 0.285 -> 0.171 in 60 steps, 0.523 with cosine)."""
+    from compress.calibration import build_calibration
+    from compress.recipe import CalibrationConfig
     from compress.training_data import TrainingData, training_sequences
 
     tokenizer = AutoTokenizer.from_pretrained(minilm)
@@ -204,6 +206,12 @@ def test_an_encoder_student_trains_on_framed_windows_and_matches_hidden_states_b
         assert not (ids[:, 1:-1] == tokenizer.cls_token_id).any()
     causal, _, _ = training_sequences(data, AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR))
     assert causal.shape[1] == 32  # a causal LM's windows are text alone, as calibration's
+    # the default data, the calibration windows, are framed alike
+    calibration = build_calibration(CalibrationConfig(dataset=str(repo / "calibration" / "default.txt"), num_samples=6,
+                                                      seq_len=32), tokenizer, encoder=True)
+    train, held_out, _ = training_sequences(TrainingData(seq_len=32, eval_samples=2), tokenizer, calibration, encoder=True)
+    for ids in (train, held_out):
+        assert ids.shape[1] == 32 and (ids[:, 0] == tokenizer.cls_token_id).all() and (ids[:, -1] == tokenizer.sep_token_id).all()
 
     for option, expected in (([], "cosine"), (["--hidden-loss", "mse"], "mse")):
         code = main(["--json", "distill", "--teacher", str(minilm), "--student-layers", "0,2", "--hidden", "-1:-1",

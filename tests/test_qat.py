@@ -294,6 +294,24 @@ stages:
         assert rec["relative_error"] < 0.2 and rec["qat_relative_change"] < 1e-3, name
 
 
+def test_qat_onto_another_grid_reports_its_own_change_not_the_earlier_grids_error(tiny, tmp_path):
+    """rtn W8 then QAT W4 on the text alone (no float model at hand): the layers arrive on W8's grid
+    and leave on W4's, so W8's small error no longer describes them; the error reported is QAT's
+    change, about W4's error, and says what it is measured against."""
+    data = "{dataset: calibration/default.txt, seq_len: 32, num_samples: 8, eval_samples: 2}"
+    recipe = parse_recipe(f"""
+stages:
+  - rtn: {{scheme: W8A16}}
+  - qat: {{scheme: W4A16, weights: {{group_size: 32}}, kd_weight: 0, ce_weight: 1, data: {data}, train: {TRAIN % (1, 1e-7)},
+          keep_start_if_worse: false}}
+""", "t")
+    report = run_recipe(recipe, model=str(tiny), output=str(tmp_path / "out"))
+    assert report["stages"][0]["summary"]["max_relative_error"] < 0.02  # W8's
+    for name, rec in report["layers"].items():
+        assert rec["relative_error"] == rec["qat_relative_change"] > 0.05, name
+        assert rec["relative_error_against"].startswith("the weights qat received (rtn's, on another grid"), name
+
+
 def test_training_that_ends_worse_than_it_started_keeps_the_start(tiny, repo, tmp_path):
     """On an 8-bit grid the start loses almost nothing, and AdamW's steps of about lr move weights
     farther than a step of the grid: ref-llama's held-out KD went from 5.5e-6 to 5.2e-4 in 20

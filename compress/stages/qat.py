@@ -153,8 +153,10 @@ class QAT(DistillLoss, QuantizationStage):
         teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "qat") if uses_teacher(self, "qat") else (None, None)
         before, scales, hooks = {}, [], []
         # Layers that arrive quantized (an earlier stage's grid, or the input's): what QAT received
-        # is not float, so its change from them is not the layer's error.
-        arrived_quantized = {n for n in modules if "weights" in ctx.layers.get(n, {})}
+        # is not float, so its change from them is not the layer's error. Where QAT keeps that grid,
+        # the earlier error still describes it; on another grid (W8 in, W4 out) it does not.
+        arrived_quantized = {n: QuantArgs(**ctx.layers[n]["weights"]) == wargs
+                             for n in modules if "weights" in ctx.layers.get(n, {})}
         for name, module in modules.items():
             weight = get_weight(module)
             check_weight(name, weight)
@@ -211,8 +213,11 @@ class QAT(DistillLoss, QuantizationStage):
                 float_weight = _source_weight(source, input_layer_name(model, name), final.shape, rec)
                 if float_weight is not None:
                     err, against = relative_error(float_weight, final), "the input model's weights"
-                else:  # no float weight to compare with: the earlier stage's error stands, and the change beside it
-                    err, against = rec.get("relative_error", change), f"the weights {earlier} received (before qat)"
+                elif arrived_quantized[name] and "relative_error" in rec:
+                    # no float weight to compare with, same grid: the earlier stage's error stands, the change beside it
+                    err, against = rec["relative_error"], f"the weights {earlier} received (before qat)"
+                else:
+                    against = f"the weights qat received ({earlier}'s, on another grid: the float model's were not at hand)"
             errors.append(err)
             rec.update({"stage": "qat", "shape": list(before[name].shape), "weights": wargs.model_dump(mode="json"),
                         "relative_error": err, "relative_error_against": against, "qat_relative_change": change,
