@@ -378,6 +378,8 @@ def _distill_recipe(teacher, student, student_layers, output, data, generate, st
     if pairs:
         body["hidden"] = pairs
         body["hidden_loss"] = hidden_loss
+    elif hidden_loss != "auto":
+        raise CompressError(f"--hidden-loss {hidden_loss} given without --hidden", "name the hidden states to match, e.g. --hidden -1:-1")
     body["data"] = {"seq_len": seq_len, "eval_samples": eval_samples}
     if generate is not None:
         body["data"]["generate"] = {"num_sequences": generate}

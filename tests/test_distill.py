@@ -159,6 +159,7 @@ def test_distill_cli_and_its_bad_input(tmp_path, repo, capsys, monkeypatch, mini
         # states, and only then that the vocabularies differ)
         (["--student", str(minilm), "--data", data], "has vocabulary size 2048, the student 30522"),
         (["--student", str(student), "--data", data, "--hidden", "a:b"], "STUDENT:TEACHER"),
+        (["--student", str(student), "--data", data, "--hidden-loss", "cosine"], "--hidden-loss cosine given without --hidden"),
         (["--student", str(student), "--data", str(tmp_path / "missing.txt")], "missing.txt"),
         (["--student", str(student), "--data", data, "--hidden", "1:9"], "hidden teacher index 9 is out of range"),
         (["--student", str(quantized), "--data", data], "is quantized"),
