@@ -231,9 +231,8 @@ def text_windows(tokenizer, text: str, seq_len: int, count: int | None, encoder:
     if ids is None:
         ids = token_windows(tokenizer, text, inner)
     if before or after:
-        n = len(ids)
-        ids = torch.cat([torch.tensor([before] * n, dtype=torch.long).reshape(n, -1), ids,
-                         torch.tensor([after] * n, dtype=torch.long).reshape(n, -1)], dim=1)
+        frame = [torch.tensor(t, dtype=torch.long).expand(len(ids), -1) for t in (before, after)]
+        ids = torch.cat([frame[0], ids, frame[1]], dim=1)
     return ids
 
 

@@ -309,8 +309,8 @@ class AWQ(EngineOptions, QuantizationStage):
         scales = global_scales(layers, args)  # NVFP4: one per fused group, of the scaled weights
         for name, module in layers.items():
             if not observers[name].tokens:  # an expert no calibration token reached: nothing to search on
-                g = scales.get(name)  # NVFP4: its fused group's, which vLLM expects gate and up to share
-                self._round_to_nearest(name, module, args, g, ctx, {"tokens": 0, **({"global_scale": g} if g is not None else {})},
+                # NVFP4: its fused group's scale, which vLLM expects gate and up to share
+                self._round_to_nearest(name, module, args, scales.get(name), ctx, {"tokens": 0},
                                        "no calibration token reached this layer (an expert the router never chose): "
                                        "round-to-nearest")
                 continue
@@ -338,14 +338,16 @@ class AWQ(EngineOptions, QuantizationStage):
     @staticmethod
     def _round_to_nearest(name: str, module: torch.nn.Module, args: QuantArgs, global_scale: float | None,
                           ctx: StageContext, extra: dict, note: str) -> None:
-        """A layer AWQ has nothing to search on, rounded to nearest and recorded with why."""
+        """A layer AWQ has nothing to search on, rounded to nearest and recorded with why (and with
+        the NVFP4 `global_scale` it was rounded with, which packing stores)."""
         W = get_weight(module)
         Q = quantize_weight(W, args, global_scale)
         set_weight(module, Q)
         record = ctx.layers.setdefault(name, {})
         record.pop("global_scale", None)  # from an earlier stage
         record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
-                       "relative_error": relative_error(W, Q), **extra, "note": note})
+                       "relative_error": relative_error(W, Q), **extra, "note": note,
+                       **({"global_scale": global_scale} if global_scale is not None else {})})
 
     def preflight(self, model: torch.nn.Module) -> None:
         mappings_for(model, self.mappings, self.blocks)  # no map for the architecture, or one naming no module
@@ -367,8 +369,7 @@ class AWQ(EngineOptions, QuantizationStage):
             for name in outside:
                 check_weight(name, get_weight(selected[name]))
                 g = global_scales({name: selected[name]}, args).get(name)  # NVFP4's, else None
-                self._round_to_nearest(name, selected[name], args, g, ctx, {"global_scale": g} if g is not None else {},
-                                       "outside the transformer blocks: round-to-nearest")
+                self._round_to_nearest(name, selected[name], args, g, ctx, {}, "outside the transformer blocks: round-to-nearest")
         done = [ctx.layers[n] for n in selected if "output_error" in ctx.layers.get(n, {})]
         summary.update({"layers": len(done) + (len(outside) if self.quantize else 0), "scheme": self.resolved_scheme().describe(),
                         "mappings": len(self._mappings), "rtn_outside_blocks": len(outside) if self.quantize else 0,

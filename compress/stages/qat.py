@@ -85,6 +85,11 @@ def _source_weight(source: torch.nn.Module | None, name: str, shape: torch.Size,
     return weight if weight is not None and weight.shape == shape else None
 
 
+def _arrives_on(record: dict, args: QuantArgs) -> bool:
+    """Whether an earlier stage (or the input model) left the layer quantized at exactly `args`."""
+    return bool(record.get("weights")) and QuantArgs(**record["weights"]) == args
+
+
 class _ActivationSTE:
     """Forward pre-hook: round the layer's input per token, pass the gradient straight through."""
 
@@ -155,8 +160,7 @@ class QAT(DistillLoss, QuantizationStage):
         # Layers that arrive quantized (an earlier stage's grid, or the input's): what QAT received
         # is not float, so its change from them is not the layer's error. Where QAT keeps that grid,
         # the earlier error still describes it; on another grid (W8 in, W4 out) it does not.
-        arrived_quantized = {n: QuantArgs(**ctx.layers[n]["weights"]) == wargs
-                             for n in modules if "weights" in ctx.layers.get(n, {})}
+        arrived_quantized = {n: _arrives_on(ctx.layers[n], wargs) for n in modules if "weights" in ctx.layers.get(n, {})}
         for name, module in modules.items():
             weight = get_weight(module)
             check_weight(name, weight)
@@ -235,8 +239,7 @@ class QAT(DistillLoss, QuantizationStage):
         """The grid the weight is already on when an earlier stage quantized it at this scheme
         (verified exactly), else round-to-nearest's."""
         qmin, qmax = int_range(args.num_bits, args.symmetric and not args.full_range)
-        earlier = ctx.layers.get(name, {}).get("weights")
-        if earlier and QuantArgs(**earlier) == args and args.strategy in ("channel", "group", "tensor"):
+        if _arrives_on(ctx.layers.get(name, {}), args) and args.strategy in ("channel", "group", "tensor"):
             stored = module.weight.detach()
             stored = stored.t() if type(module).__name__ == "Conv1D" else stored
             try:
