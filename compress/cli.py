@@ -588,8 +588,38 @@ def recipes(directory: Path = typer.Option(None, help="where to look (default: t
         emit_json(rows)
         return
     out = Console(soft_wrap=True, highlight=False)  # one line per recipe, as promised
+    width = max((len(r["recipe"]) for r in rows), default=0)
     for r in rows:
-        out.print(escape(f"{r['recipe']:<34} {' -> '.join(r['stages']):<20} {r['description']}"))
+        out.print(escape(f"{r['recipe']:<{width}} {' -> '.join(r['stages']):<20} {r['description']}"))
+
+
+@app.command()
+def keys(name: str = typer.Argument(None, help="a stage (gptq, awq, ...) or a recipe section (recipe, calibration, evaluation).")):
+    """Every key a recipe stage or section takes: its type, default and meaning, read from the schema
+    recipes are validated with. Without a name: the stages and sections there are."""
+    from compress import reference
+
+    if name is None:
+        rows = reference.sections()
+        if S.json:
+            emit_json(rows)
+            return
+        table = Table("name", "kind", "what it is", box=None)
+        for r in rows:
+            table.add_row(r["name"], r["kind"], escape(r["summary"]))
+        _print_wide(table)
+        return
+    rows = reference.keys(name)
+    if S.json:
+        emit_json(rows)
+        return
+    if not rows:
+        Console().print(f"{name} takes no keys: `- {name}: {{}}`", highlight=False)
+        return
+    table = Table("key", "type", "default", "meaning", box=None)
+    for r in rows:
+        table.add_row(escape(r["key"]), escape(r["type"]), escape(r["default"]), escape(r["description"]))
+    _print_wide(table)
 
 
 @app.command()

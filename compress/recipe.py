@@ -37,7 +37,7 @@ class CalibrationConfig(BaseModel):
         "calibration/default.txt",
         description="file path (.txt/.jsonl/.parquet) or hub dataset name; a list is concatenated in order")
     config_name: Optional[str] = Field(None, description="hub dataset configuration, e.g. wikitext-2-raw-v1")
-    split: str = "train"
+    split: str = Field("train", description="hub dataset split")
     text_field: str = Field("text", description="field holding the text in .jsonl/.parquet/hub records, or a conversation "
                             "(a list of {role, content} messages, rendered with the tokenizer's chat template)")
     num_samples: int = Field(128, gt=0, description="how many calibration samples, a positive integer")
@@ -56,10 +56,10 @@ class EvaluationConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     datasets: list[str] = Field(default_factory=list, description="text files for perplexity / KL / top-1 (or embedding fidelity on encoders)")
-    seq_len: int = Field(256, gt=0)
-    max_windows: int = Field(256, gt=0)
+    seq_len: int = Field(256, gt=0, description="tokens per evaluation window")
+    max_windows: int = Field(256, gt=0, description="windows scored from each file")
     max_sentences: int = Field(200, gt=0, description="encoders: sentences taken from each file")
-    batch_size: int = Field(8, gt=0)
+    batch_size: int = Field(8, gt=0, description="windows per forward")
     tasks: Optional[TaskRequest] = Field(None, description="lm-eval tasks scored on the output and on the uncompressed model: "
                                          "a list of names, or {names, num_fewshot, limit, metric, chat_template, include_path}")
 
@@ -74,10 +74,10 @@ class RecipeFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Optional[str] = Field(None, description="hub id or local directory; --model overrides it")
-    calibration: Optional[CalibrationConfig] = None
+    calibration: Optional[CalibrationConfig] = Field(None, description="the calibration set every activation-based stage reads")
     stages: list[Any] = Field(..., min_length=1, description=STAGES_HELP)
-    evaluation: Optional[EvaluationConfig] = None
-    output: Optional[str] = None
+    evaluation: Optional[EvaluationConfig] = Field(None, description="what the output is scored on after the stages")
+    output: Optional[str] = Field(None, description="the output directory; --output overrides it")
     offload: Literal["none", "disk"] = Field(
         "none", description="disk: read and write the model block by block, for models larger than RAM")
     format: Literal["auto", "packed", "dense"] = Field(

@@ -47,9 +47,9 @@ class TrainingConfig(BaseModel):
     batch_size: int = Field(8, gt=0, description="sequences per micro-batch, over all processes")
     gradient_accumulation: int = Field(1, gt=0, description="micro-batches per optimizer step")
     lr: float = Field(1e-4, gt=0, description="peak learning rate (AdamW)")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
     warmup: float = Field(0.05, ge=0, description="warm-up: a share of the steps if below 1, else a number of steps")
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="learning-rate decay after the warm-up")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the decay ends at lr · min_lr_ratio")
     max_grad_norm: Optional[float] = Field(1.0, gt=0, description="clip the gradient's global norm; null: no clipping")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(

@@ -29,9 +29,9 @@ class GenerateConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    num_sequences: int = Field(256, gt=0)
+    num_sequences: int = Field(256, gt=0, description="sequences to generate, the held-out eval_samples included")
     top_k: int = Field(50, gt=0, description="sample among the teacher's k most likely next tokens")
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
     batch_size: int = Field(32, gt=0, description="sequences generated at once")
     cache_dir: Optional[str] = Field(None, description="where generated sequences are kept; default ~/.cache/compress/generated or $COMPRESS_CACHE/generated")
 
@@ -43,15 +43,15 @@ class TrainingData(BaseModel):
 
     dataset: Optional[Union[str, list[str]]] = Field(
         None, description="text file(s) or hub dataset; default: the recipe's calibration set")
-    config_name: Optional[str] = None
-    split: str = "train"
+    config_name: Optional[str] = Field(None, description="hub dataset configuration")
+    split: str = Field("train", description="hub dataset split")
     text_field: str = Field("text", description="field holding the text, or a conversation (rendered with the chat template)")
     seq_len: int = Field(256, gt=1, description="tokens per training sequence")
     num_samples: Optional[int] = Field(None, gt=0, description="training sequences (default: every window the text gives)")
     shuffle: bool = Field(False, description="take num_samples windows at random (seeded) from the whole text, not the first ones: "
                           "with several corpora concatenated, the first windows all come from the first")
     eval_samples: int = Field(16, ge=1, description="sequences held out (taken from the end) for evaluation during training")
-    generate: Optional[GenerateConfig] = None
+    generate: Optional[GenerateConfig] = Field(None, description="sequences the teacher writes itself (LLM-QAT) instead of a text")
 
 
 def check_generated_count(cfg: TrainingData, stage: str) -> None:

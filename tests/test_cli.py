@@ -406,6 +406,49 @@ def test_recipes_lists_bundled(capsys, tmp_path, monkeypatch):
     assert rc == 0 and len(json.loads(out)["assignments"]) == 28
 
 
+STAGE_BODIES = {"structured": "{structure: blocks, ratio: 0.25}", "magnitude": "{}", "distill": "{}", "kv_cache": "{}",
+                "smoothquant": "{}", "wanda": "{}", "sparsegpt": "{}"}
+
+
+def test_keys_gives_every_key_of_every_stage_a_meaning_and_the_default_a_recipe_gets(capsys):
+    rc, out, _ = run(capsys, "--json", "keys")
+    names = [r["name"] for r in json.loads(out)]
+    assert rc == 0 and {"recipe", "calibration", "evaluation", "gptq", "qat", "kv_cache"} <= set(names)
+    for name in names:
+        rc, out, _ = run(capsys, "--json", "keys", name)
+        rows = json.loads(out)
+        assert rc == 0
+        assert [r["key"] for r in rows if not r["description"]] == [], name
+        if name in ("recipe", "calibration", "evaluation"):
+            continue
+        # each listed default is what parsing a recipe fills in, at the listed (dotted) key
+        body = STAGE_BODIES.get(name, "{scheme: W4A16}")
+        stage = parse_recipe(f"calibration: {{dataset: calibration/default.txt}}\nstages:\n  - {name}: {body}\n", "t").stages[0][1]
+        dumped = stage.model_dump(mode="json")
+        checked = 0
+        for r in rows:
+            if r["default"] in ("required", "(its keys' defaults)") or "section" in r["type"] or "[]" in r["key"]:
+                continue
+            value = dumped
+            for part in r["key"].split("."):
+                value = value[part] if value is not None else None  # a key of an unset optional section
+            if r["key"] in ("scheme", "resolved") or value is None and "." in r["key"]:
+                continue  # filled in from the preset, or by compress itself
+            listed = ("null" if value is None else str(value).lower() if isinstance(value, bool)
+                      else "[" + ", ".join(map(str, value)) + "]" if isinstance(value, list) else str(value))
+            if r["default"] == "null" and value is not None:  # filled in from other keys: the meaning says how
+                assert "default" in r["description"], (name, r["key"], value)
+            else:
+                assert r["default"] == listed, (name, r["key"], r["default"], value)
+            checked += 1
+        assert checked >= 2 or name in ("kv_cache", "structured"), name  # (those two have no optional key)
+
+
+def test_keys_of_an_unknown_stage_is_refused_naming_the_known_ones(capsys):
+    rc, out, err = run(capsys, "keys", "gptqq")
+    assert rc == 2 and "gptqq" in err and "gptq," in err and "Traceback" not in err
+
+
 def test_every_bundled_recipe_validates(repo):
     from compress import load_recipe
 

@@ -169,21 +169,24 @@ class QuantArgsOverride(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # strict: a YAML true or false is not a width (lax pydantic reads it as 1 or 0)
-    num_bits: Optional[int] = Field(None, ge=2, le=8, strict=True)
-    type: Optional[Literal["int", "float"]] = None
-    symmetric: Optional[bool] = None
-    strategy: Optional[Literal["tensor", "channel", "group", "tensor_group", "token"]] = None
-    group_size: Optional[int] = Field(None, gt=0, strict=True)
-    dynamic: Optional[bool] = None
-    full_range: Optional[bool] = None
+    num_bits: Optional[int] = Field(None, ge=2, le=8, strict=True, description="bits per value (int: 2 to 8; float: 8 is FP8 e4m3, 4 is FP4 e2m1)")
+    type: Optional[Literal["int", "float"]] = Field(None, description="integer grid or floating point (FP8, FP4)")
+    symmetric: Optional[bool] = Field(None, description="true: absmax, codes symmetric about zero; false: zero-point")
+    strategy: Optional[Literal["tensor", "channel", "group", "tensor_group", "token"]] = Field(
+        None, description="one scale per tensor, output channel, group of input columns, group under a tensor-wide "
+                          "scale (NVFP4), or token (activations)")
+    group_size: Optional[int] = Field(None, gt=0, strict=True, description="input columns per scale (strategy group or tensor_group)")
+    dynamic: Optional[bool] = Field(None, description="activations: scales computed at run time (true) or from calibration (false)")
+    full_range: Optional[bool] = Field(None, description="symmetric int: use all 2^b codes ([-8, 7] at 4 bits), as compressed-tensors does")
 
 
 class QuantizationStage(Stage):
     """Keys shared by quantization stages (compressed-tensors names)."""
 
     scheme: Optional[str] = Field(None, description=f"preset: {', '.join(PRESETS)}")
-    weights: Optional[QuantArgsOverride] = None
-    input_activations: Optional[QuantArgsOverride] = None
+    weights: Optional[QuantArgsOverride] = Field(None, description="the preset's weight quantization, with these fields overridden")
+    input_activations: Optional[QuantArgsOverride] = Field(
+        None, description="the preset's input activation quantization, with these fields overridden")
     targets: list[Pattern] = Field(default_factory=lambda: ["Linear"], description="module class names, names, or re: patterns")
     ignore: list[Pattern] = Field(default_factory=lambda: ["lm_head"], description="modules left in full precision")
     resolved: Optional[dict] = Field(None, description="written by compress into the saved recipe: the scheme as resolved; ignored on input")

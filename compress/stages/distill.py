@@ -43,9 +43,9 @@ class HiddenPair(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    student: int
-    teacher: int
-    weight: float = Field(1.0, ge=0)
+    student: int = Field(..., description="the student's hidden_states index")
+    teacher: int = Field(..., description="the teacher's hidden_states index")
+    weight: float = Field(1.0, ge=0, description="this pair's weight in the hidden-state loss")
 
 
 class DistillLoss(BaseModel):
@@ -55,7 +55,8 @@ class DistillLoss(BaseModel):
 
     teacher: Optional[str] = Field(None, description="hub id or directory of the teacher; default: the recipe's input model")
     temperature: float = Field(1.0, gt=0, description="softens both distributions; the soft loss is scaled by T²")
-    divergence: Literal["forward", "reverse", "jsd"] = "forward"
+    divergence: Literal["forward", "reverse", "jsd"] = Field(
+        "forward", description="KL(teacher ‖ student) (Hinton), KL(student ‖ teacher), or Jensen-Shannon")
     kd_weight: float = Field(1.0, ge=0, description="weight of the logit distillation loss (0: none)")
     ce_weight: float = Field(0.0, ge=0, description="λ: weight of the next-token cross-entropy on the training text")
     hidden: list[HiddenPair] = Field(default_factory=list, description="hidden-state pairs to match")
@@ -125,8 +126,8 @@ class Distill(DistillLoss, Stage):
     keep_layers: Optional[list[int]] = Field(
         None, description="make the student a shallower copy: keep only these blocks (0-based) before training")
     freeze: list[Pattern] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
-    data: TrainingData = Field(default_factory=TrainingData)
-    train: TrainingConfig = Field(default_factory=TrainingConfig)
+    data: TrainingData = Field(default_factory=TrainingData, description="training sequences")
+    train: TrainingConfig = Field(default_factory=TrainingConfig, description="the optimizer and its schedule")
 
     @property
     def needs_calibration(self) -> bool:
