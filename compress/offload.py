@@ -53,12 +53,11 @@ def checkpoint_index(directory: Path) -> dict[str, Path]:
 class DiskOffload:
     """Reads module tensors from the source checkpoint on demand; writes finished ones to `dest`."""
 
-    def __init__(self, model: nn.Module, source: Path, dest: Path, dtype: torch.dtype | None, n_shards: int):
+    def __init__(self, model: nn.Module, source: Path, dest: Path, n_shards: int):
         fixed_mmap_threshold()  # run_recipe sets it earlier; this covers direct use of the class
         self.model = model
         self.index = checkpoint_index(source)
         self.dest = dest
-        self.dtype = dtype
         self.n_shards = n_shards
         self.weight_map: dict[str, str] = {}
         self.total_size = 0
@@ -70,10 +69,12 @@ class DiskOffload:
                 f"offload: disk: checkpoint tensor '{missing[0]}' has no parameter of that name in the model "
                 f"({len(missing)} unmatched)", "this checkpoint's names need converting on load; compress it without offload")
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, like: torch.Tensor) -> nn.Parameter:
+        """The stored tensor, in the dtype of the meta parameter it fills: the skeleton was built in
+        the dtype asked for (--dtype), as a model loaded into memory would be cast to it."""
         with safe_open(self.index[name], "pt") as f:
             t = f.get_tensor(name)
-        return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
+        return nn.Parameter(t.to(like.dtype) if t.is_floating_point() else t, requires_grad=False)
 
     def load(self, prefix: str) -> None:
         """Materialise every parameter under `prefix` (a module name, '' for all) on CPU."""
@@ -86,7 +87,7 @@ class DiskOffload:
                 full = f"{base}{mod_name + '.' if mod_name else ''}{pname}"
                 if full not in self.index:
                     continue  # tied to another tensor (e.g. lm_head to the embeddings): tie_weights fills it
-                mod._parameters[pname] = nn.Parameter(self._read(full), requires_grad=False)
+                mod._parameters[pname] = self._read(full, param)
 
     def load_outside(self, blocks_path: str) -> None:
         """Everything except the blocks: embeddings, final norm, head."""
@@ -101,7 +102,7 @@ class DiskOffload:
         if skip.startswith(name + "."):
             for pname, param in list(module._parameters.items()):
                 if param is not None and param.device.type == "meta" and f"{name}.{pname}" in self.index:
-                    module._parameters[pname] = nn.Parameter(self._read(f"{name}.{pname}"), requires_grad=False)
+                    module._parameters[pname] = self._read(f"{name}.{pname}", param)
             for child_name, child in module.named_children():
                 self._load_except(child, f"{name}.{child_name}", skip)
         else:

@@ -202,7 +202,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             from compress.offload import DiskOffload
 
             path, blocks = find_blocks(net, getattr(recipe.stages[0][1], "blocks", None))
-            ctx.offload = DiskOffload(net, modeling.local_dir(model_ref), tmp, None, n_shards=len(blocks) + 1)
+            ctx.offload = DiskOffload(net, modeling.local_dir(model_ref), tmp, n_shards=len(blocks) + 1)
             ctx.offload.load_outside(path)
         report["stages"] = _run_stages(recipe, net, ctx, cache)
         if not main_process:

@@ -385,9 +385,11 @@ def test_blocks_path_declared_or_asked_for(tiny_models, tmp_path):
     assert find_blocks(Mystery(), "stack")[0] == "stack"
 
 
-def test_disk_offload_holds_one_block_and_matches_in_memory(tiny_models, tmp_path):
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])  # bfloat16: a float32 checkpoint cast as it is read
+def test_disk_offload_holds_one_block_and_matches_in_memory(tiny_models, dtype, tmp_path):
     """offload: disk streams blocks from the checkpoint: at most one block's parameters are
-    materialised at a time, and the sharded result is bitwise the in-memory one."""
+    materialised at a time, and the sharded result is bitwise the in-memory one, in the dtype
+    asked for."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -402,8 +404,9 @@ offload: disk
 calibration: {{dataset: calibration/default.txt, num_samples: 16, seq_len: 64}}
 stages:
   - gptq: {{scheme: W4A16, weights: {{group_size: 32}}}}
-""", "test"), output=str(tmp_path / "disk"), device="cpu")
-    memory = run_recipe(gptq_recipe(path), output=str(tmp_path / "mem"), device="cpu", format="dense")  # as disk writes it
+""", "test"), output=str(tmp_path / "disk"), device="cpu", dtype=dtype)
+    memory = run_recipe(gptq_recipe(path), output=str(tmp_path / "mem"), device="cpu", format="dense",  # as disk writes it
+                        dtype=dtype)
 
     assert disk["stages"][0]["summary"]["max_parameters_on_device"] == outside + block
     assert memory["stages"][0]["summary"]["max_parameters_on_device"] == outside + 2 * block
@@ -412,6 +415,8 @@ stages:
     expected = load_file(tmp_path / "mem/model.safetensors")
     assert set(expected) <= set(reloaded)
     assert all(torch.equal(reloaded[k], expected[k]) for k in expected)
+    stored = load_file(next((tmp_path / "disk").glob("model-*.safetensors")))  # as saved, not as reloaded
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16 if dtype == "bfloat16" else torch.float32}
     assert [r["gptq_loss"] for r in disk["layers"].values()] == [r["gptq_loss"] for r in memory["layers"].values()]
 
 
