@@ -209,8 +209,6 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             return {"skipped": True, "rank": int(os.environ["RANK"])}
         if cache is not None:
             report["cache"] = cache.describe()
-        if ctx.offload is None:
-            _measure_sparsity(net, ctx.layers)
         report["layers"] = ctx.layers
         if ctx.kv_cache is not None:
             report["kv_cache"] = ctx.kv_cache
@@ -308,6 +306,8 @@ def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=N
             elif cache is not None:
                 cache.store(index, net, ctx, reports[-1])
             kill_point(f"stage-done:{index}")
+        if ctx.offload is None:  # (offloaded blocks are on disk by now; no stage there moves pruned weights)
+            _measure_sparsity(net, ctx.layers)  # while the experts are still their own Linear layers
     finally:
         fuse_experts(swaps)
     return reports

@@ -132,6 +132,27 @@ def test_gptq_on_moe(moe_model, tmp_path):
         assert s.down_proj[e][0, :16].abs().unique().numel() <= 8
 
 
+def test_expert_sparsity_is_reported_as_the_final_weights_have_it(moe_model, tmp_path):
+    """Sparsity is re-read from the final weights (a later stage may round more of them to zero):
+    experts too, while they are still their own layers."""
+    _, path, _ = moe_model
+    report = run_recipe(recipe_on(path, "magnitude: {sparsity: 0.5}", "rtn: {scheme: W4A16, weights: {num_bits: 2, group_size: 16}}"),
+                        output=str(tmp_path / "out"), device="cpu", format="dense")
+    experts = {n: r for n, r in report["layers"].items() if ".experts." in n}
+    assert len(experts) == 2 * 4 * 3
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for layer in range(2):
+        fused = saved.model.layers[layer].mlp.experts
+        for e in range(4):
+            inter = fused.gate_up_proj.shape[1] // 2
+            # transformers 5 keeps experts fused, [experts, 2·intermediate, hidden]: gate rows, then up
+            for short, w in (("gate_proj", fused.gate_up_proj[e][:inter]), ("up_proj", fused.gate_up_proj[e][inter:]),
+                             ("down_proj", fused.down_proj[e])):
+                name = next(n for n in experts if f"layers.{layer}." in n and n.endswith(f".experts.{e}.{short}"))
+                assert experts[name]["sparsity"] == 1 - int(torch.count_nonzero(w)) / w.numel(), name
+    assert any(r["sparsity"] > 0.5 for r in experts.values())  # int2 rounding zeroed some kept weights
+
+
 def test_quantized_experts_are_packed_one_matrix_each_and_reload_alike(moe_model, tmp_path):
     """Fused experts are written packed, one matrix per expert layer under the key transformers
     itself saves it as (Mixtral: `block_sparse_moe.experts.e.w1`, w3, w2), so the checkpoint is
