@@ -355,12 +355,17 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest(moe_model, tmp_path, m
     monkeypatch.setattr(type(model.model.layers[0].mlp.gate), "forward", _never_expert_3)
     recipe = recipe_on(path, "smoothquant: {alpha: 0.5}", "awq: {scheme: W4A16, weights: {group_size: 16}, grid: 3, clip_grid: 2}",
                        samples=4)
-    layers = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")["layers"]
+    report = run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+    layers = report["layers"]
     for block in range(2):
         for part in ("gate_proj", "up_proj", "down_proj"):
             starved = layers[f"model.layers.{block}.mlp.experts.3.{part}"]
             assert starved["tokens"] == 0 and "round-to-nearest" in starved["note"]
             assert layers[f"model.layers.{block}.mlp.experts.0.{part}"]["tokens"] > 0
+    # the summary counts every layer quantized, the ones rounded to nearest for want of tokens too
+    summary = report["stages"][1]["summary"]
+    assert summary["rtn_no_tokens"] == 2 * 3
+    assert summary["layers"] == sum(1 for r in layers.values() if r.get("stage") == "awq")
 
 
 def test_an_unreached_experts_nvfp4_gate_and_up_share_one_global_scale(moe_model, tmp_path, monkeypatch):

@@ -338,6 +338,29 @@ def test_awq_quantizes_and_reports(tmp_path):
     assert all(r["clip_ratio"] < 1 for r in layers.values())
 
 
+def test_awq_reports_each_layers_error_in_the_input_models_coordinates(tmp_path, monkeypatch):
+    """A layer's input columns are scaled by s and, where it is a mapping's smoothed op (up -> down,
+    v -> o), its rows by 1/s: its errors are measured with both undone, on the weights the input
+    model had, as the round-to-nearest errors beside them are (row-scaled errors read 1/s² off)."""
+    import compress.stages.awq as awq
+
+    torch.manual_seed(0)
+    model = SMOOTHING_FAMILIES["llama-mha"]().eval()
+    save(model, tmp_path / "in")
+    original = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    measured = []
+    real = awq.relative_error
+    monkeypatch.setattr(awq, "relative_error", lambda W, Q: measured.append(W) or real(W, Q))
+    report = run_recipe(recipe_on(tmp_path / "in", "awq: {scheme: W4A16, weights: {group_size: 32}, grid: 5}"),
+                        output=str(tmp_path / "out"), device="cpu")
+    layers = [n for n in report["layers"] if n in original]
+    assert len(measured) == len(layers) == 14
+    scaled = {n for n, r in report["layers"].items() if r.get("awq_alpha") is not None}
+    assert any(n.endswith(("v_proj", "up_proj")) for n in scaled)  # rows scaled somewhere
+    for W in measured:  # each is some layer's input weight
+        assert any(W.shape == o.shape and torch.allclose(W, o, rtol=1e-4, atol=1e-6) for o in original.values())
+
+
 @pytest.mark.parametrize("family", ["llama", "bert"])
 def test_awq_search_set_does_not_shrink_with_the_batch_size(family, tmp_path):
     """Each calibration forward keeps its share of `max_tokens` for the searches: a share per batch,

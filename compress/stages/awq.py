@@ -220,6 +220,7 @@ class AWQ(EngineOptions, QuantizationStage):
         args = self.resolved_scheme().weights
         self._in_blocks.update(layers)
         input_scale: dict[str, torch.Tensor] = {}
+        output_scale: dict[str, torch.Tensor] = {}  # a quantized layer that is a mapping's smoothed op (up, v)
         tokens_per_batch = max(1, next(iter(observers.values())).tokens // max(1, len(runner)))
         n_batches = max(1, -(-self.max_tokens // tokens_per_batch))  # enough batches for max_tokens
         references: dict = {}  # the float outputs of each inspected module (None: the block)
@@ -297,8 +298,10 @@ class AWQ(EngineOptions, QuantizationStage):
                 branch_batches = max(branch_batches, check_batches)
             elif alpha is not None:  # checked on the batches scored (an expert's output exists only where tokens reach it)
                 fold(mapping, block, s, runner, f"block {index}", check_batches, before=reference)
+            if alpha is not None and prefix + mapping.smooth in layers:
+                output_scale[prefix + mapping.smooth] = s  # its rows now give y / s
             for n in names:
-                input_scale[n] = s  # these layers now read X / s (a smoothed op's row scaling needs nothing)
+                input_scale[n] = s  # these layers now read X / s
                 ctx.layers.setdefault(n, {}).update({"awq_alpha": alpha, "awq_smooth": prefix + mapping.smooth,
                                                      "awq_block_error": errors[alpha], "awq_rtn_block_error": errors[None]})
             ctx.progress(f"block {index + 1}: {mapping.smooth} -> {', '.join(mapping.balance)} α={alpha} "
@@ -325,13 +328,18 @@ class AWQ(EngineOptions, QuantizationStage):
             X0, W0 = observers[name].inputs(), originals[name].to(X.device)
             rtn = quantize_weight(W0, args, original_scales.get(name))
             set_weight(module, Q)
+            # Errors in the input model's coordinates, as the round-to-nearest figures beside them:
+            # undo the folds' column scaling (inputs X / s) and row scaling (outputs y / s)
+            col = input_scale.get(name, torch.ones(W.shape[1])).to(W.device)
+            row = output_scale.get(name, torch.ones(W.shape[0])).to(W.device)
+            W_in, Q_in = (T * row.unsqueeze(1) / col.unsqueeze(0) for T in (W, Q))
             record = ctx.layers.setdefault(name, {})
             record.pop("global_scale", None)
             if name in scales:
                 record["global_scale"] = scales[name]
             record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
-                           "relative_error": relative_error(W, Q), "clip_ratio": ratio,
-                           "output_error": output_error(X, W, Q) / X.shape[0],
+                           "relative_error": relative_error(W_in, Q_in), "clip_ratio": ratio,
+                           "output_error": output_error(X0, W_in, Q_in) / X.shape[0],
                            "rtn_output_error": output_error(X0, W0, rtn) / X.shape[0], "tokens": observers[name].tokens,
                            "search_tokens": X.shape[0]})
 
@@ -371,8 +379,11 @@ class AWQ(EngineOptions, QuantizationStage):
                 g = global_scales({name: selected[name]}, args).get(name)  # NVFP4's, else None
                 self._round_to_nearest(name, selected[name], args, g, ctx, {}, "outside the transformer blocks: round-to-nearest")
         done = [ctx.layers[n] for n in selected if "output_error" in ctx.layers.get(n, {})]
-        summary.update({"layers": len(done) + (len(outside) if self.quantize else 0), "scheme": self.resolved_scheme().describe(),
-                        "mappings": len(self._mappings), "rtn_outside_blocks": len(outside) if self.quantize else 0,
+        unreached = sum(1 for n in self._in_blocks if ctx.layers.get(n, {}).get("tokens") == 0
+                        and ctx.layers[n].get("stage") == "awq")
+        summary.update({"layers": len(done) + unreached + (len(outside) if self.quantize else 0),
+                        "scheme": self.resolved_scheme().describe(), "mappings": len(self._mappings),
+                        "rtn_no_tokens": unreached, "rtn_outside_blocks": len(outside) if self.quantize else 0,
                         "smoothed_layers": sum(1 for n in selected if ctx.layers.get(n, {}).get("awq_alpha") is not None)})
         if done:
             summary["mean_output_error"] = sum(r["output_error"] for r in done) / len(done)
