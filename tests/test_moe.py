@@ -368,6 +368,16 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest(moe_model, tmp_path, m
     assert summary["layers"] == sum(1 for r in layers.values() if r.get("stage") == "awq")
 
 
+@pytest.mark.parametrize("stage", ["wanda: {sparsity: 0.5}", "sparsegpt: {sparsity: 0.5}"])
+def test_an_expert_no_token_reaches_is_pruned_by_magnitude_and_counted(moe_model, stage, tmp_path, monkeypatch):
+    family, path, model = moe_model
+    monkeypatch.setattr(type(model.model.layers[0].mlp.gate), "forward", _never_expert_3)
+    report = run_recipe(recipe_on(path, stage, samples=4), output=str(tmp_path / "out"), device="cpu")
+    starved = [r for n, r in report["layers"].items() if ".experts.3." in n]
+    assert len(starved) == 2 * 3 and all(r["tokens"] == 0 and "magnitude pruning" in r["note"] for r in starved)
+    assert report["stages"][0]["summary"]["magnitude_fallback"] == 2 * 3
+
+
 def test_an_unreached_experts_nvfp4_gate_and_up_share_one_global_scale(moe_model, tmp_path, monkeypatch):
     """NVFP4 with AWQ, a router that never picks expert 3, whose gate weights are 8x its up
     weights (two binades apart): its round-to-nearest fallback uses one global scale for gate and

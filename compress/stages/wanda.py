@@ -91,10 +91,9 @@ class Wanda(SolvesOutsideBlocks, EngineOptions, PruningStage):
         nonzero_before = count_nonzero(model)
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
         # A layer no calibration forward reaches is pruned by magnitude, and the report says so.
-        fallback = 0
         for name in selected:
             if name not in self._done:
                 self._magnitude(name, selected[name], ctx, "no calibration input reached this layer: magnitude pruning")
-                fallback += 1
+        fallback = sum(1 for name in selected if ctx.layers[name]["tokens"] == 0)  # those and experts no token reached
         return {"method": "wanda", "scheme": self.describe_target(),
                 **prune_summary(model, selected, nonzero_before, ctx.layers), "magnitude_fallback": fallback, **summary}
