@@ -134,6 +134,8 @@ def _show_run(report: dict, out, header: list[str] = (), details: list[str] = ()
         return
     if not S.quiet:
         console.print(f"[green]wrote[/green] {out}")
+        for warning in report.get("warnings", []):
+            console.print(f"[yellow]warning:[/yellow] {escape(warning)}", soft_wrap=True, highlight=False)
         for line in header:
             console.print(line)
         _print_stages(report)
@@ -552,7 +554,7 @@ def _print_plan(p: dict, recipe: Path, model_ref: str) -> None:
         t.add_row(n, "", "[dim]-[/dim]", "[dim]kept in full precision[/dim]")
     _print_wide(t)
     for w in p["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {w}")
+        console.print(f"[yellow]warning:[/yellow] {escape(w)}")
     e = p["estimates"]
     training = f" (of which {e['training_bytes'] / 2**20:.0f} MiB training state and teacher)" if e.get("training_bytes") else ""
     packed, dense = f"{e['output_bytes_packed'] / 2**20:.1f} MiB packed", f"{e['output_bytes_dequantized'] / 2**20:.1f} MiB dense"
@@ -1067,6 +1069,7 @@ def _interrupted(argv: list[str]) -> int:
         kept = cache is not None and bool(cache.stored or cache.restored)
         hint = ("the completed stages are in the stage cache: rerun the same command to continue" if resuming and kept
                 else "no stage completed before the interruption: rerun the same command" if resuming
+                else "rerun the same command (offload: disk keeps no stage cache)" if RUNNING.get("offload")
                 else "rerun with --resume to keep completed stages across interruptions")
         step = kept_training_step(RUNNING["work_dir"])
         if step is not None:  # a training stage saved checkpoints (save_every), which --resume continues from

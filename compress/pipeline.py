@@ -183,6 +183,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                        source_model=model_ref, source_hash=source["weights_sha256"], resume=resume or bool(cache_dir),
                        work_dir=dest.parent / f".{dest.name}.work")
     RUNNING["work_dir"] = ctx.work_dir  # for the interruption message: training checkpoints kept there
+    RUNNING["offload"] = recipe.offload == "disk"  # ... and no stage cache (offload: disk refuses --resume)
     for name, record in inherited.items():
         ctx.layers[name] = dict(record)
     # An input written by compress with quantized activations or an FP8 KV cache keeps them, as it
@@ -210,6 +211,8 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         if cache is not None:
             report["cache"] = cache.describe()
         report["layers"] = ctx.layers
+        if ctx.warnings:
+            report["warnings"] = ctx.warnings
         if ctx.kv_cache is not None:
             report["kv_cache"] = ctx.kv_cache
 
@@ -268,12 +271,12 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                 net.to("cpu")
         write_reports(tmp, report)
     shutil.rmtree(ctx.work_dir, ignore_errors=True)  # the run is complete: its checkpoints are spent
-    RUNNING.update(work_dir=None, cache=None)
+    RUNNING.update(work_dir=None, cache=None, offload=False)
     return report
 
 
 # The run in progress in this process (the CLI runs one), for what an interruption leaves behind.
-RUNNING: dict = {"work_dir": None, "cache": None}
+RUNNING: dict = {"work_dir": None, "cache": None, "offload": False}
 
 
 def kept_training_step(work_dir: Path | None) -> int | None:
@@ -293,6 +296,7 @@ def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=N
         reshaped = None  # the first stage that changed the model's shapes
         for index, (name, stage) in enumerate(recipe.stages[start:], start):
             ctx.stage_index = index
+            forget_earlier_grids(index, name, stage, net, ctx)
             with PeakMemory() as mem, scales_stored_as(saved_dtype):
                 summary = stage.apply(net, ctx)
             reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
@@ -328,6 +332,37 @@ def saved_use_cache(configs: list, source_config):
         for c, b in zip(configs, before):
             if b is not None:
                 c.use_cache = b
+
+
+# What a layer's record keeps when a stage quantizes it again: its zeros and the smoothing folded
+# into it still describe it; the earlier quantization's grid, errors and losses no longer do.
+KEPT_WHEN_REQUANTIZED = ("sparsity", "target_sparsity", "pattern", "pruning_relative_error", "input_zeros",
+                         "sparsity_preserved", "awq_alpha", "awq_smooth", "awq_block_error", "awq_rtn_block_error",
+                         "smoothquant_alpha", "smoothquant_smooth", "activation_max_before", "activation_max_after")
+
+
+def forget_earlier_grids(index: int, name: str, stage, net: torch.nn.Module, ctx: StageContext) -> None:
+    """A quantization stage on layers an earlier stage (or the input model) already quantized
+    rounds the earlier grid's values again (rtn W4 then rtn W8 stores W4's values as W8): say so,
+    as `compress plan` does, and drop what the earlier quantization recorded (its losses, its
+    activation ranges), which would otherwise stand beside the new stage's. QAT is left alone: it is
+    meant to start from an earlier grid, and reports against it itself."""
+    weights = stage_weights(stage)
+    if weights is None or name == "qat" or not hasattr(stage, "select"):
+        return
+    again: dict[str, list[str]] = {}
+    for n in stage.select(net, name):
+        record = ctx.layers.get(n, {})
+        if record.get("weights") is None:
+            continue
+        earlier = f"{record.get('stage', 'an earlier stage')}: {QuantArgs(**record['weights']).describe()}"
+        again.setdefault(earlier, []).append(n)
+        ctx.layers[n] = {k: record[k] for k in KEPT_WHEN_REQUANTIZED if k in record}
+        ctx.layers[n]["requantized_from"] = earlier
+    for earlier, layers in again.items():
+        ctx.warnings.append(f"stage {index + 1} ({name}) quantizes {len(layers)} layer{'s' if len(layers) > 1 else ''} "
+                            f"that are already quantized ({earlier}), rounding the earlier grid's values again: their "
+                            f"errors are measured from those values, not from the float weights (first: {layers[0]})")
 
 
 def _measure_sparsity(net: torch.nn.Module, layers: dict) -> None:

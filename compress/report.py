@@ -119,6 +119,7 @@ def run_markdown(report: dict) -> str:
         lines.append(f"- calibration: `{cal['source']}`, {cal['num_samples']} samples, {cal['tokens']:,} tokens, fingerprint `{cal['fingerprint'][:16]}…`")
     v = report["versions"]
     lines.append(f"- versions: compress {v['compress']}, torch {v['torch']}, transformers {v['transformers']}, python {v['python']}")
+    lines += [f"- warning: {w}" for w in report.get("warnings", [])]
     lines += ["", "## Stages", "", "| stage | wall s | peak RSS MiB | summary |", "| --- | ---: | ---: | --- |"]
     for s in report["stages"]:
         summary = ", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items() if not isinstance(v, dict))

@@ -585,6 +585,25 @@ def test_plan_warns_when_a_stage_quantizes_what_an_earlier_one_quantized(tmp_pat
     assert rc == 0 and not [w for w in json.loads(out)["warnings"] if "already quantized" in w]
 
 
+def test_a_run_that_quantizes_what_an_earlier_stage_quantized_says_so_and_forgets_its_losses(tmp_path, capsys):
+    """GPTQ W4 then rtn W8 stores W4's values on the W8 grid: the run warns as the plan does, and
+    the layers' records drop GPTQ's losses, which no longer describe them."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\nstages:\n"
+                      "  - gptq: {scheme: W4A16, weights: {group_size: 32}, targets: ['re:.*mlp.*']}\n"
+                      "  - rtn: {scheme: W8A16}\n")
+    rc, out, err = run(capsys, "quantize", "--recipe", recipe, "--model", "default", "--output", tmp_path / "o")
+    assert rc == 0 and "quantizes 12 layers that are already quantized (gptq: int4 g32 sym)" in " ".join((out + err).split())
+    report = json.loads((tmp_path / "o/report.json").read_text())
+    [warning] = report["warnings"]
+    assert warning.startswith("stage 2 (rtn) quantizes 12 layers")
+    mlp = {n: r for n, r in report["layers"].items() if ".mlp." in n}
+    assert len(mlp) == 12 and all(r["stage"] == "rtn" and "gptq_loss" not in r and r["requantized_from"] == "gptq: int4 g32 sym"
+                                  for r in mlp.values())
+    assert all("requantized_from" not in r for n, r in report["layers"].items() if n not in mlp)
+    assert "- warning: stage 2 (rtn)" in (tmp_path / "o/report.md").read_text()
+
+
 def test_plan_warns_when_a_pruning_stage_would_change_nothing(tmp_path, capsys, repo):
     """magnitude 0.5 then magnitude 0.3 ran without a word, and the second removed nothing: the
     weights it would remove are zeros already. Pruning further, or to a pattern the earlier stage

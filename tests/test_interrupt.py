@@ -294,6 +294,10 @@ def test_an_interrupted_training_run_says_where_its_checkpoint_is(tmp_path, caps
     monkeypatch.setitem(pipeline.RUNNING, "work_dir", None)  # no training checkpoint: the stage cache hint
     cli._interrupted(["quantize", "--recipe", "r.yaml"])
     assert "rerun with --resume to keep completed stages" in " ".join(capsys.readouterr().err.split())
+    monkeypatch.setitem(pipeline.RUNNING, "offload", True)  # which refuses --resume: not suggested
+    cli._interrupted(["quantize", "--recipe", "r.yaml"])
+    assert "--resume" not in capsys.readouterr().err
+    monkeypatch.setitem(pipeline.RUNNING, "offload", False)
     # with --resume: the stage cache is named only when it holds a stage of this run
     from types import SimpleNamespace
 

@@ -322,15 +322,17 @@ def observed_range(name: str, observers: dict) -> tuple[tuple[float, float] | No
 
 def enough_tokens(layers: dict, observers: dict, min_tokens: int, ctx: StageContext, fallback) -> list[str]:
     """Names of the layers that saw at least `min_tokens` calibration tokens, to be solved; each of
-    the others (a rarely routed MoE expert) goes to `fallback(name, module, tokens)` now. Every layer
-    gets its report row here, in layer order, whichever device finishes it first."""
+    the others (a rarely routed MoE expert) goes to `fallback(name, module, tokens, why)` now. Every
+    layer gets its report row here, in layer order, whichever device finishes it first."""
     solvable = []
     for name, module in layers.items():
         ctx.layers.setdefault(name, {})
-        if observers[name].tokens >= min_tokens:
+        tokens = observers[name].tokens
+        if tokens >= min_tokens:
             solvable.append(name)
         else:
-            fallback(name, module, observers[name].tokens)
+            fallback(name, module, tokens, f"saw {tokens} calibration tokens (< min_tokens {min_tokens})" if tokens
+                     else "saw no calibration tokens")
     return solvable
 
 
@@ -441,8 +443,8 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         args = scheme.weights
         order = list(layers)
         scales = global_scales(layers, args)  # NVFP4: one per fused group (q/k/v, gate/up), from the weights as they are
-        solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens: self._round_to_nearest(
-            name, module, ctx, tokens, f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): round-to-nearest",
+        solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens, why: self._round_to_nearest(
+            name, module, ctx, tokens, f"{why}: round-to-nearest",
             scales.get(name), *observed_range(name, observers)))
 
         def solve(group: tuple[str, ...], device: torch.device) -> list[tuple]:

@@ -192,8 +192,8 @@ class SparseGPT(SolvesOutsideBlocks, EngineOptions, PruningStage):
                        ctx: StageContext, runner) -> None:
         quant = self.quantize.args() if self.quantize is not None else None
         order = list(layers)
-        solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens: self._magnitude(
-            name, module, ctx, tokens, f"saw {tokens} calibration tokens (< min_tokens {self.min_tokens}): magnitude pruning"))
+        solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens, why: self._magnitude(
+            name, module, ctx, tokens, f"{why}: magnitude pruning"))
 
         def solve(name: str, device: torch.device) -> tuple:
             W, H = weight_and_hessian(name, layers[name], observers[name], device)
