@@ -551,7 +551,9 @@ def _print_plan(p: dict, recipe: Path, model_ref: str) -> None:
     for n, a in p["assignments"].items():
         t.add_row(n, "x".join(map(str, a["shape"])), a["stage"], escape(a["scheme"]))
     for n in p["unassigned"]:
-        t.add_row(n, "", "[dim]-[/dim]", "[dim]kept in full precision[/dim]")
+        d = p["unassigned_detail"][n]
+        cut = f", cut from {'x'.join(map(str, d['cut_from']))}" if d["cut_from"] else ""
+        t.add_row(n, "x".join(map(str, d["shape"])), f"[dim]{d['stage']}[/dim]", f"[dim]kept in full precision{cut}[/dim]")
     _print_wide(t)
     for w in p["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {escape(w)}")

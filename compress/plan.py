@@ -79,6 +79,32 @@ def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable:
     return decision.format, decision.reason, None
 
 
+def _trained_layers(recipe: Recipe, model: torch.nn.Module, linear: list[str]) -> dict[str, list[str]]:
+    """layer -> the distill stages that train its weight (those its `freeze` patterns leave)."""
+    from compress.stages.distill import _frozen
+
+    trained: dict[str, list[str]] = {}
+    for name, stage in recipe.stages:
+        if name != "distill":
+            continue
+        try:
+            frozen = _frozen(model, stage.freeze, name)
+        except CompressError:  # refused by the run's own checks, which the plan lists
+            frozen = {}
+        for n in linear:
+            if not frozen.get(f"{n}.weight", False):
+                trained.setdefault(n, []).append(name)
+    return trained
+
+
+def _untargeted(recipe: Recipe, shape: list[int], input_shape: list[int] | None, trained: list[str]) -> dict:
+    """A layer no quantization or pruning stage selects: its shape as saved, and the stages that
+    still change it: a structured cut (its shape differs from the input's) and training."""
+    cut = [name for name, stage in recipe.stages if name == "structured" and shape != input_shape]
+    return {"shape": shape, "stage": " → ".join(cut + trained) or "-",
+            "cut_from": input_shape if input_shape is not None and shape != input_shape else None}
+
+
 def _listed(layers: list[str]) -> str:
     """The first three of a warning's layers, and how many more."""
     return ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
@@ -122,6 +148,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     guessed = False
     with StageShapes(recipe, net, assignments) as walk:
         modules = dict(walk.model.named_modules())
+        input_shapes = {n: list(modeling.weight_shape(m)) for n, m in modules.items() if type(m).__name__ in LINEAR_TYPES}
         for n, rec in inherited.items():
             if n in modules:
                 weights = QuantArgs(**rec["weights"]) if rec.get("weights") else None
@@ -207,6 +234,8 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 if scheme and scheme.weights and scheme.weights.strategy == "group" and in_f % scheme.weights.group_size:
                     partial.setdefault((i, name, scheme.weights.group_size), []).append(f"{n} ({in_f})")
         linear = [n for n, m in walk.model.named_modules() if type(m).__name__ in LINEAR_TYPES]
+        shapes = {n: list(modeling.weight_shape(m)) for n, m in walk.model.named_modules() if n in set(linear)}
+        trained = _trained_layers(recipe, walk.model, linear)
         order = {n: i for i, n in enumerate(linear)}  # experts unfused here, as the stages see them
     for n in [n for n, a in assignments.items() if "scheme" not in a]:
         del assignments[n]  # the shape a cut recorded of a layer no stage selects
@@ -250,6 +279,9 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         "linear_layers": len(linear),
         "assignments": {n: {k: (v.describe() if isinstance(v, QuantArgs) else v) for k, v in a.items()} for n, a in assignments.items()},
         "unassigned": [n for n in linear if n not in assignments],
+        # what the stages that select no layers (structured cuts, distillation's training) do to the rest
+        "unassigned_detail": {n: _untargeted(recipe, shapes[n], input_shapes.get(n), trained.get(n, []))
+                              for n in linear if n not in assignments},
         "warnings": warnings,
         "refusals": refusals,
         "format": fmt,

@@ -194,6 +194,25 @@ def test_plan_shows_every_stage_of_a_layer(repo, capsys, ref_llama):
     assert "int4" in a["weights"]
 
 
+def test_plan_shows_what_structured_cuts_and_distillation_trains(repo, capsys, tmp_path):
+    """Stages that select no layers by target (a structured cut, distillation) showed every layer as
+    untouched, with no shape."""
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", repo / "recipes/prune-mlp25-distill.yaml")
+    detail = json.loads(out)["unassigned_detail"]
+    assert rc == 0 and detail["model.layers.0.mlp.gate_proj"] == {"shape": [480, 256], "stage": "structured → distill",
+                                                                  "cut_from": [640, 256]}
+    assert detail["model.layers.0.self_attn.q_proj"] == {"shape": [256, 256], "stage": "distill", "cut_from": None}
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("calibration: {dataset: calibration/default.txt}\nstages:\n  - structured: {structure: mlp-channels, ratio: 0.25}\n"
+                      "  - distill: {freeze: ['re:.*self_attn.*']}\n  - rtn: {scheme: W8A16, targets: ['re:.*down_proj']}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", "default")
+    plan = json.loads(out)
+    assert rc == 0 and plan["unassigned_detail"]["model.layers.0.self_attn.q_proj"]["stage"] == "-"  # frozen
+    assert "model.layers.0.mlp.down_proj" in plan["assignments"] and "model.layers.0.mlp.down_proj" not in plan["unassigned_detail"]
+    rc, out, err = run(capsys, "plan", "--recipe", recipe, "--model", "default")  # and the table says so
+    assert rc == 0 and "cut from 640x256" in out + err
+
+
 def test_plan_counts_training_state_and_teacher(repo, capsys, ref_llama):
     """A QAT recipe holds gradients and two AdamW moments per parameter and the float teacher."""
     _, out, _ = run(capsys, "--json", "plan", "--recipe", repo / "recipes/w3a16-qat.yaml", "--model", ref_llama)
