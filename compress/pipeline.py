@@ -211,8 +211,9 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         if cache is not None:
             report["cache"] = cache.describe()
         report["layers"] = ctx.layers
-        if ctx.warnings:
-            report["warnings"] = ctx.warnings
+        warnings = [w for s in report["stages"] for w in s.get("warnings", [])]
+        if warnings:
+            report["warnings"] = warnings
         if ctx.kv_cache is not None:
             report["kv_cache"] = ctx.kv_cache
 
@@ -296,11 +297,12 @@ def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=N
         reshaped = None  # the first stage that changed the model's shapes
         for index, (name, stage) in enumerate(recipe.stages[start:], start):
             ctx.stage_index = index
-            forget_earlier_grids(index, name, stage, net, ctx)
+            warnings = forget_earlier_grids(index, name, stage, net, ctx.layers)
             with PeakMemory() as mem, scales_stored_as(saved_dtype):
                 summary = stage.apply(net, ctx)
             reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
-                            "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary})
+                            "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary,
+                            **({"warnings": warnings} if warnings else {})})  # stored with it in the stage cache
             if reshaped is None and getattr(stage, "reshapes", False):
                 reshaped = f"stage {index + 1} ({name})"
             if cache is not None and reshaped is not None:
@@ -334,35 +336,36 @@ def saved_use_cache(configs: list, source_config):
                 c.use_cache = b
 
 
-# What a layer's record keeps when a stage quantizes it again: its zeros and the smoothing folded
-# into it still describe it; the earlier quantization's grid, errors and losses no longer do.
-KEPT_WHEN_REQUANTIZED = ("sparsity", "target_sparsity", "pattern", "pruning_relative_error", "input_zeros",
-                         "sparsity_preserved", "awq_alpha", "awq_smooth", "awq_block_error", "awq_rtn_block_error",
-                         "smoothquant_alpha", "smoothquant_smooth", "activation_max_before", "activation_max_after")
+# What an earlier quantization recorded of its own work (losses, token counts, notes, how its
+# groups were solved): when a later stage quantizes the layer again, these describe weights that
+# are gone. The grid (`weights`, replaced by the new stage's), the activation scheme and range
+# (its fake-quant stays attached), zeros and smoothing still describe the layer and stay.
+DROPPED_WHEN_REQUANTIZED = ("gptq_loss", "rtn_loss", "autoround_loss", "tuned_loss", "tokens", "damp_retries", "note",
+                            "solved_together", "mixed_group_scales", "output_error", "rtn_output_error", "clip_ratio",
+                            "search_tokens", "relative_error", "global_scale", "qat_init")
 
 
-def forget_earlier_grids(index: int, name: str, stage, net: torch.nn.Module, ctx: StageContext) -> None:
+def forget_earlier_grids(index: int, name: str, stage, net: torch.nn.Module, layers: dict[str, dict]) -> list[str]:
     """A quantization stage on layers an earlier stage (or the input model) already quantized
     rounds the earlier grid's values again (rtn W4 then rtn W8 stores W4's values as W8): say so,
-    as `compress plan` does, and drop what the earlier quantization recorded (its losses, its
-    activation ranges), which would otherwise stand beside the new stage's. QAT is left alone: it is
-    meant to start from an earlier grid, and reports against it itself."""
-    weights = stage_weights(stage)
-    if weights is None or name == "qat" or not hasattr(stage, "select"):
-        return
+    as `compress plan` does (the warnings returned), and drop what the earlier quantization
+    recorded of its own work, which would otherwise stand beside the new stage's. QAT is left
+    alone: it is meant to start from an earlier grid, and reports against it itself."""
+    if stage_weights(stage) is None or name == "qat" or not hasattr(stage, "select"):
+        return []
     again: dict[str, list[str]] = {}
     for n in stage.select(net, name):
-        record = ctx.layers.get(n, {})
+        record = layers.get(n, {})
         if record.get("weights") is None:
             continue
         earlier = f"{record.get('stage', 'an earlier stage')}: {QuantArgs(**record['weights']).describe()}"
         again.setdefault(earlier, []).append(n)
-        ctx.layers[n] = {k: record[k] for k in KEPT_WHEN_REQUANTIZED if k in record}
-        ctx.layers[n]["requantized_from"] = earlier
-    for earlier, layers in again.items():
-        ctx.warnings.append(f"stage {index + 1} ({name}) quantizes {len(layers)} layer{'s' if len(layers) > 1 else ''} "
-                            f"that are already quantized ({earlier}), rounding the earlier grid's values again: their "
-                            f"errors are measured from those values, not from the float weights (first: {layers[0]})")
+        for key in DROPPED_WHEN_REQUANTIZED:
+            record.pop(key, None)
+        record["requantized_from"] = earlier
+    return [f"stage {index + 1} ({name}) quantizes {len(names)} layer{'s' if len(names) > 1 else ''} that are already "
+            f"quantized ({earlier}), rounding the earlier grid's values again: their errors are measured from those "
+            f"values, not from the float weights (first: {names[0]})" for earlier, names in again.items()]
 
 
 def _measure_sparsity(net: torch.nn.Module, layers: dict) -> None:

@@ -611,16 +611,42 @@ def test_a_run_that_quantizes_what_an_earlier_stage_quantized_says_so_and_forget
     recipe.write_text("calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\nstages:\n"
                       "  - gptq: {scheme: W4A16, weights: {group_size: 32}, targets: ['re:.*mlp.*']}\n"
                       "  - rtn: {scheme: W8A16}\n")
-    rc, out, err = run(capsys, "quantize", "--recipe", recipe, "--model", "default", "--output", tmp_path / "o")
+    cache = ("--cache-dir", tmp_path / "cache")
+    rc, out, err = run(capsys, "quantize", "--recipe", recipe, "--model", "default", "--output", tmp_path / "o", *cache)
     assert rc == 0 and "quantizes 12 layers that are already quantized (gptq: int4 g32 sym)" in " ".join((out + err).split())
     report = json.loads((tmp_path / "o/report.json").read_text())
     [warning] = report["warnings"]
+    rc, _, _ = run(capsys, "quantize", "--recipe", recipe, "--model", "default", "--output", tmp_path / "again", *cache)
+    again = json.loads((tmp_path / "again/report.json").read_text())
+    assert rc == 0 and again["cache"]["restored_stages"] == 2 and again["warnings"] == [warning]  # kept with the stage
     assert warning.startswith("stage 2 (rtn) quantizes 12 layers")
     mlp = {n: r for n, r in report["layers"].items() if ".mlp." in n}
     assert len(mlp) == 12 and all(r["stage"] == "rtn" and "gptq_loss" not in r and r["requantized_from"] == "gptq: int4 g32 sym"
                                   for r in mlp.values())
     assert all("requantized_from" not in r for n, r in report["layers"].items() if n not in mlp)
     assert "- warning: stage 2 (rtn)" in (tmp_path / "o/report.md").read_text()
+
+
+def test_a_layer_quantized_again_keeps_its_activation_quantization_and_its_zeros_stay_grid_values(tmp_path):
+    """rtn W8A8 with static activations, then GPTQ W4A16: the activations stay quantized (their
+    fake-quant is still attached, and the checkpoint says so), and the zeros of an earlier grid
+    are not taken for a pruning mask (a 4-bit grid rounds far more than 10 % of weights to zero)."""
+    from compress import parse_recipe, run_recipe
+
+    calibration = "model: default\ncalibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\n"
+    recipe = parse_recipe(calibration + "stages:\n  - rtn: {scheme: W8A8, input_activations: {strategy: tensor, dynamic: false}, "
+                          "targets: ['re:.*mlp.*']}\n  - gptq: {scheme: W4A16, weights: {group_size: 32}, targets: ['re:.*mlp.*']}\n", "t")
+    report = run_recipe(recipe, output=str(tmp_path / "o"), device="cpu")
+    mlp = [r for n, r in report["layers"].items() if ".mlp." in n]
+    assert len(mlp) == 12
+    for r in mlp:
+        assert r["stage"] == "gptq" and r["requantized_from"] == "rtn: int8 per-channel sym" and r["gptq_loss"] is not None
+        assert r["input_activations"]["num_bits"] == 8 and len(r["activation_range"]) == 2
+    saved = json.loads((tmp_path / "o/config.json").read_text())["quantization_config"]
+    assert any(g.get("input_activations") for g in saved["config_groups"].values())
+    recipe = parse_recipe(calibration + "stages:\n  - rtn: {scheme: W4A16}\n  - gptq: {scheme: W8A16}\n", "t")
+    report = run_recipe(recipe, output=str(tmp_path / "o2"), device="cpu")
+    assert not [n for n, r in report["layers"].items() if "sparsity_preserved" in r]
 
 
 def test_plan_warns_when_a_pruning_stage_would_change_nothing(tmp_path, capsys, repo):

@@ -378,9 +378,10 @@ class AWQ(EngineOptions, QuantizationStage):
                 check_weight(name, get_weight(selected[name]))
                 g = global_scales({name: selected[name]}, args).get(name)  # NVFP4's, else None
                 self._round_to_nearest(name, selected[name], args, g, ctx, {}, "outside the transformer blocks: round-to-nearest")
-        done = [ctx.layers[n] for n in selected if "output_error" in ctx.layers.get(n, {})]
+        # (records of this stage's own rounding: with quantize: false, none; an earlier AWQ's are not counted)
+        done = [ctx.layers[n] for n in selected if "output_error" in ctx.layers.get(n, {})] if self.quantize else []
         unreached = sum(1 for n in self._in_blocks if ctx.layers.get(n, {}).get("tokens") == 0
-                        and ctx.layers[n].get("stage") == "awq")
+                        and ctx.layers[n].get("stage") == "awq") if self.quantize else 0
         summary.update({"layers": len(done) + unreached + (len(outside) if self.quantize else 0),
                         "scheme": self.resolved_scheme().describe(), "mappings": len(self._mappings),
                         "rtn_no_tokens": unreached, "rtn_outside_blocks": len(outside) if self.quantize else 0,

@@ -52,8 +52,6 @@ class StageContext:
     resume: bool = False
     stage_index: int = 0
     stop_after_steps: Optional[int] = None  # a training stage stops as if killed (resume tests)
-    # What the run should tell its user besides the report's figures (report.json `warnings`).
-    warnings: list = field(default_factory=list)
     # Every compute device given (`--device cuda:0,cuda:1`); `device` is the first. Blocks run on
     # `device`; the per-layer solves of GPTQ and SparseGPT are spread over all of them.
     devices: list = field(default_factory=list)
