@@ -571,7 +571,7 @@ def test_the_readme_quickstart_runs_as_written(repo, tmp_path, monkeypatch, caps
     block = block[:block.index("```")]
     commands = [shlex.split(re.sub(r"\s+#.*$", "", line, flags=re.M))
                 for line in block.replace("\\\n", " ").splitlines() if line.strip().startswith(".venv/bin/compress")]
-    assert [c[1] for c in commands] == ["recipes", "plan", "quantize", "eval", "inspect"]
+    assert [c[1] for c in commands] == ["recipes", "keys", "plan", "quantize", "eval", "inspect"]
     monkeypatch.chdir(tmp_path)
     for command in commands:
         assert main(["--quiet", *command[1:]]) == 0, " ".join(command)
