@@ -168,6 +168,10 @@ def load_skeleton(ref: str, dtype: str = "auto"):
     kwargs = {} if dtype == "auto" else {"dtype": DTYPES[dtype]}
     if dtype == "auto" and getattr(config, "dtype", None) is not None:
         kwargs = {"dtype": config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype))}
+    elif dtype == "auto":  # as from_pretrained does: the stored weights' own
+        from compress.offload import stored_float_dtype
+
+        kwargs = {"dtype": stored_float_dtype(path) or torch.float32}
     with parameters_on_meta():
         model = model_class(config).from_config(config, **kwargs)
     release_freed_memory()  # the transient real tensors each parameter was created as

@@ -50,6 +50,22 @@ def checkpoint_index(directory: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def stored_float_dtype(directory: Path) -> torch.dtype | None:
+    """The dtype of the checkpoint's first floating-point tensor: what `from_pretrained(dtype="auto")`
+    loads a model in when its config names none."""
+    files = dict.fromkeys(checkpoint_index(directory).values())
+    for file in files:
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                dtype = SAFETENSORS_FLOATS.get(f.get_slice(name).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return None
+
+
 class DiskOffload:
     """Reads module tensors from the source checkpoint on demand; writes finished ones to `dest`."""
 

@@ -420,6 +420,32 @@ stages:
     assert [r["gptq_loss"] for r in disk["layers"].values()] == [r["gptq_loss"] for r in memory["layers"].values()]
 
 
+def test_disk_offload_of_a_checkpoint_whose_config_names_no_dtype_loads_it_as_stored(tiny_models, tmp_path):
+    """from_pretrained(dtype="auto") takes the stored weights' dtype when config.json names none;
+    the offloaded skeleton did not (float32), so a bfloat16 checkpoint came out float32."""
+    import json as js
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.bfloat16).save_pretrained(path)
+    for f in tiny_models["llama"].iterdir():
+        if "token" in f.name or f.name.endswith(".txt"):
+            (path / f.name).write_bytes(f.read_bytes())
+    config = js.loads((path / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (path / "config.json").write_text(js.dumps(config))
+    disk = gptq_recipe(path)
+    disk.offload = "disk"
+    run_recipe(disk, output=str(tmp_path / "disk"), device="cpu")
+    run_recipe(gptq_recipe(path), output=str(tmp_path / "mem"), device="cpu", format="dense")
+    expected = load_file(tmp_path / "mem/model.safetensors")
+    stored = {k: v for f in (tmp_path / "disk").glob("model-*.safetensors") for k, v in load_file(f).items()}
+    assert {t.dtype for t in expected.values()} == {torch.bfloat16}
+    assert all(torch.equal(stored[k], expected[k]) for k in expected)
+
+
 @pytest.mark.parametrize("family,expected", [
     ("llama", [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
                ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]),
