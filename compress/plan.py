@@ -91,8 +91,9 @@ def _trained_layers(recipe: Recipe, model: torch.nn.Module, linear: list[str]) -
             frozen = _frozen(model, stage.freeze, name)
         except CompressError:  # refused by the run's own checks, which the plan lists
             frozen = {}
+        listed = {id(p): k for k, p in model.named_parameters()}  # a tied weight (lm_head) under its first name
         for n in linear:
-            if not frozen.get(f"{n}.weight", False):
+            if not frozen.get(listed.get(id(model.get_submodule(n).weight), f"{n}.weight"), False):
                 trained.setdefault(n, []).append(name)
     return trained
 
@@ -100,7 +101,7 @@ def _trained_layers(recipe: Recipe, model: torch.nn.Module, linear: list[str]) -
 def _untargeted(recipe: Recipe, shape: list[int], input_shape: list[int] | None, trained: list[str]) -> dict:
     """A layer no quantization or pruning stage selects: its shape as saved, and the stages that
     still change it: a structured cut (its shape differs from the input's) and training."""
-    cut = [name for name, stage in recipe.stages if name == "structured" and shape != input_shape]
+    cut = ["structured"] if shape != input_shape and any(name == "structured" for name, _ in recipe.stages) else []
     return {"shape": shape, "stage": " → ".join(cut + trained) or "-",
             "cut_from": input_shape if input_shape is not None and shape != input_shape else None}
 
