@@ -81,14 +81,14 @@ def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable:
 
 def _trained_layers(recipe: Recipe, model: torch.nn.Module, linear: list[str]) -> dict[str, list[str]]:
     """layer -> the distill stages that train its weight (those its `freeze` patterns leave)."""
-    from compress.stages.distill import _frozen
+    from compress.stages.distill import frozen_parameters
 
     trained: dict[str, list[str]] = {}
     for name, stage in recipe.stages:
         if name != "distill":
             continue
         try:
-            frozen = _frozen(model, stage.freeze, name)
+            frozen = frozen_parameters(model, stage.freeze, name)
         except CompressError:  # refused by the run's own checks, which the plan lists
             frozen = {}
         listed = {id(p): k for k, p in model.named_parameters()}  # a tied weight (lm_head) under its first name

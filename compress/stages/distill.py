@@ -213,7 +213,7 @@ def check_vocabularies(stage: str, teacher_ref: str, teacher_config, student_con
                             "distill between models that share a tokenizer")
 
 
-def _frozen(model: torch.nn.Module, freeze: list[str], stage: str) -> dict[str, bool]:
+def frozen_parameters(model: torch.nn.Module, freeze: list[str], stage: str) -> dict[str, bool]:
     """Whether each parameter is matched by a `freeze` pattern (its name, or its module's);
     refuses patterns that match none, and freezing everything."""
     frozen, used = {}, set()
@@ -233,7 +233,7 @@ def _frozen(model: torch.nn.Module, freeze: list[str], stage: str) -> dict[str, 
 
 def trainable_parameters(model: torch.nn.Module, freeze: list[str], stage: str) -> list[torch.nn.Parameter]:
     """Every parameter not matched by a `freeze` pattern; the matched ones stop requiring gradients."""
-    frozen = _frozen(model, freeze, stage)
+    frozen = frozen_parameters(model, freeze, stage)
     for name, param in model.named_parameters():
         if frozen[name]:
             param.requires_grad_(False)
@@ -278,7 +278,7 @@ def check_training(stage, name: str, model: torch.nn.Module, student_layers: int
     if stage.teacher and student_ref and uses_teacher(stage, name):  # before any stage's work, not when this one starts
         check_tokenizers(name, stage.teacher, modeling.load_tokenizer(stage.teacher), student_ref, modeling.load_tokenizer(student_ref))
     check_loss(name, stage, modeling.is_causal_lm(model.config), student_layers, teacher_layers)
-    _frozen(model, stage.freeze, name)
+    frozen_parameters(model, stage.freeze, name)
     if stage.data.generate is not None:
         check_generated_count(stage.data, name)
 
