@@ -171,6 +171,7 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None, t
     try:
         import datasets
 
+        datasets.disable_progress_bars()  # as transformers' (compress.cli): a run draws its own bars
         ds = datasets.load_dataset(name, config_name, split=split, streaming=stream is not None)
     except Exception as exc:
         raise CompressError(f"cannot load dataset '{name}' from the hub (nor is it a local file): {first_line(exc)}",

@@ -129,13 +129,13 @@ def quantize(
 def _show_run(report: dict, out, header: list[str] = (), details: list[str] = ()) -> None:
     """What quantize and prune print after a run: JSON, nothing (--quiet), or the summary with the
     command's own lines (`header` before the stages, `details` after them)."""
-    if S.json:
-        emit_json({"output": str(out), **report})
+    if S.json:  # (the report's own "output" is the size record)
+        emit_json({**report, "output_dir": str(out), "warnings": report.get("warnings", [])})
         return
+    for warning in report.get("warnings", []):  # not progress, nor a table: --quiet keeps it
+        console.print(f"[yellow]warning:[/yellow] {escape(warning)}", soft_wrap=True, highlight=False)
     if not S.quiet:
-        console.print(f"[green]wrote[/green] {out}")
-        for warning in report.get("warnings", []):
-            console.print(f"[yellow]warning:[/yellow] {escape(warning)}", soft_wrap=True, highlight=False)
+        console.print(f"[green]wrote[/green] {escape(str(out))}")
         for line in header:
             console.print(line)
         _print_stages(report)
@@ -149,6 +149,8 @@ def _show_run(report: dict, out, header: list[str] = (), details: list[str] = ()
 
 
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
+# The recipe keys `compress prune` sets, as its options (a window length has none: a recipe sets it).
+PRUNE_OPTIONS = {"num_samples": "--num-samples", "seq_len": "calibration.seq_len (in a recipe: --recipe)"}
 
 
 @app.command()
@@ -190,9 +192,14 @@ def prune(
     else:
         r = _parse_built_recipe(_prune_recipe(model, output, method, sparsity, pattern, structured, ratio, calibration,
                                               num_samples, data, no_eval), "compress prune", {"structure": "--structured"})
-    with progress_bar() as progress:
-        report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
-                            seed=S.seed, progress=progress, resume=resume, cache_dir=str(cache_dir) if cache_dir else None)
+    try:
+        with progress_bar() as progress:
+            report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
+                                seed=S.seed, progress=progress, resume=resume, cache_dir=str(cache_dir) if cache_dir else None)
+    except CompressError as exc:
+        if recipe is not None:
+            raise
+        raise _in_option_terms(exc, PRUNE_OPTIONS) from exc  # the recipe was built from options: name those
     size = report["output"]
     details = []
     if size.get("nonzero_parameters") is not None:
@@ -579,6 +586,8 @@ def recipes(directory: Path = typer.Option(None, help="where to look (default: t
     from compress.modeling import REPO_DIR
 
     d = directory or (REPO_DIR / "recipes")
+    if not Path(d).is_dir():
+        raise CompressError(f"--directory {d}: no such directory", "give a directory holding recipe .yaml files")
     rows = []
     for f in sorted(Path(d).glob("*.yaml")):
         text = f.read_text()
@@ -1000,16 +1009,7 @@ def _main(argv: list[str] | None) -> int:
     argv = _hoist_global_options(list(sys.argv[1:] if argv is None else argv))
     debug = "--debug" in argv
     try:
-        import transformers
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    except ImportError:
-        pass
-    # huggingface_hub logs each failed request ("... thrown while requesting HEAD ...") before the
-    # exception that compress turns into its one-line error
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
-    try:
+        _quiet_libraries()  # inside: importing transformers takes seconds, and Ctrl-C then is an interrupt too
         # Without standalone mode click returns typer.Exit's code instead of raising it.
         rc = app(args=argv, prog_name="compress", standalone_mode=False)
         if rc == 130:  # typer turns Ctrl-C into a returned 130; no command of ours exits with it
@@ -1048,6 +1048,20 @@ def _main(argv: list[str] | None) -> int:
         console.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(first)} "
                       "[dim](rerun with --debug for the traceback, and please report it)[/dim]", soft_wrap=True, highlight=False)
         return _json_error(argv, 3, f"internal error: {type(exc).__name__}: {first}", "rerun with --debug for the traceback")
+
+
+def _quiet_libraries() -> None:
+    """transformers' warnings and progress bars off: a run draws its own bars, and says what matters."""
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:
+        pass
+    # huggingface_hub logs each failed request ("... thrown while requesting HEAD ...") before the
+    # exception that compress turns into its one-line error
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
 
 
 def _json_error(argv: list[str], code: int, message: str, hint: str | None) -> int:

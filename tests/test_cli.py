@@ -468,6 +468,47 @@ def test_keys_of_an_unknown_stage_is_refused_naming_the_known_ones(capsys):
     assert rc == 2 and "gptqq" in err and "gptq," in err and "Traceback" not in err
 
 
+def test_json_names_the_output_directory_and_quiet_keeps_warnings(tmp_path, capsys):
+    """--json gave the report's size record as "output" (it overwrote the path): a CI script had
+    no directory to go on with. --quiet silenced the run's warnings with its bars."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages:\n  - rtn: {scheme: W4A16}\n  - rtn: {scheme: W8A16, targets: ['re:.*mlp.*']}\n")
+    rc, out, _ = run(capsys, "--json", "quantize", "--recipe", recipe, "--model", "default", "--output", tmp_path / "a")
+    result = json.loads(out)
+    assert rc == 0 and result["output_dir"] == str(tmp_path / "a") and result["output"]["bytes_on_disk"] > 0
+    assert len(result["warnings"]) == 1
+    rc, out, err = run(capsys, "-q", "quantize", "--recipe", recipe, "--model", "default", "--output", tmp_path / "b")
+    assert rc == 0 and out == "" and "warning: stage 2 (rtn) quantizes 12 layers" in " ".join(err.split())
+    rc, out, _ = run(capsys, "--json", "prune", "--model", "default", "--method", "magnitude", "--output", tmp_path / "c")
+    assert rc == 0 and json.loads(out)["output_dir"] == str(tmp_path / "c") and json.loads(out)["warnings"] == []
+
+
+def test_recipes_in_a_directory_that_is_not_there_is_refused(tmp_path, capsys):
+    rc, out, err = run(capsys, "--json", "recipes", "--directory", tmp_path / "nope")
+    assert rc == 2 and "nope" in json.loads(out)["error"]
+
+
+def test_ctrl_c_while_libraries_load_is_an_interruption(capsys, monkeypatch):
+    """Importing transformers takes seconds at start: Ctrl-C then gave a traceback and no JSON."""
+    from compress import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_quiet_libraries", interrupted)
+    rc, out, err = run(capsys, "--json", "recipes")
+    assert rc == 130 and json.loads(out)["exit_code"] == 130 and "Traceback" not in err
+
+
+def test_prune_errors_name_its_options(tmp_path, capsys):
+    data = tmp_path / "tiny.txt"
+    data.write_text("a few words of text, far too few for the calibration windows asked for\n")
+    rc, out, _ = run(capsys, "--json", "prune", "--model", "default", "--method", "wanda", "--calibration", data,
+                     "--num-samples", "2", "--output", tmp_path / "o")
+    error = json.loads(out)
+    assert rc == 2 and "--num-samples" in error["hint"] and "in a recipe" in error["hint"]
+
+
 def test_every_bundled_recipe_validates(repo):
     from compress import load_recipe
 
