@@ -127,8 +127,9 @@ def quantize(
 
 
 def _show_run(report: dict, out, header: list[str] = (), details: list[str] = ()) -> None:
-    """What quantize and prune print after a run: JSON, nothing (--quiet), or the summary with the
-    command's own lines (`header` before the stages, `details` after them)."""
+    """What quantize, prune and distill print after a run: JSON, the warnings alone (--quiet), or the
+    warnings and the summary with the command's own lines (`header` before the stages, `details`
+    after them)."""
     if S.json:  # (the report's own "output" is the size record)
         emit_json({**report, "output_dir": str(out), "warnings": report.get("warnings", [])})
         return
