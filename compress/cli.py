@@ -888,9 +888,10 @@ def analyze(
     key = metric_key(metric)
     t = Table(title=f"sensitivity of {model} to W{bits}" + (f" g{group_size}" if group_size else " per-channel")
               + f" on one layer at a time ({result['windows']} windows of {seq_len} tokens)")
-    for col in ("rank", "layer", "parameters", "KL", "top-1", "Δppl %") + (("bits chosen",) if emit_recipe else ()):
-        t.add_column(col, justify="right" if col != "layer" else "left", overflow="fold")
     rows = result["ranking"][:top] if top else result["ranking"]
+    for col in ("rank", "layer", "parameters", "KL", "top-1", "Δppl %") + (("bits chosen",) if emit_recipe else ()):
+        t.add_column(col, justify="right" if col != "layer" else "left", overflow="fold",
+                     **_name_column(col, [r["layer"] for r in rows]))
     for i, row in enumerate(rows, 1):
         rec = result["layers"][row["layer"]]
         c = rec["by_bits"][bits]
