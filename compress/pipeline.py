@@ -363,9 +363,14 @@ def forget_earlier_grids(index: int, name: str, stage, net: torch.nn.Module, lay
         for key in DROPPED_WHEN_REQUANTIZED:
             record.pop(key, None)
         record["requantized_from"] = earlier
-    return [f"stage {index + 1} ({name}) quantizes {len(names)} layer{'s' if len(names) > 1 else ''} that are already "
-            f"quantized ({earlier}), rounding the earlier grid's values again: their errors are measured from those "
-            f"values, not from the float weights (first: {names[0]})" for earlier, names in again.items()]
+    return [requantized_warning(index, name, earlier, len(names)) + ": their errors are measured from those values, "
+            f"not from the float weights (first: {names[0]})" for earlier, names in again.items()]
+
+
+def requantized_warning(index: int, name: str, earlier: str, count: int) -> str:
+    """What the run and `compress plan` say of a stage that quantizes already-quantized layers."""
+    return (f"stage {index + 1} ({name}) quantizes {count} layer{'s' if count > 1 else ''} that are already quantized "
+            f"({earlier}), rounding the earlier grid's values again")
 
 
 def _measure_sparsity(net: torch.nn.Module, layers: dict) -> None:

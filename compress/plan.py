@@ -14,7 +14,7 @@ import torch
 from compress import modeling, packing
 from compress.errors import CompressError
 from compress.pipeline import (StageShapes, check_data_files, check_offloadable, check_sequence_lengths, inherited_records,
-                               preflight, stage_weights)
+                               preflight, requantized_warning, stage_weights)
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, packed_weight_bits, scale_bits_of
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
@@ -79,11 +79,17 @@ def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable:
     return decision.format, decision.reason, None
 
 
+def _linear_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Every linear layer's [out, in], in the model's order."""
+    return {n: list(modeling.weight_shape(m)) for n, m in model.named_modules() if type(m).__name__ in LINEAR_TYPES}
+
+
 def _trained_layers(recipe: Recipe, model: torch.nn.Module, linear: list[str]) -> dict[str, list[str]]:
     """layer -> the distill stages that train its weight (those its `freeze` patterns leave)."""
     from compress.stages.distill import frozen_parameters
 
     trained: dict[str, list[str]] = {}
+    listed = {id(p): k for k, p in model.named_parameters()}  # a tied weight (lm_head) under its first name
     for name, stage in recipe.stages:
         if name != "distill":
             continue
@@ -91,7 +97,6 @@ def _trained_layers(recipe: Recipe, model: torch.nn.Module, linear: list[str]) -
             frozen = frozen_parameters(model, stage.freeze, name)
         except CompressError:  # refused by the run's own checks, which the plan lists
             frozen = {}
-        listed = {id(p): k for k, p in model.named_parameters()}  # a tied weight (lm_head) under its first name
         for n in linear:
             if not frozen.get(listed.get(id(model.get_submodule(n).weight), f"{n}.weight"), False):
                 trained.setdefault(n, []).append(name)
@@ -149,7 +154,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     guessed = False
     with StageShapes(recipe, net, assignments) as walk:
         modules = dict(walk.model.named_modules())
-        input_shapes = {n: list(modeling.weight_shape(m)) for n, m in modules.items() if type(m).__name__ in LINEAR_TYPES}
+        input_shapes = _linear_shapes(walk.model)
         for n, rec in inherited.items():
             if n in modules:
                 weights = QuantArgs(**rec["weights"]) if rec.get("weights") else None
@@ -234,8 +239,8 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 assignments[n] = entry
                 if scheme and scheme.weights and scheme.weights.strategy == "group" and in_f % scheme.weights.group_size:
                     partial.setdefault((i, name, scheme.weights.group_size), []).append(f"{n} ({in_f})")
-        linear = [n for n, m in walk.model.named_modules() if type(m).__name__ in LINEAR_TYPES]
-        shapes = {n: list(modeling.weight_shape(m)) for n, m in walk.model.named_modules() if n in set(linear)}
+        shapes = _linear_shapes(walk.model)  # as saved: after every cut
+        linear = list(shapes)
         trained = _trained_layers(recipe, walk.model, linear)
         order = {n: i for i, n in enumerate(linear)}  # experts unfused here, as the stages see them
     for n in [n for n, a in assignments.items() if "scheme" not in a]:
@@ -250,8 +255,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
         warnings.append(f"stage {i + 1} ({name}) prunes {len(layers)} layer{'s' if len(layers) > 1 else ''} to {target} "
                         f"that an earlier stage already pruned as far: it changes nothing there: {_listed(layers)}")
     for (i, name, earlier), layers in requantized.items():
-        warnings.append(f"stage {i + 1} ({name}) quantizes {len(layers)} layer{'s' if len(layers) > 1 else ''} that are "
-                        f"already quantized ({earlier}), rounding the earlier grid's values again: {_listed(layers)}")
+        warnings.append(f"{requantized_warning(i, name, earlier, len(layers))}: {_listed(layers)}")
     saved = walk.model  # as it will be saved: reshaped, experts fused
     fmt, fmt_reason, refused = _format(recipe, saved, assignments, list(unpackable.values()), walk.exact)
     if refused:
