@@ -136,17 +136,17 @@ def _show_run(report: dict, out, header: list[str] = (), details: list[str] = ()
     for warning in report.get("warnings", []):  # not progress, nor a table: --quiet keeps it
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}", soft_wrap=True, highlight=False)
     if not S.quiet:
-        console.print(f"[green]wrote[/green] {escape(str(out))}")
+        _say(f"[green]wrote[/green] {escape(str(out))}")
         for line in header:
-            console.print(line)
+            _say(line)
         _print_stages(report)
         for line in details:
-            console.print(line)
+            _say(line)
         if report.get("evaluation"):
             _print_results(report["evaluation"])
         if report.get("evaluation_note"):  # asked for but not run (offload: disk)
-            console.print(f"[yellow]evaluation {escape(report['evaluation_note'])}[/yellow]")
-        console.print(f"report: {Path(out) / 'report.md'} (and report.html, report.json)")
+            _say(f"[yellow]evaluation {escape(report['evaluation_note'])}[/yellow]")
+        _say(f"report: {Path(out) / 'report.md'} (and report.html, report.json)")
 
 
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
@@ -507,15 +507,15 @@ def eval_cmd(
     elif not S.quiet:
         _print_results(result["results"], result["checks"], result["tasks"])
         size = result["size"]
-        console.print(f"parameters {size['parameters']:,}; weights on disk {size['bytes_on_disk']:,} bytes "
-                      f"({size['bits_per_parameter_on_disk']:.2f} bits/param"
-                      + (", packed)" if size.get("packed") else f"; {size['bits_per_parameter_packed']:.2f} once packed)"))
+        _say(f"parameters {size['parameters']:,}; weights on disk {size['bytes_on_disk']:,} bytes "
+             f"({size['bits_per_parameter_on_disk']:.2f} bits/param"
+             + (", packed)" if size.get("packed") else f"; {size['bits_per_parameter_packed']:.2f} once packed)"))
         if result["checks"]:
-            console.print("[green]PASS[/green]" if result["passed"] else "[red]FAIL[/red]")
+            _say("[green]PASS[/green]" if result["passed"] else "[red]FAIL[/red]")
     elif not result["passed"]:  # quiet, but a CI log must still say which threshold failed
         failed = [c for c in result["checks"] if not c["passed"]]
         console.print("FAIL: " + "; ".join(f"{c['dataset']} {c['metric']} {c['value']:.4g} "
-                                           f"(threshold {c['threshold']:g})" for c in failed), soft_wrap=True, highlight=False)
+                                           f"(needs {c['comparison']} {c['threshold']:g})" for c in failed), soft_wrap=True, highlight=False)
     if not result["passed"]:
         raise typer.Exit(1)
 
@@ -564,7 +564,7 @@ def _print_plan(p: dict, recipe: Path, model_ref: str) -> None:
         t.add_row(n, "x".join(map(str, d["shape"])), f"[dim]{d['stage']}[/dim]", f"[dim]kept in full precision{cut}[/dim]")
     _print_wide(t)
     for w in p["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {escape(w)}")
+        console.print(f"[yellow]warning:[/yellow] {escape(w)}", soft_wrap=True, highlight=False)
     e = p["estimates"]
     training = f" (of which {e['training_bytes'] / 2**20:.0f} MiB training state and teacher)" if e.get("training_bytes") else ""
     packed, dense = f"{e['output_bytes_packed'] / 2**20:.1f} MiB packed", f"{e['output_bytes_dequantized'] / 2**20:.1f} MiB dense"
@@ -574,9 +574,9 @@ def _print_plan(p: dict, recipe: Path, model_ref: str) -> None:
         written = f"{dense} ({p['format_reason']}; {packed} where it could)"
     else:
         written = f"{dense} ({p['format_reason']})"
-    Console().print(f"peak memory ≈ {e['peak_memory_bytes'] / 2**20:.0f} MiB{training} for the model, one block's work and "
-                    f"the activations (the Python process itself adds a few hundred MiB); output ≈ {written}; "
-                    f"{e['bits_per_parameter_packed']:.2f} bits/parameter packed")
+    _say(f"peak memory ≈ {e['peak_memory_bytes'] / 2**20:.0f} MiB{training} for the model, one block's work and "
+         f"the activations (the Python process itself adds a few hundred MiB); output ≈ {written}; "
+         f"{e['bits_per_parameter_packed']:.2f} bits/parameter packed")
 
 
 @app.command()
@@ -783,7 +783,7 @@ def _print_bench(result: dict, model: str) -> None:
             else:
                 t.add_row("  llm-compressor", "", escape(a.get("skipped") or a.get("error", "")), "", "", "")
     _print_wide(t)
-    console.print(f"report: {result['paths']['md']} (and .json, .html)")
+    _say(f"report: {result['paths']['md']} (and .json, .html)")
 
 
 def _parse_scheme_bits(scheme: str) -> int:
@@ -899,11 +899,18 @@ def analyze(
         t.add_row(str(i), row["layer"], f"{rec['parameters']:,}", f"{c['kl_divergence']:.3e}", f"{c['top1_agreement']:.4f}",
                   f"{c['ppl_increase_pct']:+.3f}", *extra)
     _print_wide(t)
-    console.print(f"ranked by {key}; {result['wall_s']:.0f} s")
+    _say(f"ranked by {key}; {result['wall_s']:.0f} s")
     if emit_recipe is not None:
         a = result["allocation"]
-        console.print(f"[green]wrote[/green] {emit_recipe}: {a['storage_bits_per_weight']:.3f} bits/weight "
-                      f"(budget {a['budget_bits_per_weight']:.3f}); predicted summed cost {a['predicted_cost']:.3e}")
+        _say(f"[green]wrote[/green] {escape(str(emit_recipe))}: {a['storage_bits_per_weight']:.3f} bits/weight "
+             f"(budget {a['budget_bits_per_weight']:.3f}); predicted summed cost {a['predicted_cost']:.3e}")
+
+
+def _say(line: str) -> None:
+    """A line of a command's result, on stdout with its tables, so `compress eval ... > log` keeps
+    the verdict with the figures; progress, warnings and errors go to stderr (`console`). One
+    logical line however long: a piped log is not wrapped mid-sentence."""
+    Console(soft_wrap=True, highlight=False).print(line)
 
 
 def _print_wide(table: Table) -> None:
@@ -955,7 +962,7 @@ def _print_results(results: dict, checks: list | None = None, tasks: dict | None
         for col in ("dataset", "metric", "value", "threshold", "result"):
             t.add_column(col)
         for c in checks:
-            t.add_row(c["dataset"], c["metric"], f"{c['value']:.6g}", f"{c['threshold']:.6g}",
+            t.add_row(c["dataset"], c["metric"], f"{c['value']:.6g}", f"{c['comparison']} {c['threshold']:.6g}",
                       "[green]pass[/green]" if c["passed"] else "[red]fail[/red]")
         _print_wide(t)
 

@@ -237,11 +237,11 @@ def gate(results: dict, max_ppl_increase: float | None = None, max_kl: float | N
     """Threshold checks for CI: one row per (dataset, threshold)."""
     checks = []
     for spec, r in results.items():
-        for metric, limit, ok in (
-            ("ppl_increase_pct", max_ppl_increase, lambda v, t: v <= t),
-            ("kl_divergence", max_kl, lambda v, t: v <= t),
-            ("top1_agreement", min_top1, lambda v, t: v >= t),
-            ("mean_cosine", min_cosine, lambda v, t: v >= t),
+        for metric, limit, comparison in (
+            ("ppl_increase_pct", max_ppl_increase, "<="),
+            ("kl_divergence", max_kl, "<="),
+            ("top1_agreement", min_top1, ">="),
+            ("mean_cosine", min_cosine, ">="),
         ):
             if limit is None:
                 continue
@@ -251,9 +251,16 @@ def gate(results: dict, max_ppl_increase: float | None = None, max_kl: float | N
                     "KL/top-1/perplexity increase need --baseline on a causal LM; cosine needs --baseline on an encoder",
                 )
             value = r[metric]
-            checks.append({"dataset": spec, "metric": metric, "value": value, "threshold": limit,
-                           "passed": bool(ok(value, limit)) and math.isfinite(value)})
+            checks.append(check(spec, metric, value, comparison, limit))
     return checks
+
+
+def check(dataset: str, metric: str, value: float, comparison: str, threshold: float) -> dict:
+    """One threshold check; `comparison` ("<=" or ">=") says which side of the threshold passes,
+    so a reader of the JSON or JUnit need not know each metric's direction. NaN never passes."""
+    within = value <= threshold if comparison == "<=" else value >= threshold
+    return {"dataset": dataset, "metric": metric, "value": value, "comparison": comparison, "threshold": threshold,
+            "passed": bool(within) and math.isfinite(value)}
 
 
 def task_gate(tasks: dict, min_task_score: float | None = None, max_task_drop: float | None = None) -> list[dict]:
@@ -262,11 +269,9 @@ def task_gate(tasks: dict, min_task_score: float | None = None, max_task_drop: f
     checks = []
     for name, r in tasks.items():
         if min_task_score is not None:
-            checks.append({"dataset": f"task {name}", "metric": r["metric"], "value": r["score"], "threshold": min_task_score,
-                           "passed": r["score"] >= min_task_score})
+            checks.append(check(f"task {name}", r["metric"], r["score"], ">=", min_task_score))
         if max_task_drop is not None:
             if "score_drop" not in r:
                 raise CompressError("--max-task-drop compares against the uncompressed model", "pass --baseline")
-            checks.append({"dataset": f"task {name}", "metric": f"{r['metric']} worse than baseline by", "value": r["score_drop"],
-                           "threshold": max_task_drop, "passed": r["score_drop"] <= max_task_drop})
+            checks.append(check(f"task {name}", f"{r['metric']} worse than baseline by", r["score_drop"], "<=", max_task_drop))
     return checks

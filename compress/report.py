@@ -74,7 +74,8 @@ def evaluation_markdown(results: dict, size: dict | None = None, checks: list[di
         lines += [f"**{'FAIL' if failed else 'PASS'}**: {len(checks) - len(failed)}/{len(checks)} thresholds met", ""]
         lines += ["| dataset | metric | value | threshold | result |", "| --- | --- | ---: | ---: | --- |"]
         for c in checks:
-            lines.append(f"| {c['dataset']} | {c['metric']} | {_fmt(c['value'])} | {_fmt(c['threshold'])} | {'pass' if c['passed'] else '**fail**'} |")
+            lines.append(f"| {c['dataset']} | {c['metric']} | {_fmt(c['value'])} | {c['comparison']} {_fmt(c['threshold'])} "
+                         f"| {'pass' if c['passed'] else '**fail**'} |")
         lines.append("")
     for spec, r in results.items():
         lines += [f"### {spec}", "", "| metric | value |", "| --- | ---: |"]
@@ -99,7 +100,7 @@ def junit_xml(checks: list[dict], name: str = "compress-eval") -> str:
     for c in checks:
         case = f'  <testcase classname={quoteattr(name + "." + c["dataset"])} name={quoteattr(c["metric"])}>'
         if not c["passed"]:
-            msg = f"{c['metric']} = {c['value']:.6g} against threshold {c['threshold']:.6g}"
+            msg = f"{c['metric']} = {c['value']:.6g}, needs {c['comparison']} {c['threshold']:.6g}"
             case += f"\n    <failure message={quoteattr(msg)}>{escape(msg)}</failure>\n  "
         cases.append(case + "</testcase>")
     return (f'<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name={quoteattr(name)} tests="{len(checks)}" '

@@ -82,20 +82,31 @@ def test_eval_gate_pass_and_fail(w8_output, ref_llama, tmp_path, capsys):
                    "--max-ppl-increase", 2, "--max-kl", 1e-3, "--report", md, "--junit", junit, "--max-windows", 16)
     assert rc == 0
     assert "PASS" in md.read_text() and "token perplexity" in md.read_text() and "word perplexity" in md.read_text()
+    assert "| <= 0.0010 | pass |" in md.read_text()  # the threshold says which side passes
     suite = ET.parse(junit).getroot()
     assert suite.get("tests") == "2" and suite.get("failures") == "0"
+
+    # the verdict is printed on stdout with the tables it sums up (`eval ... > log` keeps both);
+    # stderr is for progress, warnings and errors
+    rc, out, err = run(capsys, "eval", "--model", w8_output, "--baseline", ref_llama, "--data", HELDOUT,
+                       "--min-top1", 0.9, "--max-windows", 16)
+    assert rc == 0 and "PASS" in out and ">= 0.9" in out and "thresholds" in out
+    assert "PASS" not in err and "parameters" not in err
 
     rc, out, _ = run(capsys, "--json", "eval", "--model", w8_output, "--baseline", ref_llama, "--data", HELDOUT,
                      "--max-kl", 1e-9, "--junit", junit, "--max-windows", 16)
     assert rc == 1
     result = json.loads(out)
     assert result["passed"] is False and result["checks"][0]["metric"] == "kl_divergence"
-    assert ET.parse(junit).getroot().get("failures") == "1"
+    assert result["checks"][0]["comparison"] == "<=" and result["checks"][0]["threshold"] == 1e-9
+    failure = ET.parse(junit).getroot().find("testcase/failure")
+    assert ET.parse(junit).getroot().get("failures") == "1" and failure.get("message").endswith("needs <= 1e-09")
 
     # quiet: no tables, but one line saying which threshold failed
     rc, out, err = run(capsys, "--quiet", "eval", "--model", w8_output, "--baseline", ref_llama, "--data", HELDOUT,
                        "--max-kl", 1e-9, "--max-windows", 16)
     assert rc == 1 and not out and err.count("\n") == 1 and err.startswith("FAIL: ") and "kl_divergence" in err
+    assert "(needs <= 1e-09)" in err
 
 
 def test_eval_refuses_a_threshold_the_model_has_no_metric_for_before_loading(ref_llama, minilm, capsys, monkeypatch):
