@@ -351,6 +351,12 @@ def parse_recipe(text: str, path: str = "<recipe>", default_calibration: dict | 
 
 
 def _check_contradictions(recipe: Recipe, path: str) -> None:
+    names = [name for name, _ in recipe.stages]
+    if "kv_cache" in names[:-1]:
+        i = names.index("kv_cache")
+        later = next(n for n in names[i + 1:] if n != "kv_cache")
+        raise CompressError(f"{path}: stages.{i}.kv_cache comes before {later}: its FP8 scales are measured on the "
+                            f"weights as they are then, and {later} changes them", "make kv_cache the last stage")
     for name, cfg in recipe.stages:
         if getattr(cfg, "needs_calibration", False) and recipe.calibration is None:
             if hasattr(cfg, "train"):  # qat, distill: text to train on

@@ -123,9 +123,12 @@ def _cache_root(cfg: GenerateConfig) -> Path:
 @torch.no_grad()
 def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, teacher_hash: str | None, seed: int,
                         progress=lambda *_: None) -> torch.Tensor:
-    """[num_sequences, seq_len] token ids sampled from `teacher`, read from the cache when there."""
-    key = hashlib.sha256(json.dumps({"teacher": teacher_hash, "seq_len": seq_len, "seed": seed,
-                                     **cfg.model_dump(exclude={"cache_dir", "batch_size"})}, sort_keys=True).encode()).hexdigest()[:20]
+    """[num_sequences, seq_len] token ids sampled from `teacher`, read from the cache when there.
+    Sequence j draws its first token and every sample from its own generator (seed, j), so which
+    sequences come out does not depend on how many are generated at once (`batch_size`) beyond
+    the float rounding of batched matrix products; the cache key has the batch size for that rest."""
+    key = hashlib.sha256(json.dumps({"teacher": teacher_hash, "seq_len": seq_len, "seed": seed, "sampling": "per-sequence",
+                                     **cfg.model_dump(exclude={"cache_dir"})}, sort_keys=True).encode()).hexdigest()[:20]
     path = _cache_root(cfg) / f"{key}.pt"
     if teacher_hash is not None and path.is_file():
         try:
@@ -136,7 +139,6 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
             pass
     special = set(tokenizer.all_special_ids or [])
     starts = torch.tensor([t for t in range(len(tokenizer)) if t not in special])
-    gen = torch.Generator().manual_seed(seed)
     device = next(teacher.parameters()).device
     was_training = teacher.training
     teacher.eval()
@@ -146,7 +148,8 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
     for i in range(0, cfg.num_sequences, cfg.batch_size):
         n = min(cfg.batch_size, cfg.num_sequences - i)
         progress("generating training data with the teacher", i, cfg.num_sequences)
-        ids = starts[torch.randint(len(starts), (n, 1), generator=gen)].to(device)
+        gens = [torch.Generator().manual_seed(seed * 1_000_003 + j) for j in range(i, i + n)]
+        ids = starts[torch.cat([torch.randint(len(starts), (1, 1), generator=g) for g in gens])].to(device)
         past = None
         step_ids = ids
         for _ in range(seq_len - 1):
@@ -154,7 +157,8 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
             past = getattr(out, cache_key)
             logits = out.logits[:, -1].float() / cfg.temperature
             top, idx = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1)
-            choice = torch.multinomial(top.softmax(-1).cpu(), 1, generator=gen).to(device)
+            probs = top.softmax(-1).cpu()
+            choice = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, gens)]).unsqueeze(-1).to(device)
             step_ids = idx.gather(-1, choice)
             ids = torch.cat([ids, step_ids], dim=1)
         chunks.append(ids.cpu())

@@ -241,6 +241,10 @@ def test_a_training_stage_after_another_is_checked_before_the_first_one_runs(ref
         (f"distill: {{hidden: [{{student: 2, teacher: -6}}], {train}}}", "hidden teacher index -6 is out of range"),
         (f"distill: {{freeze: [embed_tokenz], {train}}}", "freeze patterns ['embed_tokenz'] match no parameter"),
         (f"qat: {{scheme: W4A16, kd_weight: 0, ce_weight: 0, {train}}}", "kd_weight and ce_weight are both 0"),
+        # a loss that is zero whatever the weights: backward had nothing to differentiate (an internal error)
+        (f"distill: {{kd_weight: 0, ce_weight: 0, {train}}}", "the loss is zero, nothing to train on"),
+        # FP8 KV scales measured before training would not be the trained model's
+        (f"kv_cache: {{}}\n  - distill: {{{train}}}", "stages.1.kv_cache comes before distill"),
         (f"qat: {{scheme: W4A16, hidden: [{{student: 5, teacher: 5}}], {train}}}", "hidden student index 5 is out of range"),
     ):
         (tmp_path / "r.yaml").write_text(head + f"  - {stage}\n")
@@ -261,6 +265,20 @@ def test_a_training_stage_after_another_is_checked_before_the_first_one_runs(ref
     (tmp_path / "r.yaml").write_text(head + f"  - distill: {{{train}}}\n")
     rc = main(["quantize", "--recipe", str(tmp_path / "r.yaml"), "--model", str(other), "--output", str(tmp_path / "out")])
     assert rc == 2 and f"stage distill: the input model {other} is quantized" in capsys.readouterr().err
+
+
+def test_freeze_holds_for_its_own_stage_only(ref_llama, tmp_path):
+    """A stage's `freeze` stops gradients for that stage: the next training stage trains those
+    weights unless it freezes them too (they stayed frozen, reported as trainable)."""
+    train = ("ce_weight: 1, data: {dataset: calibration/default.txt, seq_len: 32, num_samples: 6, eval_samples: 2}, "
+             "train: {steps: 2, lr: 0.01, batch_size: 2}")
+    report = run_recipe(parse_recipe(f"stages:\n  - distill: {{freeze: [embed_tokens], {train}}}\n  - distill: {{{train}}}\n", "t"),
+                        model=str(ref_llama), output=str(tmp_path / "out"), device="cpu", dtype="float32")
+    first, second = (s["summary"]["trainable_parameters"] for s in report["stages"])
+    before, after = load_file(ref_llama / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    embed = "model.embed_tokens.weight"
+    assert first == second - before[embed].numel()
+    assert not torch.equal(before[embed], after[embed])  # trained by the second stage
 
 
 def test_kill_then_resume_matches_an_uninterrupted_run(tmp_path, repo):

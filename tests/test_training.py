@@ -202,6 +202,10 @@ def test_default_tokenizer_round_trip_for_generated_data(tmp_path):
     assert a.shape == (5, 10) and len(list(tmp_path.glob("*.pt"))) == 1
     b = generated_sequences(teacher, tok, cfg.model_copy(update={"cache_dir": str(tmp_path / "other")}), 10, "hash", seed=1)
     assert torch.equal(a, b)  # regenerated from scratch: the same sequences
+    # each sequence draws from its own generator: three at a time give the same five sequences
+    c = generated_sequences(teacher, tok, cfg.model_copy(update={"cache_dir": str(tmp_path / "third"), "batch_size": 3}),
+                            10, "hash", seed=1)
+    assert torch.equal(a, c)
     with torch.no_grad():  # the cache is what is read: damage it recognisably
         torch.save(torch.zeros(5, 10, dtype=torch.long), next(tmp_path.glob("*.pt")))
     assert int(generated_sequences(teacher, tok, cfg, 10, "hash", seed=1).sum()) == 0

@@ -232,16 +232,20 @@ def frozen_parameters(model: torch.nn.Module, freeze: list[str], stage: str) -> 
 
 
 def trainable_parameters(model: torch.nn.Module, freeze: list[str], stage: str) -> list[torch.nn.Parameter]:
-    """Every parameter not matched by a `freeze` pattern; the matched ones stop requiring gradients."""
+    """Every parameter not matched by a `freeze` pattern; only the matched ones stop requiring
+    gradients, so what an earlier training stage froze trains again here unless frozen anew."""
     frozen = frozen_parameters(model, freeze, stage)
     for name, param in model.named_parameters():
-        if frozen[name]:
-            param.requires_grad_(False)
+        param.requires_grad_(not frozen[name])
     return [param for name, param in model.named_parameters() if not frozen[name]]
 
 
 def check_loss(stage: str, loss: "DistillLoss", causal: bool, student_layers: int, teacher_layers: Optional[int]) -> None:
     """What the objective needs of the student and the teacher (None: no teacher)."""
+    if loss.kd_weight == 0 and loss.ce_weight == 0 and not any(pair.weight > 0 for pair in loss.hidden):
+        raise CompressError(f"stage {stage}: kd_weight and ce_weight are both 0" + (" and every hidden pair weighs 0" if loss.hidden else "")
+                            + ": the loss is zero, nothing to train on",
+                            "set kd_weight (distill from the teacher), ce_weight (the text itself) or hidden")
     if not causal and not loss.hidden:
         raise CompressError(f"stage {stage}: the model has no language-model logits to distill (an encoder)",
                             "match hidden states instead: hidden: [{student: -1, teacher: -1}]")

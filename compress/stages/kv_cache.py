@@ -5,8 +5,8 @@ scale per layer for keys and one for values, as vLLM's `kv_cache_dtype=fp8` comp
     K_stored = cast_e4m3(K / k_scale) · k_scale          (and V alike), every forward
 
 Halving the cache's bytes doubles the tokens a GPU's memory holds at long context. The scales
-come from the model as the recipe leaves it at this point, so put this stage after the weight
-quantization stages. They are observed through the calibration engine, one block on the device
+come from the model as the recipe leaves it at this point, so this stage is the recipe's last
+(a recipe with a stage after it is refused). They are observed through the calibration engine, one block on the device
 at a time. The evaluated model rounds its keys and values the same way, so the report's
 KL and perplexity include the cache's error; the packed checkpoint carries `k_scale` and
 `v_scale` per attention layer and `kv_cache_scheme` in its quantization_config.

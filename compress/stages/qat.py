@@ -130,7 +130,6 @@ class QAT(DistillLoss, QuantizationStage):
         return self.data.dataset is None and self.data.generate is None
 
     def preflight_shapes(self, model: torch.nn.Module, records: dict[str, dict], source: torch.nn.Module) -> None:
-        self._check_objective()
         self._check_teacher(records, getattr(source.config, "_name_or_path", None) or None)
         check_training(self, "qat", model, int(model.config.num_hidden_layers), source.config)
 
@@ -143,17 +142,11 @@ class QAT(DistillLoss, QuantizationStage):
                                 "set the stage's teacher to the float model it came from, or kd_weight: 0 and ce_weight: 1 "
                                 "to train on the text alone")
 
-    def _check_objective(self) -> None:
-        if not uses_teacher(self, "qat") and self.ce_weight == 0:
-            raise CompressError("stage qat: kd_weight and ce_weight are both 0: nothing to train on",
-                                "set kd_weight (distill from the input model) or ce_weight (the text itself)")
-
     def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
         scheme = self.resolved_scheme()
         wargs = scheme.weights
         modules = self.select(model, "qat")
         masks = pruning_masks(model, ctx)  # before the weights become parametrized
-        self._check_objective()
         self._check_teacher(ctx.layers, ctx.source_model)
         teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "qat") if uses_teacher(self, "qat") else (None, None)
         before, scales, hooks = {}, [], []
