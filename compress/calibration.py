@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from compress.errors import CompressError, first_line
-from compress.modeling import REPO_DIR
+from compress.modeling import bundled_file
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 
@@ -40,13 +40,11 @@ TEXT_FIELD_HINT = "the field holding the text: calibration.text_field in a recip
 
 
 def resolve_data_path(spec: str) -> Path | None:
-    """A local file: as given, else relative to the project checkout (for the bundled corpus)."""
+    """A local file: as given, else the bundled one of that name (`calibration/default.txt`)."""
     p = Path(spec).expanduser()
     if p.exists():
         return p
-    if not p.is_absolute() and (REPO_DIR / p).exists():
-        return REPO_DIR / p
-    return None
+    return bundled_file(p)
 
 
 def is_local_spec(spec: str) -> bool:

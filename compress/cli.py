@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import sys
@@ -419,20 +418,14 @@ def _local_models(*refs: str | None) -> list[str]:
     return out
 
 
-def _threshold(low: float | None = None, high: float | None = None, minimum: bool = False):
-    """A gate threshold's check: a finite number (NaN would compare false with everything and
-    make the gate's verdict meaningless), within [low, high] where given; a `minimum` at the
-    metric's lowest value could never fail."""
+def _threshold(name: str):
+    """The typer callback that checks a gate threshold (compress.evaluate.threshold_problem)."""
     def check(value: float | None) -> float | None:
-        if value is None:
-            return value
-        if not math.isfinite(value):
-            raise typer.BadParameter(f"must be a finite number, not {value}")
-        if (low is not None and value < low) or (high is not None and value > high):
-            raise typer.BadParameter(f"{value:g} is outside [{'-inf' if low is None else f'{low:g}'}, "
-                                     f"{'inf' if high is None else f'{high:g}'}]")
-        if minimum and value == low:
-            raise typer.BadParameter(f"{value:g} can never fail: the metric is never below it")
+        from compress.evaluate import threshold_problem
+
+        problem = None if value is None else threshold_problem(name, value)
+        if problem:
+            raise typer.BadParameter(problem)
         return value
     return check
 
@@ -442,10 +435,10 @@ def eval_cmd(
     model: str = typer.Option(..., "--model", "-m", help="the model to measure (a compress output, a local dir, a hub id, `default`)."),
     baseline: Optional[str] = typer.Option(None, "--baseline", "-b", help="the uncompressed model, for KL, top-1 agreement, perplexity increase or embedding fidelity."),
     data: list[str] = typer.Option([], "--data", "-d", help="text file(s) to evaluate on; repeat for several."),
-    max_ppl_increase: Optional[float] = typer.Option(None, callback=_threshold(), help="fail if token perplexity rises by more than this many percent."),
-    max_kl: Optional[float] = typer.Option(None, callback=_threshold(0), help="fail if mean KL(baseline || model) exceeds this."),
-    min_top1: Optional[float] = typer.Option(None, callback=_threshold(0, 1, minimum=True), help="fail if top-1 agreement with the baseline falls below this."),
-    min_cosine: Optional[float] = typer.Option(None, callback=_threshold(-1, 1, minimum=True), help="encoders: fail if mean embedding cosine falls below this."),
+    max_ppl_increase: Optional[float] = typer.Option(None, callback=_threshold("max_ppl_increase"), help="fail if token perplexity rises by more than this many percent."),
+    max_kl: Optional[float] = typer.Option(None, callback=_threshold("max_kl"), help="fail if mean KL(baseline || model) exceeds this."),
+    min_top1: Optional[float] = typer.Option(None, callback=_threshold("min_top1"), help="fail if top-1 agreement with the baseline falls below this."),
+    min_cosine: Optional[float] = typer.Option(None, callback=_threshold("min_cosine"), help="encoders: fail if mean embedding cosine falls below this."),
     seq_len: int = typer.Option(256, min=2, help="tokens per evaluation window."),
     max_windows: int = typer.Option(256, min=1, help="windows per file (the protocol's cap)."),
     batch_size: int = typer.Option(8, min=1, help="windows per forward pass."),
@@ -455,8 +448,8 @@ def eval_cmd(
     limit: Optional[int] = typer.Option(None, min=1, help="score only the first N documents of each task (a quick look)."),
     task_metric: Optional[str] = typer.Option(None, help="the task metric to report and gate (default: acc_norm, else acc, else exact_match)."),
     chat_template: bool = typer.Option(False, "--chat-template", help="instruct models: task prompts, and few-shot examples as turns, through the tokenizer's chat template."),
-    min_task_score: Optional[float] = typer.Option(None, callback=_threshold(0), help="fail if a task's metric falls below this."),
-    max_task_drop: Optional[float] = typer.Option(None, callback=_threshold(), help="fail if a task scores worse than the baseline by more than this, in its metric's units (0.01: one point of accuracy)."),
+    min_task_score: Optional[float] = typer.Option(None, callback=_threshold("min_task_score"), help="fail if a task's metric falls below this."),
+    max_task_drop: Optional[float] = typer.Option(None, callback=_threshold("max_task_drop"), help="fail if a task scores worse than the baseline by more than this, in its metric's units (0.01: one point of accuracy)."),
     report: Optional[Path] = typer.Option(None, help="write a Markdown report here (for a pull-request comment)."),
     junit: Optional[Path] = typer.Option(None, help="write JUnit XML here (one test case per threshold)."),
 ):
@@ -584,9 +577,9 @@ def recipes(directory: Path = typer.Option(None, help="where to look (default: t
     """List the bundled recipes, one line each."""
     import yaml
 
-    from compress.modeling import REPO_DIR
+    from compress.modeling import bundled_dir
 
-    d = directory or (REPO_DIR / "recipes")
+    d = directory or bundled_dir("recipes")
     if not Path(d).is_dir():
         raise CompressError(f"--directory {d}: no such directory", "give a directory holding recipe .yaml files")
     rows = []
@@ -597,7 +590,8 @@ def recipes(directory: Path = typer.Option(None, help="where to look (default: t
             stages = [next(iter(s)) if isinstance(s, dict) else s for s in (yaml.safe_load(text) or {}).get("stages", [])]
         except yaml.YAMLError:
             stages = ["(invalid YAML)"]
-        rows.append({"recipe": str(f.relative_to(REPO_DIR)) if f.is_relative_to(REPO_DIR) else str(f), "stages": stages, "description": first})
+        name = f"recipes/{f.name}" if directory is None else str(f)  # the name load_recipe takes from any directory
+        rows.append({"recipe": name, "stages": stages, "description": first})
     if S.json:
         emit_json(rows)
         return

@@ -232,6 +232,27 @@ def evaluate(model, tokenizer, datasets: list[str], baseline=None, causal: bool 
     return results
 
 
+# Each threshold's valid range (low, high; None: unbounded) and whether it is a minimum, which at
+# its metric's lowest value could never fail.
+THRESHOLDS = {"max_ppl_increase": (None, None, False), "max_kl": (0, None, False), "min_top1": (0, 1, True),
+              "min_cosine": (-1, 1, True), "min_task_score": (0, None, False), "max_task_drop": (None, None, False)}
+
+
+def threshold_problem(name: str, value) -> str | None:
+    """What is wrong with a gate threshold, or None: it must be a finite number (NaN compares
+    false with everything and would make the verdict meaningless) within its metric's range."""
+    low, high, minimum = THRESHOLDS[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"must be a number, not {value!r}"
+    if not math.isfinite(value):
+        return f"must be a finite number, not {value}"
+    if (low is not None and value < low) or (high is not None and value > high):
+        return f"{value:g} is outside [{'-inf' if low is None else f'{low:g}'}, {'inf' if high is None else f'{high:g}'}]"
+    if minimum and value == low:
+        return f"{value:g} can never fail: the metric is never below it"
+    return None
+
+
 def gate(results: dict, max_ppl_increase: float | None = None, max_kl: float | None = None,
          min_top1: float | None = None, min_cosine: float | None = None) -> list[dict]:
     """Threshold checks for CI: one row per (dataset, threshold)."""

@@ -18,8 +18,38 @@ from compress.errors import CompressError, first_line
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = PACKAGE_DIR / "assets" / "ref-llama"
 REPO_DIR = PACKAGE_DIR.parent
+# The bundled recipes and calibration texts: top-level directories of a checkout, and inside the
+# package of an installed wheel (pyproject.toml's package-dir maps them there).
+BUNDLED = {"recipes": "bundled_recipes", "calibration": "bundled_calibration"}
+
+
+def bundled_dir(kind: str) -> Path:
+    """The directory of the bundled `recipes` or `calibration`, wherever compress runs from."""
+    checkout = REPO_DIR / kind
+    return checkout if (REPO_DIR / "pyproject.toml").is_file() and checkout.is_dir() else PACKAGE_DIR / BUNDLED[kind]
+
+
+def bundled_file(p: Path) -> Path | None:
+    """`recipes/NAME.yaml` or `calibration/NAME.txt`, as recipes and the README name them, as the
+    bundled file from any working directory; None when it is not one."""
+    if p.is_absolute() or len(p.parts) < 2 or p.parts[0] not in BUNDLED:
+        return None
+    f = bundled_dir(p.parts[0]).joinpath(*p.parts[1:])
+    return f if f.exists() else None
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_reference(value, what: str) -> str | None:
+    """A model (or directory) given to the Python API as a str or a Path, as the string the CLI
+    would pass; anything else, a loaded model above all, is refused with what to pass instead."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise CompressError(f"{what}: expected a directory or hub id (a str or Path), got a {type(value).__name__}",
+                        "save a loaded model with save_pretrained(DIR) and pass DIR" if isinstance(value, torch.nn.Module)
+                        else f"pass {what} as a str or pathlib.Path")
 
 
 def resolve_model(ref: str) -> str:

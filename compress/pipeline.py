@@ -22,7 +22,7 @@ from compress import activations, modeling, packing, tasks as lm_tasks
 from compress.calibration import build_calibration, draw_seed, is_local_spec, read_texts, resolve_data_path
 from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
-from compress.evaluate import evaluate, gate, task_gate
+from compress.evaluate import evaluate, gate, task_gate, threshold_problem
 from compress.moe import fuse_experts, unfuse_experts
 from compress.quant import scales_stored_as
 from compress.recipe import EvaluationConfig, Recipe
@@ -69,7 +69,7 @@ def seed_everything(seed: int) -> None:
 
 def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = None, force: bool = False,
                device: str = "auto", dtype: str = "auto", seed: int = 0,
-               progress: Progress = lambda *_: None, format: str | None = None, resume: bool = False,
+               progress: Progress | None = None, format: str | None = None, resume: bool = False,
                baseline: str | None = None, cache_dir: str | None = None) -> dict:
     """Run every stage of `recipe` and write the compressed checkpoint; returns report.json's content.
 
@@ -84,6 +84,12 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     Under `accelerate launch` every process runs the stages (training stages split their batches
     across processes); only the main process saves, evaluates and returns the report, the others
     return {"skipped": True}."""
+    progress = progress or (lambda *_: None)
+    if not isinstance(recipe, Recipe):
+        raise CompressError(f"recipe: expected a Recipe, got a {type(recipe).__name__}",
+                            "pass load_recipe(PATH) or parse_recipe(TEXT)")
+    model, output = modeling.model_reference(model, "model"), modeling.model_reference(output, "output")
+    baseline, cache_dir = modeling.model_reference(baseline, "baseline"), modeling.model_reference(cache_dir, "cache_dir")
     requested = format or recipe.format
     if requested not in ("auto", "packed", "dense"):
         raise CompressError(f"unknown format {requested!r}", "use packed, dense or auto")
@@ -598,26 +604,44 @@ def check_sequence_lengths(recipe: Recipe, config) -> None:
 def evaluate_model(model: str, datasets: list[str], baseline: str | None = None, device: str = "auto",
                    seq_len: int = 256, max_windows: int = 256, max_sentences: int = 200, batch_size: int = 8,
                    thresholds: dict | None = None, tasks: lm_tasks.TaskRequest | None = None,
-                   progress: Progress = lambda *_: None) -> dict:
+                   progress: Progress | None = None) -> dict:
     """`compress eval` as a function: metrics per dataset and per lm-eval task, size, and
-    threshold checks."""
+    threshold checks. `datasets`: a list of text files or dataset names (one alone may be given
+    as it is); `thresholds`: {name: value} with the names of `compress eval`'s threshold options
+    (max_kl, min_top1, ...), each checked as the CLI checks it, before any model is loaded."""
+    progress = progress or (lambda *_: None)
+    model, baseline = modeling.model_reference(model, "model"), modeling.model_reference(baseline, "baseline")
+    datasets = [datasets] if isinstance(datasets, (str, os.PathLike)) else list(datasets or [])
+    datasets = [os.fspath(d) for d in datasets]
+    for name, value, least in (("seq_len", seq_len, 2), ("max_windows", max_windows, 1), ("max_sentences", max_sentences, 1),
+                               ("batch_size", batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise CompressError(f"{name}={value!r}: must be a whole number of at least {least}", f"pass {name} >= {least}")
     dev = pick_device(device)
-    thresholds = dict(thresholds or {})
+    thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None}
     on_tasks = list(inspect.signature(task_gate).parameters)[1:]  # the thresholds are the gates' keywords
     known = list(inspect.signature(gate).parameters)[1:] + on_tasks
     unknown = [k for k in thresholds if k not in known]
     if unknown:  # before any model is loaded
         raise CompressError(f"unknown threshold {unknown[0]!r}", f"use one of {', '.join(known)}")
+    for key, value in thresholds.items():
+        problem = threshold_problem(key, value)
+        if problem:
+            raise CompressError(f"--{key.replace('_', '-')}: {problem}", "give a threshold the metric can meet and miss")
+    against = next((k for k in ("max_ppl_increase", "max_kl", "min_top1", "min_cosine", "max_task_drop") if k in thresholds), None)
+    if against and baseline is None:
+        raise CompressError(f"--{against.replace('_', '-')} compares against the uncompressed model", "pass --baseline")
     task_thresholds = {k: thresholds.pop(k, None) for k in on_tasks}
     if not datasets and not (tasks and tasks.names):
         raise CompressError("no evaluation data given", "pass --data FILE, a text file (e.g. calibration/heldout-tinyshakespeare.txt), "
                             "or --tasks NAMES")
-    on_data = next((k for k, v in thresholds.items() if v is not None), None)
+    on_data = next(iter(thresholds), None)
     if on_data and not datasets:  # a gate that checks nothing must not pass
         raise CompressError(f"--{on_data.replace('_', '-')} is checked on the evaluation text, and none was given (--data)",
                             "pass --data FILE, or drop the threshold")
-    if task_thresholds["max_task_drop"] is not None and baseline is None:
-        raise CompressError("--max-task-drop compares against the uncompressed model", "pass --baseline")
+    on_task = next((k for k, v in task_thresholds.items() if v is not None), None)
+    if on_task and not (tasks and tasks.names):  # likewise
+        raise CompressError(f"--{on_task.replace('_', '-')} applies to lm-eval tasks, and none were given", "pass --tasks NAMES")
     progress("loading model", 0, 1)
     model_config = modeling.load_config(model)
     # A threshold the model's kind has no metric for is refused before any model is loaded.

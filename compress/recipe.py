@@ -276,12 +276,17 @@ def _duplicate_key(node: yaml.Node | None, visited: set | None = None) -> tuple[
     return None
 
 
-def parse_recipe(text: str, path: str = "<recipe>", default_calibration: dict | None = None) -> Recipe:
-    """Validate a recipe's text completely; raise CompressError on the first problem.
-    `default_calibration`: the calibration section a recipe gets when its stages need one and it
-    has none (`compress bench` gives the protocol's)."""
+def parse_recipe(text: Union[str, dict], path: str = "<recipe>", default_calibration: dict | None = None) -> Recipe:
+    """Validate a recipe's text (or the mapping it would load to) completely; raise CompressError
+    on the first problem. `default_calibration`: the calibration section a recipe gets when its
+    stages need one and it has none (`compress bench` gives the protocol's)."""
     from compress.stages import STAGES
 
+    if isinstance(text, dict):  # validated as the YAML it would be written as
+        text = yaml.safe_dump(text, sort_keys=False)
+    if not isinstance(text, str):
+        raise CompressError(f"{path}: a recipe is YAML text or a dict, not a {type(text).__name__}",
+                            "pass the recipe's text, a dict, or use load_recipe(PATH)")
     try:
         root = yaml.compose(text)
         data = yaml.safe_load(text)
@@ -383,11 +388,10 @@ def _why_calibration(cfg) -> str:
 
 def load_recipe(path: Union[str, Path], default_calibration: dict | None = None) -> Recipe:
     p = Path(path)
-    if not p.exists() and not p.is_absolute():
-        from compress.modeling import REPO_DIR
+    if not p.exists():
+        from compress.modeling import bundled_file
 
-        if (REPO_DIR / p).is_file():  # a bundled recipe by the name `compress recipes` lists, from any directory
-            p = REPO_DIR / p
+        p = bundled_file(p) or p  # a bundled recipe by the name `compress recipes` lists, from any directory
     if p.is_dir():
         raise CompressError(f"recipe {p} is a directory", "give the path of a .yaml recipe file")
     if not p.is_file():

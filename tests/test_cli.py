@@ -2,13 +2,14 @@
 inspect, plan, recipes, --json."""
 
 import json
+import re
 import xml.etree.ElementTree as ET
 
 import pytest
 import torch
 import yaml
 
-from compress import parse_recipe, run_recipe
+from compress import evaluate_model, parse_recipe, run_recipe
 from compress.cli import main
 from compress.errors import CompressError
 
@@ -145,6 +146,40 @@ def test_eval_of_a_model_with_nan_outputs_fails_every_gate(ref_llama, tmp_path, 
     # models had been evaluated); a missing model shows that it ran before any loading
     with pytest.raises(CompressError, match=r"unknown threshold 'max_kll'.*max_kl"):
         evaluate_model(str(tmp_path / "no-such-model"), [HELDOUT], baseline=str(ref_llama), thresholds={"max_kll": 1e-3})
+
+
+def test_python_api_takes_paths_and_dicts_and_refuses_bad_input_before_loading(ref_llama, tmp_path, monkeypatch):
+    """What a library caller passes: Paths for models and outputs (a Path model failed in
+    yaml.safe_dump after every stage had run), a dict recipe, one dataset as a string (it was
+    read character by character, each a hub dataset); and what the CLI refuses up front, the API
+    refuses too, before any model loads."""
+    from pathlib import Path
+
+    out = tmp_path / "w8"
+    report = run_recipe(parse_recipe({"stages": [{"rtn": {"scheme": "W8A16"}}]}), model=Path(ref_llama), output=out, device="cpu")
+    assert report["source_model"]["ref"] == str(ref_llama) and (out / "model.safetensors").is_file()
+    result = evaluate_model(out, HELDOUT, baseline=Path(ref_llama), max_windows=2, thresholds={"max_kl": 1e-3})
+    assert list(result["results"]) == [HELDOUT] and result["passed"]
+
+    from compress import modeling
+
+    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    for kwargs, words in (
+        ({"thresholds": {"min_task_score": 0.5}}, "--min-task-score applies to lm-eval tasks, and none were given"),
+        ({"thresholds": {"max_kl": -1.0}, "baseline": str(ref_llama)}, "--max-kl: -1 is outside [0, inf]"),
+        ({"thresholds": {"max_kl": "0.1"}, "baseline": str(ref_llama)}, "--max-kl: must be a number, not '0.1'"),
+        ({"thresholds": {"min_top1": 0.0}, "baseline": str(ref_llama)}, "can never fail"),
+        ({"thresholds": {"max_kl": 1e-3}}, "--max-kl compares against the uncompressed model"),
+        ({"max_windows": 0}, "max_windows=0: must be a whole number of at least 1"),
+        ({"seq_len": 1}, "seq_len=1: must be a whole number of at least 2"),
+    ):
+        with pytest.raises(CompressError, match=re.escape(words)):
+            evaluate_model(str(out), [HELDOUT], **kwargs)
+    with pytest.raises(CompressError, match="a recipe is YAML text or a dict, not a NoneType"):
+        parse_recipe(None)
+    with pytest.raises(CompressError, match="got a Linear") as err:
+        run_recipe(parse_recipe("stages: [{rtn: {scheme: W8A16}}]"), model=torch.nn.Linear(2, 2), output=tmp_path / "x")
+    assert "save_pretrained" in err.value.hint and not (tmp_path / "x").exists()
 
 
 def test_eval_identical_model_has_zero_kl(ref_llama, capsys):
