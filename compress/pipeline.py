@@ -355,20 +355,24 @@ def forget_earlier_grids(index: int, name: str, stage, net: torch.nn.Module, lay
     """A quantization stage on layers an earlier stage (or the input model) already quantized
     rounds the earlier grid's values again (rtn W4 then rtn W8 stores W4's values as W8): say so,
     as `compress plan` does (the warnings returned), and drop what the earlier quantization
-    recorded of its own work, which would otherwise stand beside the new stage's. QAT is left
-    alone: it is meant to start from an earlier grid, and reports against it itself."""
-    if stage_weights(stage) is None or name == "qat" or not hasattr(stage, "select"):
+    recorded of its own work, which would otherwise stand beside the new stage's. QAT is meant to
+    start from an earlier grid and reports against it itself: it is warned about only onto another
+    grid, as the plan does, and its records are left alone."""
+    weights = stage_weights(stage)
+    if weights is None or not hasattr(stage, "select"):
         return []
+    qat = name == "qat"
     again: dict[str, list[str]] = {}
     for n in stage.select(net, name):
         record = layers.get(n, {})
-        if record.get("weights") is None:
+        if record.get("weights") is None or (qat and QuantArgs(**record["weights"]) == weights):
             continue
         earlier = f"{record.get('stage', 'an earlier stage')}: {QuantArgs(**record['weights']).describe()}"
         again.setdefault(earlier, []).append(n)
-        for key in DROPPED_WHEN_REQUANTIZED:
-            record.pop(key, None)
-        record["requantized_from"] = earlier
+        if not qat:
+            for key in DROPPED_WHEN_REQUANTIZED:
+                record.pop(key, None)
+            record["requantized_from"] = earlier
     return [requantized_warning(index, name, earlier, len(names)) + ": their errors are measured from those values, "
             f"not from the float weights (first: {names[0]})" for earlier, names in again.items()]
 

@@ -715,6 +715,25 @@ def test_a_run_that_quantizes_what_an_earlier_stage_quantized_says_so_and_forget
     assert "- warning: stage 2 (rtn)" in (tmp_path / "o/report.md").read_text()
 
 
+def test_a_qat_run_onto_another_grid_is_warned_about_as_the_plan_does(tmp_path):
+    """QAT trains from an earlier stage's values: at the same scheme that is the point (no word),
+    onto another grid the run now warns as `compress plan` did, and keeps QAT's records."""
+    from compress import parse_recipe, run_recipe
+
+    head = ("model: default\ncalibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 32}\nstages:\n"
+            "  - rtn: {scheme: W4A16, targets: ['re:.*mlp.*']}\n")
+    qat = ", targets: ['re:.*mlp.*'], data: {seq_len: 32, eval_samples: 1}, train: {steps: 1, batch_size: 2}}\n"
+    warned = {}
+    for scheme in ("W4A16", "W8A16"):
+        report = run_recipe(parse_recipe(head + "  - qat: {scheme: " + scheme + qat, "t"), output=str(tmp_path / scheme), device="cpu")
+        warned[scheme] = report.get("warnings", [])
+        assert all(r["stage"] == "qat" and "qat_init" in r and "requantized_from" not in r
+                   for n, r in report["layers"].items() if ".mlp." in n)
+    assert warned["W4A16"] == []
+    [warning] = warned["W8A16"]
+    assert warning.startswith("stage 2 (qat) quantizes 12 layers that are already quantized (rtn: int4 g128 sym)"), warning
+
+
 def test_a_layer_quantized_again_keeps_its_activation_quantization_and_its_zeros_stay_grid_values(tmp_path):
     """rtn W8A8 with static activations, then GPTQ W4A16: the activations stay quantized (their
     fake-quant is still attached, and the checkpoint says so), and the zeros of an earlier grid
