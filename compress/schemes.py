@@ -145,7 +145,13 @@ class QuantScheme(BaseModel):
 
     @model_validator(mode="after")
     def _activations_are_per_token_or_tensor(self) -> "QuantScheme":
-        a = self.input_activations
+        w, a = self.weights, self.input_activations
+        # weights are rounded once, from themselves: no tokens and no per-input ranges
+        if w is not None and w.strategy == "token":
+            raise ValueError("weights have no tokens: strategy token is for input_activations; use channel, group or tensor")
+        if w is not None and w.dynamic:
+            raise ValueError("weights are quantized once, from the weights themselves: dynamic is for input_activations; "
+                             "drop weights.dynamic")
         if a is not None and a.fp4_format == "nvfp4" and a.dynamic:
             raise ValueError("NVFP4 activations have block scales from each input under a global scale calibrated once: "
                              "set dynamic: false")

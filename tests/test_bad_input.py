@@ -135,6 +135,14 @@ def _negative_group(tmp):
     return quantize(tmp, "stages:\n  - rtn:\n      weights:\n        strategy: group\n        group_size: -64\n")
 
 
+def _weights_per_token(tmp):  # an internal error (compressed-tensors' validation) before
+    return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n      weights: {strategy: token}\n")
+
+
+def _weights_dynamic(tmp):
+    return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n      weights: {dynamic: true}\n")
+
+
 def _group_with_channel(tmp):
     return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n      weights:\n        strategy: channel\n"
                          "        group_size: 64\n")
@@ -743,6 +751,8 @@ CASES = [
     Case("num-bits-9", _num_bits(9), ["r.yaml:5", "num_bits", "8"]),
     Case("negative-group-size", _negative_group, ["r.yaml:5", "group_size"]),
     Case("group-size-with-channel", _group_with_channel, ["r.yaml", "group_size", "channel", "strategy: group"]),
+    Case("weights-per-token", _weights_per_token, ["r.yaml:3", "stages.0.rtn", "weights have no tokens", "channel, group or tensor"]),
+    Case("weights-dynamic", _weights_dynamic, ["r.yaml:3", "stages.0.rtn", "dynamic is for input_activations"]),
     Case("unknown-preset", _unknown_preset, ["r.yaml:3", "W3A77", "W8A16"]),
     Case("missing-stages", _missing_stages, ["r.yaml", "stages"]),
     Case("empty-stages", _empty_stages, ["r.yaml:2", "stages"]),
