@@ -224,7 +224,10 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
     masked()
     mask_of = {id(p): m for p, m in masks}
     n = len(train_ids)
+    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation * train_ids.shape[1]
     last: dict = {}
+    interval: dict[str, float] = {}  # training losses summed since the last history entry
+    interval_steps = 0
     while state.step < cfg.steps:
         step = state.step + 1
         for group in optimizer.param_groups:
@@ -256,9 +259,16 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
         last = {"step": step, "lr": optimizer.param_groups[0]["lr"], **{f"train_{k}": v for k, v in sums.items()}}
         if grad_norm is not None:
             last["grad_norm"] = grad_norm
+        for k, v in sums.items():
+            interval[k] = interval.get(k, 0.0) + v
+        interval_steps += 1
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             last.update({f"eval_{k}": v for k, v in evaluate().items()})
-            state.history.append(last)
+            # the curve's training losses: the mean over the steps since the previous point, not
+            # the one step that happened to land on it (one batch's loss is noisy)
+            state.history.append({**last, **{f"train_{k}": v / interval_steps for k, v in interval.items()},
+                                  "train_steps": interval_steps, "tokens_seen": step * tokens_per_step})
+            interval, interval_steps = {}, 0
         shown = " ".join(f"{k} {v:.4g}" for k, v in sums.items())
         if "ce" in sums:
             shown += f" ppl {math.exp(min(sums['ce'], 50)):.2f}"
@@ -277,7 +287,7 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
     return {"steps": cfg.steps, "resumed_from_step": resumed_from or None, "processes": world,
             "distributed": getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type)),
             "mixed_precision": accelerator.mixed_precision, "train_samples": n, "eval_samples": len(eval_ids),
-            "tokens_per_step": cfg.batch_size * cfg.gradient_accumulation * train_ids.shape[1],
+            "tokens_per_step": tokens_per_step,
             "eval_before": start, "eval_after": final, "last_step": last, "history": state.history}
 
 

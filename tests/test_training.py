@@ -130,21 +130,29 @@ def _pair(seed=0):
     return teacher, student
 
 
-def _run(student, teacher, tmp, steps=6, stop_after=None, resume=False, masks=()):
+def _run(student, teacher, tmp, steps=6, stop_after=None, resume=False, masks=(), progress=lambda *_: None):
     ids = torch.randint(0, 64, (40, 16), generator=torch.Generator().manual_seed(3))
     objective = DistillationObjective(student, teacher, DistillLoss(temperature=2.0), causal=True)
     cfg = TrainingConfig(steps=steps, batch_size=4, gradient_accumulation=2, lr=1e-2, warmup=2, eval_every=3, save_every=2)
     return train(objective, ids[:32], ids[32:], cfg, param_groups=[{"params": list(student.parameters()), "lr": cfg.lr}],
                  device=torch.device("cpu"), seed=5, masks=masks, checkpoint_dir=tmp, resume=resume, fingerprint="f",
-                 stop_after=stop_after)
+                 stop_after=stop_after, progress=progress)
 
 
 def test_distillation_lowers_the_held_out_kd_loss(tmp_path):
     teacher, student = _pair()
-    result = _run(student, teacher, tmp_path / "ck", steps=12)
+    shown = []  # each step's training KD loss, as the progress line shows it (4 digits)
+    result = _run(student, teacher, tmp_path / "ck", steps=12,
+                  progress=lambda text, *_: shown.append(float(text.split(" kd ")[1].split()[0])) if " kd " in text else None)
     before, after = result["eval_before"]["eval_kd"], result["eval_after"]["eval_kd"]
     assert after < 0.7 * before, (before, after)
     assert [h["step"] for h in result["history"]] == [0, 3, 6, 9, 12]
+    # each point of the curve averages the training loss over the steps since the one before
+    assert len(shown) == 12
+    for point in result["history"][1:]:
+        step = point["step"]
+        assert point["train_steps"] == 3 and point["tokens_seen"] == step * 4 * 2 * 16
+        assert point["train_kd"] == pytest.approx(sum(shown[step - 3: step]) / 3, rel=1e-3)
 
 
 def test_resume_is_exact(tmp_path):
