@@ -214,6 +214,12 @@ def test_default_tokenizer_round_trip_for_generated_data(tmp_path):
     c = generated_sequences(teacher, tok, cfg.model_copy(update={"cache_dir": str(tmp_path / "third"), "batch_size": 3}),
                             10, "hash", seed=1)
     assert torch.equal(a, c)
+    # hybrid sampling (LLM-QAT): after the random first token, the first 3 are the teacher's argmax
+    d = generated_sequences(teacher, tok, cfg.model_copy(update={"cache_dir": str(tmp_path / "greedy"), "greedy_tokens": 3}),
+                            10, "hash", seed=1)
+    with torch.no_grad():
+        argmax = teacher(input_ids=d).logits.argmax(-1)
+    assert torch.equal(d[:, 0], a[:, 0]) and torch.equal(d[:, 1:4], argmax[:, 0:3]) and not torch.equal(d[:, 4:], argmax[:, 3:-1])
     with torch.no_grad():  # the cache is what is read: damage it recognisably
         torch.save(torch.zeros(5, 10, dtype=torch.long), next(tmp_path.glob("*.pt")))
     assert int(generated_sequences(teacher, tok, cfg, 10, "hash", seed=1).sum()) == 0
