@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from html import escape
 
-from compress.schemes import weights_label
 from compress.svg import Point, bars, scatter
 
 CSS = """
@@ -58,50 +57,38 @@ def table(header: list[str], rows: list[list], numeric: set[int] | None = None) 
 
 
 def run_html(report: dict) -> str:
-    """The page for one quantize / prune (or distill) run, from report.json's content."""
-    src = report.get("source_model", {})
-    v = report.get("versions", {})
-    body = ["<ul class=meta>",
-            f"<li>source model: <code>{escape(str(src.get('ref')))}</code> ({_num(src.get('parameters'))} parameters, {escape(str(src.get('dtype')))})</li>",
-            f"<li>recipe: <code>{escape(str(report.get('recipe_source')))}</code>; seed {escape(str(report.get('seed')))}; device {escape(str(report.get('device')))}</li>"]
-    cal = report.get("calibration")
-    if cal:
-        body.append(f"<li>calibration: <code>{escape(str(cal['source']))}</code>, {cal['num_samples']} samples, {_num(cal['tokens'])} tokens</li>")
-    if v:
-        body.append("<li>versions: " + escape(", ".join(f"{k} {val}" for k, val in v.items())) + "</li>")
+    """The page for one quantize / prune (or distill) run, from report.json's content: what
+    report.md says (report.py builds both from the same rows), with the per-layer plots."""
+    from compress.report import METRIC_LABELS, TASK_COLUMNS, layer_rows, provenance, size_lines, stage_rows, task_rows
+
+    body = ["<ul class=meta>"] + [f"<li>{escape(line)}</li>" for line in provenance(report)]
+    body += [f"<li><strong>warning:</strong> {escape(w)}</li>" for w in report.get("warnings", [])]
     body.append("</ul>")
-    body += ["<h2>Stages</h2>", table(["stage", "wall s", "peak RSS MiB", "summary"],
-             [[s["name"], f"{s['wall_s']:.2f}", f"{s['peak_rss_mib']:.0f}",
-               ", ".join(f"{k} {_num(val) if isinstance(val, (int, float)) and not isinstance(val, bool) else val}"
-                         for k, val in s["summary"].items())] for s in report.get("stages", [])], {1, 2})]
-    out = report.get("output") or {}
-    if out:
-        body += ["<h2>Size</h2>", table(["", "value"], [
-            ["parameters", _num(out.get("parameters"))],
-            ["nonzero parameters", _num(out.get("nonzero_parameters"))],
-            ["bytes on disk", _num(out.get("bytes_on_disk"))],
-            ["bits / parameter on disk", _num(out.get("bits_per_parameter_on_disk"), ".2f")],
-            ["bits / parameter packed (ideal)", _num(out.get("bits_per_parameter_packed"), ".2f")],
-            ["format", (report.get("format") or {}).get("format", "–")]], {1})]
+    body += ["<h2>Stages</h2>", table(["stage", "wall s", "peak RSS MiB", "summary"], stage_rows(report), {1, 2})]
+    body += ["<h2>Size</h2>", "<ul class=meta>"] + [f"<li>{escape(line)}</li>" for line in size_lines(report)] + ["</ul>"]
     layers = report.get("layers") or {}
     errors = [(n, r["relative_error"]) for n, r in layers.items() if isinstance(r.get("relative_error"), (int, float))]
     sparsity = [(n, r["sparsity"]) for n, r in layers.items() if isinstance(r.get("sparsity"), (int, float))]
+    header, rows, note = layer_rows(report)
     body.append("<h2>Layers</h2>")
     if errors:
-        body.append(bars(errors, "relative weight error ‖W − Ŵ‖ / ‖W‖", title="per-layer relative error"))
+        body.append(bars(errors, "relative weight error ‖W − Ŵ‖ / ‖W‖ (last stage)", title="per-layer relative error"))
     if sparsity:
         body.append(bars(sparsity, "share of zero weights", title="per-layer sparsity"))
     if not errors and not sparsity:
         body.append("<p class=note>No per-layer error was recorded by these stages.</p>")
-    body.append(table(["layer", "shape", "weights", "relative error"] + (["sparsity"] if sparsity else []),
-                      [[n, "x".join(map(str, r.get("shape", []))), weights_label(r.get("weights")), _num(r.get("relative_error"))]
-                       + ([_num(r.get("sparsity"))] if sparsity else []) for n, r in layers.items()], {3, 4}))
-    ev = report.get("evaluation")
-    if ev:
+    body += [f"<p class=note>{escape(note)}.</p>", table(header, rows, set(range(4, len(header))))]
+    ev, tasks = report.get("evaluation"), report.get("tasks")
+    if ev or tasks:
         body.append("<h2>Evaluation</h2>")
-        for spec, r in ev.items():
-            body += [f"<h3>{escape(str(spec))}</h3>", table(["metric", "value"], [[k, _num(val, ".6g")] for k, val in r.items()], {1})]
-    return page("compress report", body)
+        for spec, r in (ev or {}).items():
+            body += [f"<h3>{escape(str(spec))}</h3>",
+                     table(["metric", "value"], [[METRIC_LABELS.get(k, k), _num(val, ".6g")] for k, val in r.items()], {1})]
+        if tasks:
+            body += ["<h3>tasks</h3>", table(TASK_COLUMNS, task_rows(tasks), set(range(2, len(TASK_COLUMNS))))]
+    elif report.get("evaluation_note"):
+        body += ["<h2>Evaluation</h2>", f"<p class=note>Evaluation {escape(report['evaluation_note'])}</p>"]
+    return page(f"compress report: {report.get('source_model', {}).get('ref', '')}", body)
 
 
 # ---------------------------------------------------------------------------------------------

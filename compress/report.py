@@ -26,6 +26,8 @@ def versions() -> dict:
 
 def _fmt(v) -> str:
     if isinstance(v, float):
+        if not math.isfinite(v):  # report.json has null there (strict_json)
+            return "-"
         if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
             return f"{v:.3e}"
         return f"{v:.4f}"
@@ -74,7 +76,8 @@ def evaluation_markdown(results: dict, size: dict | None = None, checks: list[di
         lines += [f"**{'FAIL' if failed else 'PASS'}**: {len(checks) - len(failed)}/{len(checks)} thresholds met", ""]
         lines += ["| dataset | metric | value | threshold | result |", "| --- | --- | ---: | ---: | --- |"]
         for c in checks:
-            lines.append(f"| {c['dataset']} | {c['metric']} | {_fmt(c['value'])} | {c['comparison']} {_fmt(c['threshold'])} "
+            # six digits, as the JUnit message: four could print 0.9175 >= 0.9175 beside a fail
+            lines.append(f"| {c['dataset']} | {c['metric']} | {c['value']:.6g} | {c['comparison']} {c['threshold']:.6g} "
                          f"| {'pass' if c['passed'] else '**fail**'} |")
         lines.append("")
     for spec, r in results.items():
@@ -107,47 +110,86 @@ def junit_xml(checks: list[dict], name: str = "compress-eval") -> str:
             f'failures="{failures}">\n' + "\n".join(cases) + "\n</testsuite>\n")
 
 
-def run_markdown(report: dict) -> str:
+def provenance(report: dict) -> list[str]:
+    """Where a run came from, one line each (report.md's list, report.html's too): the source
+    model and its weights' hash, recipe, seed and device, calibration, versions."""
     src = report["source_model"]
-    lines = [
-        "# compress report",
-        "",
-        f"- source model: `{src['ref']}` (sha256 of weights `{(src.get('weights_sha256') or 'unknown')[:16]}…`, {src['parameters']:,} parameters, {describe_dtype(src)})",
-        f"- recipe: `{report['recipe_source']}`; seed {report['seed']}; device {report['device']}",
-    ]
+    lines = [f"source model: {src['ref']} (sha256 of weights {(src.get('weights_sha256') or 'unknown')[:16]}…, "
+             f"{src['parameters']:,} parameters, {describe_dtype(src)})",
+             f"recipe: {report['recipe_source']}; seed {report['seed']}; device {report['device']}"]
     cal = report.get("calibration")
     if cal:
-        lines.append(f"- calibration: `{cal['source']}`, {cal['num_samples']} samples, {cal['tokens']:,} tokens, fingerprint `{cal['fingerprint'][:16]}…`")
+        lines.append(f"calibration: {cal['source']}, {cal['num_samples']} samples, {cal['tokens']:,} tokens, "
+                     f"fingerprint {cal['fingerprint'][:16]}…")
     v = report["versions"]
-    lines.append(f"- versions: compress {v['compress']}, torch {v['torch']}, transformers {v['transformers']}, python {v['python']}")
-    lines += [f"- warning: {w}" for w in report.get("warnings", [])]
-    lines += ["", "## Stages", "", "| stage | wall s | peak RSS MiB | summary |", "| --- | ---: | ---: | --- |"]
-    for s in report["stages"]:
-        summary = ", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items() if not isinstance(v, dict))
-        name = s["name"] + (" (from the stage cache)" if s.get("from_cache") else "")
-        lines.append(f"| {name} | {s.get('wall_s', 0):.2f} | {s.get('peak_rss_mib', 0):.0f} | {summary} |")
-    pruned = any("sparsity" in rec for rec in report["layers"].values())
-    lines += ["", "## Layers", "", "| layer | shape | weights | activations | relative error |" + (" sparsity |" if pruned else ""),
-              "| --- | --- | --- | --- | ---: |" + (" ---: |" if pruned else "")]
-    for name, rec in report["layers"].items():
-        w = rec.get("weights") or {}
+    lines.append(f"versions: compress {v['compress']}, torch {v['torch']}, transformers {v['transformers']}, python {v['python']}")
+    return lines
+
+
+def stage_rows(report: dict) -> list[list[str]]:
+    """stage (marked when the stage cache restored it), wall s, peak RSS MiB, and the summary's
+    flat values (nested details are in report.json)."""
+    return [[s["name"] + (" (from the stage cache)" if s.get("from_cache") else ""), f"{s.get('wall_s', 0):.2f}",
+             f"{s.get('peak_rss_mib', 0):.0f}",
+             ", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items() if not isinstance(v, (dict, list)))]
+            for s in report["stages"]]
+
+
+LAYER_NOTE = ("relative error: ‖W − Ŵ‖ / ‖W‖ of the last stage that changed the layer, against the weights that stage "
+              "received (a quantization after pruning: against the pruned weights)")
+PRUNING_NOTE = "; pruning error: the pruning stage's, against the weights it received"
+
+
+def layer_rows(report: dict) -> tuple[list[str], list[list[str]], str]:
+    """The per-layer table of report.md and report.html: header, rows, and what its errors are
+    measured against. A layer pruned then quantized shows both stages' errors: the quantization's
+    alone, next to a sparsity, once read as the layer's whole error."""
+    layers = report["layers"]
+    pruned = any("sparsity" in rec for rec in layers.values())
+    both = any("pruning_relative_error" in rec and rec.get("weights") for rec in layers.values())
+    header = (["layer", "shape", "weights", "activations", "relative error"] + (["pruning error"] if both else [])
+              + (["sparsity"] if pruned else []))
+    rows = []
+    for name, rec in layers.items():
         a = rec.get("input_activations")
-        wdesc = weights_label(w)
-        adesc = f"{a['type']}{a['num_bits']} {a['strategy']}{' dynamic' if a.get('dynamic') else ' static'}" if a else "-"
-        sparse = ""
+        row = [name, "x".join(map(str, rec.get("shape", []))), weights_label(rec.get("weights") or {}),
+               f"{a['type']}{a['num_bits']} {a['strategy']}{' dynamic' if a.get('dynamic') else ' static'}" if a else "-",
+               _fmt(rec["relative_error"]) if "relative_error" in rec else "-"]
+        if both:
+            row.append(_fmt(rec["pruning_relative_error"]) if "pruning_relative_error" in rec else "-")
         if pruned:
-            sparse = f" {rec['sparsity']:.4f}{' (' + rec['pattern'] + ')' if rec.get('pattern') else ''} |" if "sparsity" in rec else " - |"
-        lines.append(f"| {name} | {'x'.join(map(str, rec.get('shape', [])))} | {wdesc} | {adesc} | {_fmt(rec['relative_error']) if 'relative_error' in rec else '-'} |{sparse}")
+            row.append(f"{rec['sparsity']:.4f}{' (' + rec['pattern'] + ')' if rec.get('pattern') else ''}" if "sparsity" in rec else "-")
+        rows.append(row)
+    return header, rows, LAYER_NOTE + (PRUNING_NOTE if both else "")
+
+
+def size_lines(report: dict) -> list[str]:
     out = report["output"]
     nonzero = out.get("nonzero_parameters")
-    lines += ["", "## Size", "", f"- parameters: {out['parameters']:,}"
-              + (f" ({nonzero:,} nonzero, {1 - nonzero / out['parameters']:.2%} zeros; stored densely)" if nonzero is not None and nonzero < out["parameters"] else ""),
-              f"- weights on disk: {out['bytes_on_disk']:,} bytes ({out['bits_per_parameter_on_disk']:.2f} bits/parameter; "
-              f"{_storage(report)})",
-              f"- bits/parameter packed, ideally (codes at their width, scales in the model's dtype or FP4's 8-bit block "
-              f"scales, zero-points at the code width): {out['bits_per_parameter_packed']:.2f}"]
+    pruned = any("sparsity" in rec for rec in report["layers"].values())
+    zeros = (f" ({nonzero:,} nonzero, {1 - nonzero / out['parameters']:.2%} zeros; stored densely)"
+             if pruned and nonzero is not None and nonzero < out["parameters"] else "")  # not a 4-bit grid's rounded zeros
+    return [f"parameters: {out['parameters']:,}{zeros}",
+            f"weights on disk: {out['bytes_on_disk']:,} bytes ({out['bits_per_parameter_on_disk']:.2f} bits/parameter; "
+            f"{_storage(report)})",
+            f"bits/parameter packed, ideally (codes at their width, scales in the model's dtype or FP4's 8-bit block "
+            f"scales, zero-points at the code width): {out['bits_per_parameter_packed']:.2f}"]
+
+
+def run_markdown(report: dict) -> str:
+    lines = ["# compress report", ""] + [f"- {line}" for line in provenance(report)]
+    lines += [f"- warning: {w}" for w in report.get("warnings", [])]
+    lines += ["", "## Stages", "", "| stage | wall s | peak RSS MiB | summary |", "| --- | ---: | ---: | --- |"]
+    lines += ["| " + " | ".join(row) + " |" for row in stage_rows(report)]
+    header, rows, note = layer_rows(report)
+    lines += ["", "## Layers", "", note + ".", "", "| " + " | ".join(header) + " |",
+              "| " + " | ".join("---" if i < 4 else "---:" for i in range(len(header))) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", "## Size", ""] + [f"- {line}" for line in size_lines(report)]
     if report.get("evaluation") or report.get("tasks"):
         lines += ["", "## Evaluation", "", evaluation_markdown(report.get("evaluation") or {}, tasks=report.get("tasks"))]
+    elif report.get("evaluation_note"):  # asked for, not run (offload: disk)
+        lines += ["", "## Evaluation", "", f"Evaluation {report['evaluation_note']}"]
     return "\n".join(lines) + "\n"
 
 

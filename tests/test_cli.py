@@ -62,6 +62,7 @@ def test_quantize_writes_complete_checkpoint(w8_output, ref_llama):
     size = (w8_output / "report.md").read_text().split("## Size")[1]
     assert "28 quantized layers packed (pack-quantized, scales in float32), the rest in float32" in size, size
     assert "dequantized" not in size
+    assert "zeros" not in size  # nothing was pruned: a grid's rounded zeros are not sparsity
 
 
 def test_output_files_have_the_usual_modes(w8_output):
@@ -83,7 +84,7 @@ def test_eval_gate_pass_and_fail(w8_output, ref_llama, tmp_path, capsys):
                    "--max-ppl-increase", 2, "--max-kl", 1e-3, "--report", md, "--junit", junit, "--max-windows", 16)
     assert rc == 0
     assert "PASS" in md.read_text() and "token perplexity" in md.read_text() and "word perplexity" in md.read_text()
-    assert "| <= 0.0010 | pass |" in md.read_text()  # the threshold says which side passes
+    assert "| <= 0.001 | pass |" in md.read_text()  # the threshold says which side passes
     suite = ET.parse(junit).getroot()
     assert suite.get("tests") == "2" and suite.get("failures") == "0"
 

@@ -79,3 +79,64 @@ def test_the_output_says_what_its_source_was_and_keeps_its_config(ref_llama, tmp
     inspected = json.loads(capsys.readouterr().out)
     assert inspected["summary"]["sizes"]["bytes_on_disk"] == report["output"]["bytes_on_disk"]
     assert inspected["summary"]["source_model"]["dtype_on_disk"] == "float32"
+
+
+def _html_tables(html: str) -> list[list[list[str]]]:
+    """Every <table> of a page as rows of cell texts."""
+    from html.parser import HTMLParser
+
+    class Tables(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tables, self.cell = [], None
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "table":
+                self.tables.append([])
+            elif tag == "tr":
+                self.tables[-1].append([])
+            elif tag in ("td", "th"):
+                self.cell = ""
+
+        def handle_endtag(self, tag):
+            if tag in ("td", "th"):
+                self.tables[-1][-1].append(self.cell)
+                self.cell = None
+
+        def handle_data(self, data):
+            if self.cell is not None:
+                self.cell += data
+
+    parser = Tables()
+    parser.feed(html)
+    return parser.tables
+
+
+def test_markdown_and_html_show_the_same_layers_warnings_and_a_pruned_layers_own_error(ref_llama, tmp_path):
+    """Magnitude 50 % then RTN W8 then RTN W4: the relative error a quantization records is
+    against the pruned weights, so the tables show the pruning's own error beside it (0.006 was
+    read as the error of a layer half of whose weights were gone); report.html has the warning
+    report.md has, and the same layer rows; a word perplexity past float range is a dash in both,
+    as it is null in report.json (report.md printed inf)."""
+    text = tmp_path / "zh.txt"
+    text.write_text("我们今天在这里讨论模型压缩的问题，这是一个非常重要的研究方向。" * 40)
+    recipe = (f"stages:\n  - magnitude: {{sparsity: 0.5}}\n  - rtn: {{scheme: W8A16}}\n  - rtn: {{scheme: W4A16}}\n"
+              f"evaluation: {{datasets: [{text}], seq_len: 64, max_windows: 2}}\n")
+    out = tmp_path / "out"
+    report = run_recipe(parse_recipe(recipe, "t"), model=str(ref_llama), output=str(out), device="cpu")
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert report["evaluation"][str(text)]["word_perplexity"] is None or report["evaluation"][str(text)]["word_perplexity"] > 1e300
+    assert "| inf |" not in md and "| nan |" not in md and "word perplexity (lm-eval: exp(NLL / words)) | - |" in md
+    [warning] = report["warnings"]
+    assert f"- warning: {warning}" in md and f"<strong>warning:</strong> {warning}" in html.replace("&#x27;", "'")
+
+    down = report["layers"]["model.layers.0.mlp.down_proj"]
+    md_rows = [[c.strip() for c in line.strip("|").split("|")] for line in md.split("## Layers")[1].split("## Size")[0].splitlines()
+               if line.startswith("| ") and not line.startswith("| ---")]
+    header, rows = md_rows[0], md_rows[1:]
+    assert header == ["layer", "shape", "weights", "activations", "relative error", "pruning error", "sparsity"]
+    row = next(r for r in rows if r[0] == "model.layers.0.mlp.down_proj")
+    assert row[4] == f"{down['relative_error']:.4f}" and row[5] == f"{down['pruning_relative_error']:.4f}"
+    assert down["pruning_relative_error"] > 0.2 and row[6] == "0.5000"
+    [html_layers] = [t for t in _html_tables(html) if t and t[0][:2] == ["layer", "shape"]]
+    assert html_layers == md_rows  # the same cells, one source
