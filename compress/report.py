@@ -126,12 +126,18 @@ def provenance(report: dict) -> list[str]:
     return lines
 
 
+def stage_header(report: dict) -> list[str]:
+    gpu = any(s.get("peak_cuda_mib") for s in report["stages"])
+    return ["stage", "wall s", "peak RSS MiB"] + (["peak GPU MiB"] if gpu else []) + ["summary"]
+
+
 def stage_rows(report: dict) -> list[list[str]]:
-    """stage (marked when the stage cache restored it), wall s, peak RSS MiB, and the summary's
-    flat values (nested details are in report.json)."""
+    """stage (marked when the stage cache restored it), wall s, peak RSS MiB, peak GPU memory
+    when a stage used a GPU, and the summary's flat values (nested details are in report.json)."""
+    gpu = any(s.get("peak_cuda_mib") for s in report["stages"])
     return [[s["name"] + (" (from the stage cache)" if s.get("from_cache") else ""), f"{s.get('wall_s', 0):.2f}",
-             f"{s.get('peak_rss_mib', 0):.0f}",
-             ", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items() if not isinstance(v, (dict, list)))]
+             f"{s.get('peak_rss_mib', 0):.0f}"] + ([f"{s.get('peak_cuda_mib') or 0:.0f}"] if gpu else [])
+            + [", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items() if not isinstance(v, (dict, list)))]
             for s in report["stages"]]
 
 
@@ -169,9 +175,13 @@ def size_lines(report: dict) -> list[str]:
     pruned = any("sparsity" in rec for rec in report["layers"].values())
     zeros = (f" ({nonzero:,} nonzero, {1 - nonzero / out['parameters']:.2%} zeros; stored densely)"
              if pruned and nonzero is not None and nonzero < out["parameters"] else "")  # not a 4-bit grid's rounded zeros
+    source = report["source_model"].get("bytes")
+    smaller = f", {source / out['bytes_on_disk']:.2f}x smaller than the source's {source:,}" if source and out["bytes_on_disk"] else ""
+    kv = report.get("kv_cache")
     return [f"parameters: {out['parameters']:,}{zeros}",
-            f"weights on disk: {out['bytes_on_disk']:,} bytes ({out['bits_per_parameter_on_disk']:.2f} bits/parameter; "
+            f"weights on disk: {out['bytes_on_disk']:,} bytes{smaller} ({out['bits_per_parameter_on_disk']:.2f} bits/parameter; "
             f"{_storage(report)})",
+            *([f"KV cache: {len(kv['ranges'])} attention layers' keys and values in float8 e4m3, one static scale each"] if kv else []),
             f"bits/parameter packed, ideally (codes at their width, scales in the model's dtype or FP4's 8-bit block "
             f"scales, zero-points at the code width): {out['bits_per_parameter_packed']:.2f}"]
 
@@ -179,7 +189,9 @@ def size_lines(report: dict) -> list[str]:
 def run_markdown(report: dict) -> str:
     lines = ["# compress report", ""] + [f"- {line}" for line in provenance(report)]
     lines += [f"- warning: {w}" for w in report.get("warnings", [])]
-    lines += ["", "## Stages", "", "| stage | wall s | peak RSS MiB | summary |", "| --- | ---: | ---: | --- |"]
+    header = stage_header(report)
+    lines += ["", "## Stages", "", "| " + " | ".join(header) + " |",
+              "| --- | " + "---: | " * (len(header) - 2) + "--- |"]
     lines += ["| " + " | ".join(row) + " |" for row in stage_rows(report)]
     header, rows, note = layer_rows(report)
     lines += ["", "## Layers", "", note + ".", "", "| " + " | ".join(header) + " |",

@@ -118,11 +118,13 @@ def test_reloads_evaluate_as_the_run_did(w4_kv, tmp_path):
         assert again["results"][HELD]["token_perplexity"] == pytest.approx(report["evaluation"][HELD]["token_perplexity"], rel=1e-9)
 
 
-def test_inspect_names_the_kv_cache(w4_kv, capsys):
+def test_inspect_and_the_reports_name_the_kv_cache(w4_kv, capsys):
     out, report = w4_kv
     assert main(["inspect", str(out)]) == 0
     assert "KV cache: fp8 e4m3" in capsys.readouterr().out
     assert inspect_checkpoint(out)["summary"]["kv_cache"] == report["kv_cache"]
+    line = "KV cache: 4 attention layers' keys and values in float8 e4m3, one static scale each"
+    assert line in (out / "report.md").read_text() and line in (out / "report.html").read_text().replace("&#x27;", "'")
 
 
 def test_generation_with_a_real_cache_stores_rounded_keys(w4_kv):
