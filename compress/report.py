@@ -101,11 +101,14 @@ def junit_xml(checks: list[dict], name: str = "compress-eval") -> str:
     failures = sum(not c["passed"] for c in checks)
     cases = []
     for c in checks:
-        case = f'  <testcase classname={quoteattr(name + "." + c["dataset"])} name={quoteattr(c["metric"])}>'
+        # the dataset goes in the case's name: CI servers split a classname at its dots into
+        # packages, and a file name (heldout.txt) would become one
+        measured = f"{c['metric']} = {c['value']:.6g}, needs {c['comparison']} {c['threshold']:.6g}"
+        case = f'  <testcase classname={quoteattr(name)} name={quoteattr(c["dataset"] + ": " + c["metric"])}>'
         if not c["passed"]:
-            msg = f"{c['metric']} = {c['value']:.6g}, needs {c['comparison']} {c['threshold']:.6g}"
-            case += f"\n    <failure message={quoteattr(msg)}>{escape(msg)}</failure>\n  "
-        cases.append(case + "</testcase>")
+            case += f"\n    <failure message={quoteattr(measured)}>{escape(measured)}</failure>"
+        case += f"\n    <system-out>{escape(measured)}</system-out>"  # the value, passed or not (after failure: JUnit's order)
+        cases.append(case + "\n  </testcase>")
     return (f'<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name={quoteattr(name)} tests="{len(checks)}" '
             f'failures="{failures}">\n' + "\n".join(cases) + "\n</testsuite>\n")
 

@@ -87,6 +87,9 @@ def test_eval_gate_pass_and_fail(w8_output, ref_llama, tmp_path, capsys):
     assert "| <= 0.001 | pass |" in md.read_text()  # the threshold says which side passes
     suite = ET.parse(junit).getroot()
     assert suite.get("tests") == "2" and suite.get("failures") == "0"
+    # each case names its dataset and metric, and carries the measured value even when it passed
+    assert [tc.get("name") for tc in suite] == [f"{HELDOUT}: ppl_increase_pct", f"{HELDOUT}: kl_divergence"]
+    assert suite[1].find("system-out").text.endswith(", needs <= 0.001") and "." not in suite[1].get("classname")
 
     # the verdict is printed on stdout with the tables it sums up (`eval ... > log` keeps both);
     # stderr is for progress, warnings and errors
