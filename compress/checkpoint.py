@@ -66,12 +66,23 @@ def _usual_file_modes(directory: Path) -> None:
             f.chmod(0o666 & ~umask)
 
 
-def check_side_output(path: str | Path, option: str, inputs: list[str | Path] = (), directory: bool = False) -> Path:
+def check_side_output(path: str | Path, option: str, inputs: list[str | Path] = (), directory: bool = False,
+                      replaces: str | None = None) -> Path:
     """Before any work: a report, recipe or benchmark directory named by `option` may not lie in
     (or be) an input model's directory, nor be a directory where a file is meant (or a file where
     a directory is), and its parent must be writable, so a finished run does not fail on writing
-    its last file. Returns the resolved path."""
+    its last file. With `replaces`, an existing file is overwritten only when it starts so (an
+    earlier report of the same kind), never another file (a typo of a path). Returns the resolved path."""
     dest = Path(path).expanduser().resolve()
+    if replaces is not None and dest.is_file():
+        try:
+            with open(dest, "rb") as fh:
+                head = fh.read(len(replaces.encode()))
+        except OSError:
+            head = b""
+        if head != replaces.encode():
+            raise CompressError(f"{option} {path} exists and is not one compress wrote; it would be overwritten",
+                                "remove it, or choose another path")
     for p in inputs:
         p = Path(p).expanduser()
         if not p.is_dir():

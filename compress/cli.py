@@ -460,7 +460,7 @@ def eval_cmd(
     Example: compress eval --model out/w8 --baseline default --data calibration/heldout-tinyshakespeare.txt --max-ppl-increase 2
     """
     from compress.pipeline import evaluate_model
-    from compress.report import evaluation_markdown, junit_xml
+    from compress.report import EVAL_MARKDOWN_START, JUNIT_START, evaluation_markdown, junit_xml
     from compress.tasks import TaskRequest
 
     if S.dtype not in ("auto", "float32"):
@@ -478,16 +478,16 @@ def eval_cmd(
     stray = next((k for k, v in task_options.items() if v is not None), None)
     if stray and not names:
         raise CompressError(f"{stray} applies to lm-eval tasks, and none were given", "pass --tasks NAMES")
-    for option, f in (("--report", report), ("--junit", junit)):
-        if f is not None:
-            check_side_output(f, option, _local_models(model, baseline))
+    for option, f, start in (("--report", report, EVAL_MARKDOWN_START), ("--junit", junit, JUNIT_START)):
+        if f is not None:  # a rerun replaces its own report, never another file
+            check_side_output(f, option, _local_models(model, baseline), replaces=start)
     request = TaskRequest(names=names, include_path=str(include_path) if include_path else None, num_fewshot=num_fewshot, limit=limit, metric=task_metric,
                           chat_template=chat_template) if names else None
     with progress_bar() as progress:
         result = evaluate_model(model, data, baseline=baseline, device=S.device, seq_len=seq_len, max_windows=max_windows,
                                 batch_size=batch_size, thresholds={**against_baseline, "min_task_score": min_task_score},
                                 tasks=request, progress=progress)
-    md = f"## compress eval: `{model}`" + (f" against `{baseline}`" if baseline else "") + "\n\n"
+    md = f"{EVAL_MARKDOWN_START}`{model}`" + (f" against `{baseline}`" if baseline else "") + "\n\n"
     md += evaluation_markdown(result["results"], result["size"], result["checks"], result["tasks"])
     if report:
         report.parent.mkdir(parents=True, exist_ok=True)
@@ -584,10 +584,16 @@ def recipes(directory: Path = typer.Option(None, help="where to look (default: t
         raise CompressError(f"--directory {d}: no such directory", "give a directory holding recipe .yaml files")
     rows = []
     for f in sorted(Path(d).glob("*.yaml")):
-        text = f.read_text()
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            text = ""
         first = next((ln[1:].strip() for ln in text.splitlines() if ln.startswith("#")), "")
         try:
-            stages = [next(iter(s)) if isinstance(s, dict) else s for s in (yaml.safe_load(text) or {}).get("stages", [])]
+            doc = yaml.safe_load(text) if text else None
+            listed = doc.get("stages", []) if isinstance(doc, dict) else None
+            stages = ([next(iter(s)) if isinstance(s, dict) and s else str(s) for s in listed]
+                      if isinstance(listed, list) else ["(not a recipe)"])
         except yaml.YAMLError:
             stages = ["(invalid YAML)"]
         name = f"recipes/{f.name}" if directory is None else str(f)  # the name load_recipe takes from any directory
@@ -794,7 +800,7 @@ def _parse_scheme_bits(scheme: str) -> int:
 def analyze(
     model: str = typer.Option(..., "--model", "-m", help="a causal LM: local directory, hub id or `default`."),
     scheme: str = typer.Option("W3", help="weight width each layer is rounded to, alone: W2 ... W8."),
-    group_size: int = typer.Option(64, min=0, help="columns per scale; 0 for one scale per output channel."),
+    group_size: int = typer.Option(64, min=0, max=2**17, help="columns per scale; 0 for one scale per output channel."),
     data: list[str] = typer.Option([], "--data", "-d", help="text the analysis windows are cut from (default: calibration/default.txt); repeat to concatenate."),
     windows: int = typer.Option(16, min=1, help="windows of --seq-len tokens (the first ones of --data)."),
     seq_len: int = typer.Option(256, min=2, help="tokens per window."),

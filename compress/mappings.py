@@ -34,7 +34,7 @@ class Mapping(BaseModel):
     expert's up -> down). Balance layers a stage does not quantize (a router) are scaled all the
     same, which keeps the model exact."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     smooth: str = Field(..., description="module inside the block whose output is divided by the scales")
     balance: list[str] = Field(..., min_length=1, description="layers inside the block whose input columns are multiplied")
@@ -156,11 +156,17 @@ def _check_widths(mapping: Mapping, block: torch.nn.Module) -> None:
     """A per-channel scale moves from the smoothed op's outputs to its readers' inputs only where
     they are the same channels: one width. (Under grouped-query attention v_proj gives fewer
     channels than o_proj reads, each value head serving several query heads.)"""
-    width = _output_width(block.get_submodule(mapping.smooth))
+    smooth = block.get_submodule(mapping.smooth)
+    width = _output_width(smooth)
+    if width is None:
+        raise CompressError(f"mapping {mapping.smooth} -> {', '.join(mapping.balance)}: {mapping.smooth} is a "
+                            f"{type(smooth).__name__}, with no weight to fold scales into",
+                            "smooth a norm with a weight, or the linear layer whose outputs the balance layers read")
     for name in mapping.balance:
         reader = block.get_submodule(name)
-        if width is None or not isinstance(getattr(reader, "weight", None), torch.Tensor) or reader.weight.dim() != 2:
-            continue
+        if not isinstance(getattr(reader, "weight", None), torch.Tensor) or reader.weight.dim() != 2:
+            raise CompressError(f"mapping {mapping.smooth} -> {', '.join(mapping.balance)}: {name} is a "
+                                f"{type(reader).__name__}, not a linear layer", "balance the linear layers that read it")
         reads = weight_shape(reader)[1]
         if reads != width:
             gqa = " (grouped-query attention: each value head serves several query heads)" if reads % width == 0 else ""

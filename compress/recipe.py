@@ -31,7 +31,7 @@ from compress.tasks import TaskRequest
 class CalibrationConfig(BaseModel):
     """Calibration samples: `num_samples` windows of `seq_len` tokens (or one per line/record)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     dataset: Union[str, list[str]] = Field(
         "calibration/default.txt",
@@ -53,10 +53,10 @@ class CalibrationConfig(BaseModel):
 class EvaluationConfig(BaseModel):
     """What `compress quantize` measures after the stages, against the uncompressed model."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     datasets: list[str] = Field(default_factory=list, description="text files for perplexity / KL / top-1 (or embedding fidelity on encoders)")
-    seq_len: int = Field(256, gt=0, description="tokens per evaluation window")
+    seq_len: int = Field(256, ge=2, description="tokens per evaluation window (at least 2: one to predict from, one predicted)")
     max_windows: int = Field(256, gt=0, description="windows scored from each file")
     max_sentences: int = Field(200, gt=0, description="encoders: sentences taken from each file")
     batch_size: int = Field(8, gt=0, description="windows per forward")
@@ -71,7 +71,7 @@ RECIPE_HELP = "start from a bundled recipe: `compress recipes` lists them"
 class RecipeFile(BaseModel):
     """The top level of a recipe file. Each stage entry is `{stage-name: {its keys}}`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: Optional[str] = Field(None, description="hub id or local directory; --model overrides it")
     calibration: Optional[CalibrationConfig] = Field(None, description="the calibration set every activation-based stage reads")
@@ -359,10 +359,19 @@ def _check_contradictions(recipe: Recipe, path: str) -> None:
     names = [name for name, _ in recipe.stages]
     if "kv_cache" in names[:-1]:
         i = names.index("kv_cache")
-        later = next(n for n in names[i + 1:] if n != "kv_cache")
+        later = next((n for n in names[i + 1:] if n != "kv_cache"), None)
+        if later is None:
+            raise CompressError(f"{path}: stages.{i}.kv_cache is repeated: the last one measures the same scales again",
+                                "keep one kv_cache stage")
         raise CompressError(f"{path}: stages.{i}.kv_cache comes before {later}: its FP8 scales are measured on the "
                             f"weights as they are then, and {later} changes them", "make kv_cache the last stage")
-    for name, cfg in recipe.stages:
+    for i, (name, cfg) in enumerate(recipe.stages):
+        data = getattr(cfg, "data", None)
+        if data is not None and data.dataset is None and data.generate is None and recipe.calibration is not None \
+                and "seq_len" in data.model_fields_set and data.seq_len != recipe.calibration.seq_len:
+            raise CompressError(f"{path}: stages.{i}.{name}.data.seq_len is {data.seq_len}, but the stage trains on the "
+                                f"calibration windows, of calibration.seq_len {recipe.calibration.seq_len} tokens",
+                                "give the stage its own text (data.dataset), or drop data.seq_len")
         if getattr(cfg, "needs_calibration", False) and recipe.calibration is None:
             if hasattr(cfg, "train"):  # qat, distill: text to train on
                 raise CompressError(f"{path}: stage '{name}' has no text to train on: neither its 'data' nor a 'calibration' section",

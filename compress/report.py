@@ -97,6 +97,10 @@ def evaluation_markdown(results: dict, size: dict | None = None, checks: list[di
     return "\n".join(lines)
 
 
+EVAL_MARKDOWN_START = "## compress eval: "
+JUNIT_START = '<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name="compress-eval"'
+
+
 def junit_xml(checks: list[dict], name: str = "compress-eval") -> str:
     failures = sum(not c["passed"] for c in checks)
     cases = []

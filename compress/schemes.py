@@ -18,17 +18,22 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from compress.quant import MXFP4_GROUP, NVFP4_GROUP
 
 
+MAX_GROUP_SIZE = 2**17
+
+
 class QuantArgs(BaseModel):
     """How one tensor (a weight, or a layer's input activations) is quantized."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_bits: int = Field(8, strict=True, description="bit width: 2..8 for int; for float 8 (FP8 e4m3) or 4 (FP4 e2m1: NVFP4, MXFP4)")
     type: Literal["int", "float"] = "int"
     symmetric: bool = Field(True, description="true: absmax; false: zero-point (asymmetric)")
     strategy: Literal["tensor", "channel", "group", "tensor_group", "token"] = Field(
         "channel", description="tensor_group: NVFP4's blocks of 16 with e4m3 scales under one per-tensor scale")
-    group_size: Optional[int] = Field(None, strict=True, description="columns per scale when strategy is group")
+    # A group wider than any layer is one group per row (strategy channel); the bound keeps an
+    # absurd value from padding every row to it (1e9 columns) or overflowing torch's pad.
+    group_size: Optional[int] = Field(None, strict=True, le=MAX_GROUP_SIZE, description="columns per scale when strategy is group")
     dynamic: bool = Field(False, description="activations: ranges from each input (true) or from calibration (false)")
     full_range: bool = Field(False, description="symmetric int: all 2^b codes, [-2^(b-1), 2^(b-1)-1], step max|x|/(2^(b-1)-0.5) "
                              "(compressed-tensors' grid); false: absmax, codes symmetric about 0")
@@ -138,7 +143,7 @@ PRESETS: dict[str, dict] = {
 class QuantScheme(BaseModel):
     """A preset plus overrides, resolved into the weights and activations arguments."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     weights: Optional[QuantArgs] = None
     input_activations: Optional[QuantArgs] = None

@@ -41,7 +41,7 @@ class TaskRequest(BaseModel):
     """What `compress eval --tasks`, or a recipe's `evaluation.tasks`, asks of lm-eval. In a
     recipe a plain list is the task names alone."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     names: list[str] = Field(..., min_length=1, description="lm-eval tasks, groups or tags (arc_easy, mmlu, ai2_arc)")
     include_path: Optional[str] = Field(None, description="a directory of your own lm-eval task YAML files")

@@ -41,7 +41,7 @@ Progress = Callable[[str, int, int], None]
 class TrainingConfig(BaseModel):
     """A training stage's `train:` keys."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     steps: int = Field(200, gt=0, description="optimizer steps")
     batch_size: int = Field(8, gt=0, description="sequences per micro-batch, over all processes")

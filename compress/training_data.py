@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compress.calibration import read_texts, text_windows
 from compress.errors import CompressError
@@ -27,7 +27,7 @@ from compress.errors import CompressError
 class GenerateConfig(BaseModel):
     """`data.generate`: sequences sampled from the teacher instead of a corpus."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     num_sequences: int = Field(256, gt=0, description="sequences to generate, the held-out eval_samples included")
     top_k: int = Field(50, gt=0, description="sample among the teacher's k most likely next tokens")
@@ -41,7 +41,7 @@ class GenerateConfig(BaseModel):
 class TrainingData(BaseModel):
     """A training stage's `data:` keys."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     dataset: Optional[Union[str, list[str]]] = Field(
         None, description="text file(s) or hub dataset; default: the recipe's calibration set")
@@ -54,6 +54,18 @@ class TrainingData(BaseModel):
                           "with several corpora concatenated, the first windows all come from the first")
     eval_samples: int = Field(16, ge=1, description="sequences held out (taken from the end) for evaluation during training")
     generate: Optional[GenerateConfig] = Field(None, description="sequences the teacher writes itself (LLM-QAT) instead of a text")
+
+    @model_validator(mode="after")
+    def _keys_apply(self) -> "TrainingData":
+        """Keys of a text corpus given without one were silently ignored (the calibration windows
+        were trained on instead; data.seq_len against calibration.seq_len: the recipe's check)."""
+        if self.dataset is None:
+            given = [k for k in ("config_name", "split", "text_field", "shuffle") if k in self.model_fields_set]
+            if given:
+                source = "generate (the teacher's sequences)" if self.generate is not None else "the calibration windows"
+                raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to data.dataset, and none is "
+                                 f"given: the stage trains on {source}")
+        return self
 
 
 def check_generated_count(cfg: TrainingData, stage: str) -> None:
@@ -111,7 +123,7 @@ def training_sequences(cfg: TrainingData, tokenizer, calibration=None, teacher=N
         need = f"{want if cfg.num_samples else cfg.eval_samples + 1} needed (eval_samples {cfg.eval_samples} held out)"
         if cfg.generate is not None:
             _too_few_generated(cfg, len(ids), stage)
-        raise CompressError(f"stage {stage}: training data {source} gives {len(ids)} sequences of {cfg.seq_len} tokens, {need}",
+        raise CompressError(f"stage {stage}: training data {source} gives {len(ids)} sequences of {ids.shape[-1]} tokens, {need}",
                             "give more text, or lower data.num_samples, data.eval_samples or data.seq_len")
     ids = ids[:want]
     return ids[: want - cfg.eval_samples], ids[want - cfg.eval_samples:], source
@@ -134,6 +146,12 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
     key = hashlib.sha256(json.dumps({"teacher": teacher_hash, "seq_len": seq_len, "seed": seed, "sampling": "per-sequence",
                                      **cfg.model_dump(exclude={"cache_dir"})}, sort_keys=True).encode()).hexdigest()[:20]
     path = _cache_root(cfg) / f"{key}.pt"
+    if teacher_hash is not None:  # a cache that cannot be written is said before minutes of generating
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CompressError(f"data.generate.cache_dir {path.parent}: cannot keep generated sequences there "
+                                f"({exc.strerror or exc})", "give a directory you can write, or leave cache_dir out") from None
     if teacher_hash is not None and path.is_file():
         try:
             ids = torch.load(path, weights_only=True)
@@ -173,8 +191,10 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
     progress("generating training data with the teacher", cfg.num_sequences, cfg.num_sequences)
     ids = torch.cat(chunks)
     if teacher_hash is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        torch.save(ids, tmp)
-        os.replace(tmp, path)  # readers never see a half-written file
+        try:
+            torch.save(ids, tmp)
+            os.replace(tmp, path)  # readers never see a half-written file
+        except OSError:  # a full or read-only cache costs the next run a regeneration, not this run its data
+            tmp.unlink(missing_ok=True)
     return ids

@@ -143,6 +143,19 @@ def _weights_dynamic(tmp):
     return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n      weights: {dynamic: true}\n")
 
 
+SMALL_CALIB = "calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 32}\n"
+
+
+def _stages(text: str):  # the fuzzing review's finds: each was an internal error, a hang, or silent
+    return lambda tmp: quantize(tmp, SMALL_CALIB + "stages:\n" + text)
+
+
+def _cache_dir_is_a_file(tmp):
+    write(tmp / "a-file", "not a directory\n")
+    return quantize(tmp, SMALL_CALIB + "stages:\n  - distill: {data: {generate: {num_sequences: 6, cache_dir: "
+                    + str(tmp / "a-file") + "}, seq_len: 16, eval_samples: 2}, train: {steps: 1}}\n")
+
+
 def _group_with_channel(tmp):
     return quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A16\n      weights:\n        strategy: channel\n"
                          "        group_size: 64\n")
@@ -751,6 +764,22 @@ CASES = [
     Case("num-bits-9", _num_bits(9), ["r.yaml:5", "num_bits", "8"]),
     Case("negative-group-size", _negative_group, ["r.yaml:5", "group_size"]),
     Case("group-size-with-channel", _group_with_channel, ["r.yaml", "group_size", "channel", "strategy: group"]),
+    Case("kv-cache-twice", _stages("  - kv_cache: {}\n  - kv_cache: {}\n"), ["r.yaml", "stages.0.kv_cache is repeated"]),
+    Case("activation-budget-inf", _stages("  - gptq: {scheme: W4A16, activation_budget: infGiB}\n"),
+         ["r.yaml:3", "activation_budget", "infGiB", "4GiB"]),
+    Case("activation-budget-negative", _stages("  - gptq: {scheme: W4A16, activation_budget: -1}\n"), ["r.yaml:3", "activation_budget -1"]),
+    Case("group-size-huge", _stages("  - rtn: {scheme: W4A16, weights: {group_size: 100000000000000000000000}}\n"),
+         ["r.yaml:3", "group_size", "131072"]),
+    Case("shrink-grid-huge", _stages("  - gptq: {scheme: W4A16, shrink_grid: 1000000000}\n"), ["r.yaml:3", "shrink_grid", "1000"]),
+    Case("awq-grid-huge", _stages("  - awq: {scheme: W4A16, grid: 1000000000}\n"), ["r.yaml:3", "grid", "1000"]),
+    Case("dampening-inf", _stages("  - gptq: {scheme: W4A16, dampening_frac: .inf}\n"), ["r.yaml:3", "dampening_frac", "finite"]),
+    Case("evaluation-seq-len-1", _stages("  - rtn: {scheme: W8A16}\nevaluation: {datasets: [calibration/heldout-tinyshakespeare.txt], "
+                                         "seq_len: 1}\n"), ["r.yaml", "evaluation.seq_len", "2"]),
+    Case("mapping-smooths-a-module-without-weight", _stages("  - awq: {scheme: W4A16, mappings: [{smooth: mlp, balance: [mlp.down_proj]}]}\n"),
+         ["mapping mlp -> mlp.down_proj", "LlamaMLP, with no weight to fold scales into"]),
+    Case("generate-cache-dir-is-a-file", _cache_dir_is_a_file, ["data.generate.cache_dir", "a-file", "cannot keep generated sequences"]),
+    Case("training-seq-len-unlike-the-calibration-windows", _stages("  - distill: {data: {seq_len: 1024}, train: {steps: 1}}\n"),
+         ["stages.0.distill.data.seq_len is 1024", "calibration.seq_len 32"]),
     Case("weights-per-token", _weights_per_token, ["r.yaml:3", "stages.0.rtn", "weights have no tokens", "channel, group or tensor"]),
     Case("weights-dynamic", _weights_dynamic, ["r.yaml:3", "stages.0.rtn", "dynamic is for input_activations"]),
     Case("unknown-preset", _unknown_preset, ["r.yaml:3", "W3A77", "W8A16"]),

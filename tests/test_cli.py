@@ -539,6 +539,29 @@ def test_recipes_in_a_directory_that_is_not_there_is_refused(tmp_path, capsys):
     assert rc == 2 and "nope" in json.loads(out)["error"]
 
 
+def test_recipes_lists_files_that_are_not_recipes_as_such(tmp_path, capsys):
+    """A list, a scalar or non-UTF-8 bytes in a .yaml file were internal errors of the listing."""
+    (tmp_path / "a-list.yaml").write_text("- rtn: {scheme: W8A16}\n")
+    (tmp_path / "b-word.yaml").write_text("hello\n")
+    (tmp_path / "c-bytes.yaml").write_bytes(b"\xff\xfe\x00stages")
+    (tmp_path / "d-good.yaml").write_text("# fine\nstages: [{rtn: {scheme: W8A16}}, {gptq: {scheme: W4A16}}]\n")
+    rc, out, _ = run(capsys, "--json", "recipes", "--directory", tmp_path)
+    assert rc == 0 and [r["stages"] for r in json.loads(out)] == [["(not a recipe)"]] * 3 + [["rtn", "gptq"]]
+
+
+def test_eval_replaces_its_own_report_but_no_other_file(ref_llama, tmp_path, capsys, monkeypatch):
+    """--report and --junit overwrote whatever the path held (a reviewer's typo clobbered a system
+    file); an earlier report of the same kind is replaced, anything else refused before loading."""
+    from compress import modeling
+
+    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    for option in ("--report", "--junit"):
+        other = tmp_path / f"notes{option}"
+        other.write_text("my own notes\n")
+        rc, _, err = run(capsys, "eval", "--model", ref_llama, "--data", HELDOUT, option, other)
+        assert rc == 2 and "exists and is not one compress wrote" in err and other.read_text() == "my own notes\n"
+
+
 def test_ctrl_c_while_libraries_load_is_an_interruption(capsys, monkeypatch):
     """Importing transformers takes seconds at start: Ctrl-C then gave a traceback and no JSON."""
     from compress import cli

@@ -187,10 +187,10 @@ class InputSampler:
 class AWQ(EngineOptions, QuantizationStage):
     """AWQ scale search and clipping, then round-to-nearest, block by block."""
 
-    grid: int = Field(20, ge=2, description="points of the α grid in [0, 1]")
+    grid: int = Field(20, ge=2, le=1000, description="points of the α grid in [0, 1]")
     duo_scaling: bool = Field(True, description="scales from activation and weight magnitudes: a^α / w^(1-α)")
     clip: bool = Field(True, description="search a per-group clipping ratio")
-    clip_grid: int = Field(20, ge=2, description="clipping ratios are 1 - i/clip_grid")
+    clip_grid: int = Field(20, ge=2, le=1000, description="clipping ratios are 1 - i/clip_grid")
     max_shrink: float = Field(0.5, gt=0, lt=1, description="smallest clipping ratio is 1 - max_shrink")
     max_tokens: int = Field(4096, gt=0, description="calibration tokens kept per layer for the searches")
     mappings: Optional[list[Mapping]] = Field(None, description="replace the architecture's smoothing map")

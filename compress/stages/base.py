@@ -4,6 +4,8 @@ pruning keys are in compress/stages/pruning.py."""
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -11,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from compress.errors import CompressError
-from compress.schemes import PRESETS, QuantScheme, resolve_scheme
+from compress.schemes import MAX_GROUP_SIZE, PRESETS, QuantScheme, resolve_scheme
 from compress.targets import Pattern
 
 
@@ -64,7 +66,7 @@ class StageContext:
 class Stage(BaseModel):
     """Base of every stage: its pydantic fields are exactly the recipe keys."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @property
     def needs_calibration(self) -> bool:
@@ -99,9 +101,9 @@ class EngineOptions(BaseModel):
             raise ValueError(f"batch_size must be a positive number of samples, or auto (got {value!r})")
         return value
 
-    @field_validator("activation_budget")
+    @field_validator("activation_budget", mode="before")
     @classmethod
-    def _budget_is_a_size(cls, value):
+    def _budget_is_a_size(cls, value):  # before pydantic's coercion, which reads true as 1
         parse_bytes(value)
         return value
 
@@ -130,8 +132,12 @@ def check_weight(name: str, W: torch.Tensor) -> None:
 
 def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
     """`4GiB`, `512MB`, `1000000` -> bytes; `auto` -> half of MemAvailable (unbounded if unknown)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value < 0):
+        raise ValueError(f"activation_budget {value!r} is not a size such as 4GiB or 512MB (0: keep none in memory)")
     if value is None or isinstance(value, int):
         return value
+    if not isinstance(value, str):
+        raise ValueError(f"activation_budget {value!r} is not a size such as 4GiB or 512MB")
     if value.strip().lower() == "auto":
         try:
             with open("/proc/meminfo") as fh:
@@ -146,9 +152,12 @@ def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
     for unit, factor in units.items():
         if text.endswith(unit):
             try:
-                return int(float(text[: -len(unit)]) * factor)
+                number = float(text[: -len(unit)])
             except ValueError:
                 break
+            if not math.isfinite(number) or number < 0:  # inf overflowed int(), a negative size meant nothing
+                break
+            return int(number * factor)
     raise ValueError(f"activation_budget {value!r} is not a size such as 4GiB or 512MB")
 
 
@@ -166,7 +175,7 @@ def select_targets(model: torch.nn.Module, targets: list[str], ignore: list[str]
 class QuantArgsOverride(BaseModel):
     """Fields of a scheme's weights or input_activations to override; unset fields keep the preset."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # strict: a YAML true or false is not a width (lax pydantic reads it as 1 or 0)
     num_bits: Optional[int] = Field(None, ge=2, le=8, strict=True, description="bits per value (int: 2 to 8; float: 8 is FP8 e4m3, 4 is FP4 e2m1)")
@@ -175,7 +184,8 @@ class QuantArgsOverride(BaseModel):
     strategy: Optional[Literal["tensor", "channel", "group", "tensor_group", "token"]] = Field(
         None, description="one scale per tensor, output channel, group of input columns, group under a tensor-wide "
                           "scale (NVFP4), or token (activations)")
-    group_size: Optional[int] = Field(None, gt=0, strict=True, description="input columns per scale (strategy group or tensor_group)")
+    group_size: Optional[int] = Field(None, gt=0, le=MAX_GROUP_SIZE, strict=True,
+                                      description="input columns per scale (strategy group or tensor_group)")
     dynamic: Optional[bool] = Field(None, description="activations: scales computed at run time (true) or from calibration (false)")
     full_range: Optional[bool] = Field(None, description="symmetric int: use all 2^b codes ([-8, 7] at 4 bits), as compressed-tensors does")
 

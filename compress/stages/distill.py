@@ -41,7 +41,7 @@ class HiddenPair(BaseModel):
     Indices into the models' `hidden_states` outputs: 0 is the embeddings, i the output of block i,
     -1 the last (after the final norm)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     student: int = Field(..., description="the student's hidden_states index")
     teacher: int = Field(..., description="the teacher's hidden_states index")
@@ -51,7 +51,7 @@ class HiddenPair(BaseModel):
 class DistillLoss(BaseModel):
     """The loss keys, shared by `distill` and `qat` (which distills from the full-precision model)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     teacher: Optional[str] = Field(None, description="hub id or directory of the teacher; default: the recipe's input model")
     temperature: float = Field(1.0, gt=0, description="softens both distributions; the soft loss is scaled by T²")

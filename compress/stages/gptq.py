@@ -393,7 +393,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
     true_sequential: bool = Field(
         False, description="calibrate each group of layers that share an input (q/k/v, o, gate/up, down) on inputs "
         "carrying the error of the groups quantized before it: one more partial forward per group")
-    shrink_grid: int = Field(0, ge=0, description="search this many shrunk ranges per row/group for the least Hessian-weighted rounding error (0: min/max)")
+    shrink_grid: int = Field(0, ge=0, le=1000, description="search this many shrunk ranges per row/group for the least Hessian-weighted rounding error (0: min/max)")
     preserve_sparsity: Optional[bool] = Field(
         None, description="keep exactly-zero weights at zero (a pruning mask); default: in layers an earlier stage pruned, "
         "and in layers no stage recorded where at least 10 % of weights are zero (not in layers only quantized)")

@@ -143,7 +143,7 @@ def magnitude_baseline(W: torch.Tensor, target: LayerTarget, quant: QuantArgs | 
 class JointQuantization(BaseModel):
     """`quantize:` of a sparsegpt stage: the weights' scheme, as a quantization stage takes it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     scheme: Optional[str] = Field(None, description=f"preset: {', '.join(PRESETS)}")
     weights: Optional[QuantArgsOverride] = None
