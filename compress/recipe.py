@@ -28,6 +28,15 @@ from compress.errors import CompressError
 from compress.tasks import TaskRequest
 
 
+def named_datasets(value):
+    """A dataset key names something: an empty string or list read as "calibration data  is
+    empty" further on, with no name in the gap."""
+    names = [value] if isinstance(value, str) else value
+    if not names or any(not n.strip() for n in names):
+        raise ValueError("name a file or hub dataset (an empty name or list was given)")
+    return value
+
+
 class CalibrationConfig(BaseModel):
     """Calibration samples: `num_samples` windows of `seq_len` tokens (or one per line/record)."""
 
@@ -48,6 +57,11 @@ class CalibrationConfig(BaseModel):
     streaming: bool = Field(False, description="hub datasets: read the split as a stream and stop once there are enough samples, "
                             "for corpora too big to download whole (allenai/c4); with shuffle, records are shuffled within 10,000")
     seed: Optional[int] = Field(None, description="the seed of shuffle's draw (default: the run's --seed)")
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_named(cls, value):
+        return named_datasets(value)
 
 
 class EvaluationConfig(BaseModel):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from compress.calibration import read_texts, text_windows
 from compress.errors import CompressError
@@ -54,6 +54,13 @@ class TrainingData(BaseModel):
                           "with several corpora concatenated, the first windows all come from the first")
     eval_samples: int = Field(16, ge=1, description="sequences held out (taken from the end) for evaluation during training")
     generate: Optional[GenerateConfig] = Field(None, description="sequences the teacher writes itself (LLM-QAT) instead of a text")
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_named(cls, value):
+        from compress.recipe import named_datasets
+
+        return value if value is None else named_datasets(value)
 
     @model_validator(mode="after")
     def _keys_apply(self) -> "TrainingData":

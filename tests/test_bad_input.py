@@ -764,6 +764,8 @@ CASES = [
     Case("num-bits-9", _num_bits(9), ["r.yaml:5", "num_bits", "8"]),
     Case("negative-group-size", _negative_group, ["r.yaml:5", "group_size"]),
     Case("group-size-with-channel", _group_with_channel, ["r.yaml", "group_size", "channel", "strategy: group"]),
+    Case("calibration-dataset-empty-list", lambda tmp: quantize(tmp, "calibration: {dataset: []}\n" + GOOD_STAGE),
+         ["r.yaml:1", "calibration.dataset", "an empty name or list"]),
     Case("kv-cache-twice", _stages("  - kv_cache: {}\n  - kv_cache: {}\n"), ["r.yaml", "stages.0.kv_cache is repeated"]),
     Case("activation-budget-inf", _stages("  - gptq: {scheme: W4A16, activation_budget: infGiB}\n"),
          ["r.yaml:3", "activation_budget", "infGiB", "4GiB"]),
