@@ -74,15 +74,6 @@ def check_side_output(path: str | Path, option: str, inputs: list[str | Path] = 
     its last file. With `replaces`, an existing file is overwritten only when it starts so (an
     earlier report of the same kind), never another file (a typo of a path). Returns the resolved path."""
     dest = Path(path).expanduser().resolve()
-    if replaces is not None and dest.is_file():
-        try:
-            with open(dest, "rb") as fh:
-                head = fh.read(len(replaces.encode()))
-        except OSError:
-            head = b""
-        if head != replaces.encode():
-            raise CompressError(f"{option} {path} exists and is not one compress wrote; it would be overwritten",
-                                "remove it, or choose another path")
     for p in inputs:
         p = Path(p).expanduser()
         if not p.is_dir():
@@ -94,6 +85,15 @@ def check_side_output(path: str | Path, option: str, inputs: list[str | Path] = 
             raise CompressError(f"{option} {path} holds the input model {p}", "choose a directory that holds no input")
     if not directory and dest.is_dir():
         raise CompressError(f"{option} {path} is a directory", "give a file path")
+    if replaces is not None and dest.is_file() and dest.stat().st_size:  # an empty file (mktemp's) holds nothing to lose
+        try:
+            with open(dest, "rb") as fh:
+                head = fh.read(len(replaces.encode()))
+        except OSError:
+            head = b""
+        if head != replaces.encode():
+            raise CompressError(f"{option} {path} exists and is not a report of this kind; it would be overwritten",
+                                "remove it, or choose another path")
     if directory and dest.exists() and not dest.is_dir():
         raise CompressError(f"{option} {path} is a file", "give a directory")
     parent = next((q for q in [dest, *dest.parents] if q.exists()), None) if directory else \

@@ -12,6 +12,7 @@ L2-normalised); mean cosine to the baseline's embeddings and nearest-neighbour a
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -242,7 +243,7 @@ def threshold_problem(name: str, value) -> str | None:
     """What is wrong with a gate threshold, or None: it must be a finite number (NaN compares
     false with everything and would make the verdict meaningless) within its metric's range."""
     low, high, minimum = THRESHOLDS[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's numbers too
         return f"must be a number, not {value!r}"
     if not math.isfinite(value):
         return f"must be a finite number, not {value}"

@@ -77,9 +77,10 @@ def run_html(report: dict) -> str:
         body.append(bars(errors, "relative weight error ‖W − Ŵ‖ / ‖W‖ (last stage)", title="per-layer relative error"))
     if sparsity:
         body.append(bars(sparsity, "share of zero weights", title="per-layer sparsity"))
-    if not errors and not sparsity:
-        body.append("<p class=note>No per-layer error was recorded by these stages.</p>")
-    body += [f"<p class=note>{escape(note)}.</p>", table(header, rows, set(range(4, len(header))))]
+    if rows:
+        body += [f"<p class=note>{escape(note)}.</p>", table(header, rows, set(range(4, len(header))))]
+    else:
+        body.append("<p class=note>No per-layer record: these stages changed no layer's weights.</p>")
     ev, tasks = report.get("evaluation"), report.get("tasks")
     if ev or tasks:
         body.append("<h2>Evaluation</h2>")

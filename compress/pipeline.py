@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import numbers
 import os
 import shutil
 import time
@@ -373,8 +374,10 @@ def forget_earlier_grids(index: int, name: str, stage, net: torch.nn.Module, lay
             for key in DROPPED_WHEN_REQUANTIZED:
                 record.pop(key, None)
             record["requantized_from"] = earlier
-    return [requantized_warning(index, name, earlier, len(names)) + ": their errors are measured from those values, "
-            f"not from the float weights (first: {names[0]})" for earlier, names in again.items()]
+    tail = ("QAT trains from those values, and measures its errors against the input model's weights where it has them"
+            if qat else "their errors are measured from those values, not from the float weights")
+    return [requantized_warning(index, name, earlier, len(names)) + f": {tail} (first: {names[0]})"
+            for earlier, names in again.items()]
 
 
 def requantized_warning(index: int, name: str, earlier: str, count: int) -> str:
@@ -619,8 +622,9 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     datasets = [os.fspath(d) for d in datasets]
     for name, value, least in (("seq_len", seq_len, 2), ("max_windows", max_windows, 1), ("max_sentences", max_sentences, 1),
                                ("batch_size", batch_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
             raise CompressError(f"{name}={value!r}: must be a whole number of at least {least}", f"pass {name} >= {least}")
+    seq_len, max_windows, max_sentences, batch_size = int(seq_len), int(max_windows), int(max_sentences), int(batch_size)
     dev = pick_device(device)
     thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None}
     on_tasks = list(inspect.signature(task_gate).parameters)[1:]  # the thresholds are the gates' keywords
@@ -632,6 +636,7 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
         problem = threshold_problem(key, value)
         if problem:
             raise CompressError(f"--{key.replace('_', '-')}: {problem}", "give a threshold the metric can meet and miss")
+    thresholds = {k: float(v) for k, v in thresholds.items()}  # a numpy float would reach report.json as text
     against = next((k for k in ("max_ppl_increase", "max_kl", "min_top1", "min_cosine", "max_task_drop") if k in thresholds), None)
     if against and baseline is None:
         raise CompressError(f"--{against.replace('_', '-')} compares against the uncompressed model", "pass --baseline")

@@ -18,6 +18,7 @@ an error names the file, the line and the key, and suggests the nearest valid ke
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -128,10 +129,17 @@ class Recipe:
 
     def effective(self) -> dict:
         """Every value the run used, defaults filled in: saved next to the output."""
+        stages = []
+        for name, cfg in self.stages:
+            dumped = cfg.model_dump(mode="json")
+            data = getattr(cfg, "data", None)
+            if data is not None and data.dataset is None and data.generate is None and self.calibration is not None:
+                dumped["data"]["seq_len"] = self.calibration.seq_len  # it trained on the calibration windows
+            stages.append({name: dumped})
         return {
             "model": self.model,
             "calibration": self.calibration.model_dump() if self.calibration else None,
-            "stages": [{name: cfg.model_dump(mode="json")} for name, cfg in self.stages],
+            "stages": stages,
             "evaluation": self.evaluation.model_dump() if self.evaluation else None,
             "output": self.output,
             "offload": self.offload,
@@ -296,8 +304,8 @@ def parse_recipe(text: Union[str, dict], path: str = "<recipe>", default_calibra
     stages need one and it has none (`compress bench` gives the protocol's)."""
     from compress.stages import STAGES
 
-    if isinstance(text, dict):  # validated as the YAML it would be written as
-        text = yaml.safe_dump(text, sort_keys=False)
+    if isinstance(text, dict):  # validated as the YAML it would be written as (Paths as their text)
+        text = yaml.safe_dump(json.loads(json.dumps(text, default=str)), sort_keys=False)
     if not isinstance(text, str):
         raise CompressError(f"{path}: a recipe is YAML text or a dict, not a {type(text).__name__}",
                             "pass the recipe's text, a dict, or use load_recipe(PATH)")

@@ -77,7 +77,8 @@ def evaluation_markdown(results: dict, size: dict | None = None, checks: list[di
         lines += ["| dataset | metric | value | threshold | result |", "| --- | --- | ---: | ---: | --- |"]
         for c in checks:
             # six digits, as the JUnit message: four could print 0.9175 >= 0.9175 beside a fail
-            lines.append(f"| {c['dataset']} | {c['metric']} | {c['value']:.6g} | {c['comparison']} {c['threshold']:.6g} "
+            value = f"{c['value']:.6g}" if math.isfinite(c["value"]) else "-"
+            lines.append(f"| {c['dataset']} | {c['metric']} | {value} | {c['comparison']} {c['threshold']:.6g} "
                          f"| {'pass' if c['passed'] else '**fail**'} |")
         lines.append("")
     for spec, r in results.items():
@@ -148,8 +149,9 @@ def stage_rows(report: dict) -> list[list[str]]:
             for s in report["stages"]]
 
 
-LAYER_NOTE = ("relative error: ‖W − Ŵ‖ / ‖W‖ of the last stage that changed the layer, against the weights that stage "
-              "received (a quantization after pruning: against the pruned weights)")
+LAYER_NOTE = ("relative error: ‖W − Ŵ‖ / ‖W‖ of the last stage that changed the layer, W being the weights that stage "
+              "received (a quantization after pruning: the pruned weights; QAT: the input model's weights where it had "
+              "them, report.json's relative_error_against says)")
 PRUNING_NOTE = "; pruning error: the pruning stage's, against the weights it received"
 
 
@@ -183,7 +185,7 @@ def size_lines(report: dict) -> list[str]:
     zeros = (f" ({nonzero:,} nonzero, {1 - nonzero / out['parameters']:.2%} zeros; stored densely)"
              if pruned and nonzero is not None and nonzero < out["parameters"] else "")  # not a 4-bit grid's rounded zeros
     source = report["source_model"].get("bytes")
-    smaller = f", {source / out['bytes_on_disk']:.2f}x smaller than the source's {source:,}" if source and out["bytes_on_disk"] else ""
+    smaller = f", {out['bytes_on_disk'] / source:.1%} of the source's {source:,}" if source else ""
     kv = report.get("kv_cache")
     return [f"parameters: {out['parameters']:,}{zeros}",
             f"weights on disk: {out['bytes_on_disk']:,} bytes{smaller} ({out['bits_per_parameter_on_disk']:.2f} bits/parameter; "
@@ -201,9 +203,13 @@ def run_markdown(report: dict) -> str:
               "| --- | " + "---: | " * (len(header) - 2) + "--- |"]
     lines += ["| " + " | ".join(row) + " |" for row in stage_rows(report)]
     header, rows, note = layer_rows(report)
-    lines += ["", "## Layers", "", note + ".", "", "| " + " | ".join(header) + " |",
-              "| " + " | ".join("---" if i < 4 else "---:" for i in range(len(header))) + " |"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", "## Layers", ""]
+    if rows:
+        lines += [note + ".", "", "| " + " | ".join(header) + " |",
+                  "| " + " | ".join("---" if i < 4 else "---:" for i in range(len(header))) + " |"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+    else:
+        lines.append("No per-layer record: these stages changed no layer's weights.")
     lines += ["", "## Size", ""] + [f"- {line}" for line in size_lines(report)]
     if report.get("evaluation") or report.get("tasks"):
         lines += ["", "## Evaluation", "", evaluation_markdown(report.get("evaluation") or {}, tasks=report.get("tasks"))]

@@ -987,6 +987,15 @@ def test_failed_run_leaves_input_model_unchanged(setup, tmp_path: Path, capsys):
     assert not list(model_dir.parent.glob(".*.tmp-*"))
 
 
+def test_a_whole_float_activation_budget_is_a_number_of_bytes():
+    """4e9 in YAML (or a Python float) was taken, then refused by the stricter budget check."""
+    from compress.recipe import parse_recipe
+
+    [(_, stage)] = parse_recipe("calibration: {dataset: calibration/default.txt}\nstages:\n"
+                                "  - gptq: {scheme: W4A16, activation_budget: 4000000000.0}\n", "t").stages
+    assert stage.activation_budget == 4_000_000_000 and isinstance(stage.activation_budget, int)
+
+
 def test_existing_output_kept_without_force(tmp_path: Path, capsys):
     argv = _output_exists(tmp_path)
     before = tree_digest(tmp_path / "out")

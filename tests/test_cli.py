@@ -559,7 +559,14 @@ def test_eval_replaces_its_own_report_but_no_other_file(ref_llama, tmp_path, cap
         other = tmp_path / f"notes{option}"
         other.write_text("my own notes\n")
         rc, _, err = run(capsys, "eval", "--model", ref_llama, "--data", HELDOUT, option, other)
-        assert rc == 2 and "exists and is not one compress wrote" in err and other.read_text() == "my own notes\n"
+        assert rc == 2 and "exists and is not a report of this kind" in err and other.read_text() == "my own notes\n"
+    # an earlier report of the kind, and an empty file, may be replaced
+    from compress.checkpoint import check_side_output
+    from compress.report import EVAL_MARKDOWN_START, JUNIT_START, junit_xml
+
+    for start, text in ((EVAL_MARKDOWN_START, EVAL_MARKDOWN_START + "`old`\n"), (JUNIT_START, junit_xml([])), (JUNIT_START, "")):
+        (tmp_path / "earlier").write_text(text)
+        assert check_side_output(tmp_path / "earlier", "--report", replaces=start) == (tmp_path / "earlier").resolve()
 
 
 def test_ctrl_c_while_libraries_load_is_an_interruption(capsys, monkeypatch):
@@ -759,6 +766,7 @@ def test_a_qat_run_onto_another_grid_is_warned_about_as_the_plan_does(tmp_path):
     assert warned["W4A16"] == []
     [warning] = warned["W8A16"]
     assert warning.startswith("stage 2 (qat) quantizes 12 layers that are already quantized (rtn: int4 g128 sym)"), warning
+    assert "QAT trains from those values, and measures its errors against the input model's weights" in warning
 
 
 def test_a_layer_quantized_again_keeps_its_activation_quantization_and_its_zeros_stay_grid_values(tmp_path):

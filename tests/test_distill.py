@@ -281,6 +281,20 @@ def test_freeze_holds_for_its_own_stage_only(ref_llama, tmp_path):
     assert not torch.equal(before[embed], after[embed])  # trained by the second stage
 
 
+def test_the_saved_recipe_of_a_run_on_the_calibration_windows_runs_again(ref_llama, tmp_path, capsys):
+    """recipe.yaml spells every default out (data.split, data.seq_len 256...); a stage trained on
+    the calibration windows saved data.seq_len 256 beside calibration.seq_len 32, and the checks
+    for keys without a dataset then refused the recipe the run had written."""
+    import yaml
+
+    recipe = ("calibration: {dataset: calibration/default.txt, num_samples: 6, seq_len: 32}\n"
+              "stages:\n  - distill: {ce_weight: 1, data: {eval_samples: 2}, train: {steps: 1, batch_size: 2}}\n")
+    run_recipe(parse_recipe(recipe, "t"), model=str(ref_llama), output=str(tmp_path / "out"), device="cpu")
+    saved = tmp_path / "out" / "recipe.yaml"
+    assert yaml.safe_load(saved.read_text())["stages"][0]["distill"]["data"]["seq_len"] == 32  # what it trained on
+    assert main(["--json", "plan", "--recipe", str(saved), "--model", str(ref_llama)]) == 0, capsys.readouterr().out
+
+
 def test_kill_then_resume_matches_an_uninterrupted_run(tmp_path, repo):
     teacher, _ = tiny_pair(tmp_path)
     data = str(repo / "calibration" / "default.txt")

@@ -214,6 +214,8 @@ def test_default_tokenizer_round_trip_for_generated_data(tmp_path):
     c = generated_sequences(teacher, tok, cfg.model_copy(update={"cache_dir": str(tmp_path / "third"), "batch_size": 3}),
                             10, "hash", seed=1)
     assert torch.equal(a, c)
+    huge = generated_sequences(teacher, tok, cfg.model_copy(update={"cache_dir": str(tmp_path / "huge")}), 10, "hash", seed=2**62)
+    assert huge.shape == (5, 10)  # any --seed (seed * 1_000_003 overflowed a generator's seed)
     # hybrid sampling (LLM-QAT): after the random first token, the first 3 are the teacher's argmax
     d = generated_sequences(teacher, tok, cfg.model_copy(update={"cache_dir": str(tmp_path / "greedy"), "greedy_tokens": 3}),
                             10, "hash", seed=1)

@@ -105,7 +105,7 @@ class EngineOptions(BaseModel):
     @classmethod
     def _budget_is_a_size(cls, value):  # before pydantic's coercion, which reads true as 1
         parse_bytes(value)
-        return value
+        return int(value) if isinstance(value, float) else value
 
     @property
     def needs_calibration(self) -> bool:
@@ -132,6 +132,8 @@ def check_weight(name: str, W: torch.Tensor) -> None:
 
 def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
     """`4GiB`, `512MB`, `1000000` -> bytes; `auto` -> half of MemAvailable (unbounded if unknown)."""
+    if isinstance(value, float) and value.is_integer() and value >= 0:  # 4e9 in YAML or Python: a whole number of bytes
+        value = int(value)
     if isinstance(value, bool) or (isinstance(value, int) and value < 0):
         raise ValueError(f"activation_budget {value!r} is not a size such as 4GiB or 512MB (0: keep none in memory)")
     if value is None or isinstance(value, int):
