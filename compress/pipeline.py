@@ -626,10 +626,10 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
             raise CompressError(f"{name}={value!r}: must be a whole number of at least {least}", f"pass {name} >= {least}")
     seq_len, max_windows, max_sentences, batch_size = int(seq_len), int(max_windows), int(max_sentences), int(batch_size)
     dev = pick_device(device)
-    thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None}
     on_tasks = list(inspect.signature(task_gate).parameters)[1:]  # the thresholds are the gates' keywords
     known = list(inspect.signature(gate).parameters)[1:] + on_tasks
-    unknown = [k for k in thresholds if k not in known]
+    unknown = [k for k in (thresholds or {}) if k not in known]  # a misspelled one, even set to None
+    thresholds = {k: v for k, v in (thresholds or {}).items() if v is not None}
     if unknown:  # before any model is loaded
         raise CompressError(f"unknown threshold {unknown[0]!r}", f"use one of {', '.join(known)}")
     for key, value in thresholds.items():
