@@ -222,6 +222,8 @@ def _storage(report: dict) -> str:
     """How the checkpoint holds its weights, from the format the run wrote (report.json `format`)."""
     fmt, dtype = report.get("format") or {}, report["source_model"]["dtype"]
     quantized = report["output"].get("quantized_parameters", 0) > 0
+    if fmt.get("format") == "packed" and fmt.get("packed_layers") == 0:  # a KV cache alone
+        return f"no weight quantized: the compressed-tensors format for the KV cache scales, weights in {dtype}"
     if fmt.get("format") == "packed":
         return (f"{fmt.get('packed_layers', 'the')} quantized layers packed ({fmt.get('compressed_tensors_format', 'compressed-tensors')}, "
                 f"scales in {fmt.get('scale_dtype', dtype)}), the rest in {dtype}")

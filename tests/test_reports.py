@@ -142,3 +142,13 @@ def test_markdown_and_html_show_the_same_layers_warnings_and_a_pruned_layers_own
     assert f"{report['output']['bytes_on_disk'] / source:.1%} of the source's {source:,}" in md
     [html_layers] = [t for t in _html_tables(html) if t and t[0][:2] == ["layer", "shape"]]
     assert html_layers == md_rows  # the same cells, one source
+
+
+def test_a_kv_cache_alone_is_described_as_such_in_the_size_line():
+    """No weight quantized, the file in the compressed-tensors format for its KV scales: the size
+    line read "0 quantized layers packed (dense, scales in ), the rest in bfloat16"."""
+    from compress.report import _storage
+
+    report = {"format": {"format": "packed", "packed_layers": 0, "compressed_tensors_format": "dense"},
+              "source_model": {"dtype": "bfloat16"}, "output": {"quantized_parameters": 0}}
+    assert _storage(report) == "no weight quantized: the compressed-tensors format for the KV cache scales, weights in bfloat16"
