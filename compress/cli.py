@@ -467,10 +467,7 @@ def eval_cmd(
         raise CompressError(f"--dtype {S.dtype}: eval always computes in float32 (the benchmark protocol's precision), "
                             "whatever dtype the checkpoint was saved in", "drop --dtype")
     against_baseline = {"max_ppl_increase": max_ppl_increase, "max_kl": max_kl, "min_top1": min_top1,
-                        "min_cosine": min_cosine, "max_task_drop": max_task_drop}
-    given = [k for k, v in against_baseline.items() if v is not None]
-    if given and baseline is None:
-        raise CompressError(f"--{given[0].replace('_', '-')} compares against the uncompressed model", "pass --baseline")
+                        "min_cosine": min_cosine, "max_task_drop": max_task_drop}  # evaluate_model checks they have a baseline
     names = [t.strip() for t in (tasks or "").split(",") if t.strip()]
     task_options = {"--include-path": include_path, "--num-fewshot": num_fewshot, "--limit": limit,
                     "--task-metric": task_metric, "--chat-template": chat_template or None,

@@ -59,14 +59,13 @@ def table(header: list[str], rows: list[list], numeric: set[int] | None = None) 
 def run_html(report: dict) -> str:
     """The page for one quantize / prune (or distill) run, from report.json's content: what
     report.md says (report.py builds both from the same rows), with the per-layer plots."""
-    from compress.report import (METRIC_LABELS, TASK_COLUMNS, layer_rows, provenance, size_lines, stage_header, stage_rows,
-                                  task_rows)
+    from compress.report import METRIC_LABELS, TASK_COLUMNS, layer_rows, provenance, size_lines, stage_rows, task_rows
 
     body = ["<ul class=meta>"] + [f"<li>{escape(line)}</li>" for line in provenance(report)]
     body += [f"<li><strong>warning:</strong> {escape(w)}</li>" for w in report.get("warnings", [])]
     body.append("</ul>")
-    header = stage_header(report)
-    body += ["<h2>Stages</h2>", table(header, stage_rows(report), set(range(1, len(header) - 1)))]
+    header, rows = stage_rows(report)
+    body += ["<h2>Stages</h2>", table(header, rows, set(range(1, len(header) - 1)))]
     body += ["<h2>Size</h2>", "<ul class=meta>"] + [f"<li>{escape(line)}</li>" for line in size_lines(report)] + ["</ul>"]
     layers = report.get("layers") or {}
     errors = [(n, r["relative_error"]) for n, r in layers.items() if isinstance(r.get("relative_error"), (int, float))]

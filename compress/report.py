@@ -134,19 +134,16 @@ def provenance(report: dict) -> list[str]:
     return lines
 
 
-def stage_header(report: dict) -> list[str]:
+def stage_rows(report: dict) -> tuple[list[str], list[list[str]]]:
+    """The stage table of report.md and report.html, header and rows: stage (marked when the stage
+    cache restored it), wall s, peak RSS MiB, peak GPU memory when a stage used a GPU, and the
+    summary's flat values (nested details are in report.json)."""
     gpu = any(s.get("peak_cuda_mib") for s in report["stages"])
-    return ["stage", "wall s", "peak RSS MiB"] + (["peak GPU MiB"] if gpu else []) + ["summary"]
-
-
-def stage_rows(report: dict) -> list[list[str]]:
-    """stage (marked when the stage cache restored it), wall s, peak RSS MiB, peak GPU memory
-    when a stage used a GPU, and the summary's flat values (nested details are in report.json)."""
-    gpu = any(s.get("peak_cuda_mib") for s in report["stages"])
-    return [[s["name"] + (" (from the stage cache)" if s.get("from_cache") else ""), f"{s.get('wall_s', 0):.2f}",
-             f"{s.get('peak_rss_mib', 0):.0f}"] + ([f"{s.get('peak_cuda_mib') or 0:.0f}"] if gpu else [])
-            + [", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items() if not isinstance(v, (dict, list)))]
-            for s in report["stages"]]
+    header = ["stage", "wall s", "peak RSS MiB"] + (["peak GPU MiB"] if gpu else []) + ["summary"]
+    return header, [[s["name"] + (" (from the stage cache)" if s.get("from_cache") else ""), f"{s.get('wall_s', 0):.2f}",
+                     f"{s.get('peak_rss_mib', 0):.0f}"] + ([f"{s.get('peak_cuda_mib') or 0:.0f}"] if gpu else [])
+                    + [", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items() if not isinstance(v, (dict, list)))]
+                    for s in report["stages"]]
 
 
 LAYER_NOTE = ("relative error: ‖W − Ŵ‖ / ‖W‖ of the last stage that changed the layer, W being the weights that stage "
@@ -198,10 +195,10 @@ def size_lines(report: dict) -> list[str]:
 def run_markdown(report: dict) -> str:
     lines = ["# compress report", ""] + [f"- {line}" for line in provenance(report)]
     lines += [f"- warning: {w}" for w in report.get("warnings", [])]
-    header = stage_header(report)
+    header, rows = stage_rows(report)
     lines += ["", "## Stages", "", "| " + " | ".join(header) + " |",
               "| --- | " + "---: | " * (len(header) - 2) + "--- |"]
-    lines += ["| " + " | ".join(row) + " |" for row in stage_rows(report)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     header, rows, note = layer_rows(report)
     lines += ["", "## Layers", ""]
     if rows:
