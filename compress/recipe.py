@@ -17,10 +17,11 @@ an error names the file, the line and the key, and suggests the nearest valid ke
 
 from __future__ import annotations
 
+
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -245,9 +246,17 @@ def _booleans_for_numbers(data: Any, stage_classes: dict[str, type[BaseModel]]) 
     and 0, so `steps: true` trained one step and `num_samples: true` calibrated on one sample."""
     found: list[dict] = []
 
-    def numeric(annotation: Any) -> bool:
-        kinds = [a for a in (getattr(annotation, "__args__", None) or (annotation,)) if a is not type(None)]
-        return bool(kinds) and all(a in (int, float) for a in kinds)
+    def numeric(annotation: Any, allow_str: bool = False) -> bool:
+        if get_origin(annotation) is Annotated:  # Annotated[float, Field(ge=0)]
+            annotation = get_args(annotation)[0]
+        kinds = [a for a in (get_args(annotation) or (annotation,)) if a is not type(None)]
+        numbers = [a for a in kinds if a in (int, float)]
+        return bool(numbers) and all(a in (int, float) or (allow_str and a is str) for a in kinds)
+
+    def dict_of_numbers(annotation: Any) -> bool:
+        """dict[pattern, number] fields (alpha_overrides, sparsity_overrides): their values too."""
+        args = get_args(annotation) if get_origin(annotation) is dict else ()
+        return len(args) == 2 and numeric(args[1], allow_str=True)
 
     seen: set[int] = set()  # a YAML alias may repeat a node, or hold itself
 
@@ -263,10 +272,19 @@ def _booleans_for_numbers(data: Any, stage_classes: dict[str, type[BaseModel]]) 
             for i, item in enumerate(value):
                 walk(item, (*loc, i))
         elif isinstance(value, bool) and loc and not isinstance(loc[-1], int):
-            fields = getattr(_model_at(loc, stage_classes), "model_fields", None) or {}
-            field = fields.get(loc[-1])
-            if field is not None and numeric(field.annotation):
-                found.append({"loc": loc, "msg": "expected a number", "type": "bool_for_number", "input": value})
+            field = (getattr(_model_at(loc, stage_classes), "model_fields", None) or {}).get(loc[-1])
+            hint = None  # the field's own description, found by _format_error
+            if field is not None:
+                numbers = numeric(field.annotation)
+            elif len(loc) >= 2 and not isinstance(loc[-2], int):  # a value of a dict field?
+                field = (getattr(_model_at(loc[:-1], stage_classes), "model_fields", None) or {}).get(loc[-2])
+                numbers = field is not None and dict_of_numbers(field.annotation)
+                hint = f"{loc[-2]}: {field.description}" if numbers and field.description else None
+            else:
+                numbers = False
+            if numbers:
+                found.append({"loc": loc, "msg": "expected a number", "type": "bool_for_number", "input": value,
+                              "hint": hint})
 
     walk(data, ())
     return found

@@ -888,6 +888,11 @@ CASES = [
     Case("recipe-bool-as-num-samples", lambda tmp: quantize(tmp, "calibration: {dataset: calibration/default.txt, num_samples: true}\n"
                                                             "stages:\n  - gptq: {scheme: W4A16, block_size: false}\n"),
          ["r.yaml:1", "calibration.num_samples: expected a number, got true", "(and 1 more problem)"]),
+    # and in a per-pattern dict: `alpha_overrides: {down_proj: true}` smoothed with alpha 1.0
+    Case("recipe-bool-in-overrides", lambda tmp: quantize(tmp, "calibration: {dataset: calibration/default.txt}\n"
+                                                          "stages:\n  - smoothquant: {alpha_overrides: {down_proj: true}}\n"
+                                                          "  - rtn: {scheme: W8A8}\n"),
+         ["r.yaml:3", "alpha_overrides.down_proj: expected a number, got true", "alpha per layer pattern"]),
     Case("recipe-self-referencing-alias", lambda tmp: quantize(tmp, "stages: &s [ {rtn: {scheme: W8A16}}, *s ]\n"),
          ["r.yaml:1", "stages"]),
     Case("pattern-unquoted-in-recipe", _pattern_unquoted, ["r.yaml:3", "pattern", "124", "quote"]),
