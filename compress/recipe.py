@@ -241,6 +241,18 @@ def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: d
     return f"{path}{line}: {key}: {msg}", hint
 
 
+def _stage_settings_hint(name: str, cls: type[BaseModel]) -> str:
+    keys = [k for k in cls.model_fields if k != "resolved"]
+    if not keys:
+        return f"write `- {name}` alone, it has no settings"
+    example = "scheme: W8A16" if "scheme" in keys else f"{keys[0]}: ..."
+    try:
+        cls.model_validate({})
+    except ValidationError:
+        return f"write `- {name}: {{{example}}}`"  # it has required settings
+    return f"write `- {name}: {{{example}}}`, or `- {name}` alone for its defaults"
+
+
 def _booleans_for_numbers(data: Any, stage_classes: dict[str, type[BaseModel]]) -> list[dict]:
     """YAML true/false where a number is expected, as validation errors: pydantic reads them as 1
     and 0, so `steps: true` trained one step and `num_samples: true` calibrated on one sample."""
@@ -360,7 +372,7 @@ def parse_recipe(text: Union[str, dict], path: str = "<recipe>", default_calibra
             name, body = entry, {}
         elif isinstance(entry, dict) and len(entry) == 1:
             name, body = next(iter(entry.items()))
-            body = body or {}
+            body = {} if body is None else body  # `- kv_cache:` alone; but `[]`, `false` or `0` are mistakes
         else:
             continue  # reported by RecipeFile
         if name not in STAGES:
@@ -371,7 +383,7 @@ def parse_recipe(text: Union[str, dict], path: str = "<recipe>", default_calibra
             raise CompressError(f"{path}{line}: unknown stage '{name}'", hint)
         if not isinstance(body, dict):
             errors.append({"loc": ("stages", i, name), "msg": "stage settings must be a mapping of keys", "type": "type",
-                           "hint": f"write `- {name}: {{scheme: W8A16}}`, or `- {name}` alone for its defaults"})
+                           "hint": _stage_settings_hint(name, stage_classes[name])})
             continue
         try:
             stages.append((name, stage_classes[name].model_validate(body)))
