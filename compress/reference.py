@@ -42,9 +42,16 @@ def keys(name: str) -> list[dict]:
     return list(_rows(found[name][1], ""))
 
 
+# QuantArgs serves weights and activations alike; what only one side takes is left out of the other
+# side's rows (the scheme refuses it there): weights have no tokens and no run-time ranges, and
+# activations are per token or per tensor (or FP4 blocks), never per output channel.
+_NOT_ON = {"weights": ({"dynamic"}, {"token"}), "input_activations": (set(), {"channel"})}
+
+
 def _rows(cls: type[BaseModel], prefix: str):
+    dropped_keys, dropped_choices = _NOT_ON.get(prefix.rstrip(".").rsplit(".", 1)[-1], (set(), set()))
     for key, field in cls.model_fields.items():
-        if key.startswith("_"):
+        if key.startswith("_") or key in dropped_keys:
             continue
         nested, many = _section_of(field.annotation)
         if nested is not None and nested is not cls:
@@ -52,8 +59,10 @@ def _rows(cls: type[BaseModel], prefix: str):
                    "default": _default(field), "description": field.description or _summary(nested)}
             yield from _rows(nested, f"{prefix}{key}{'[]' if many else ''}.")
         else:
-            yield {"key": prefix + key, "type": _type_name(field.annotation), "default": _default(field),
-                   "description": field.description or ""}
+            kind = _type_name(field.annotation)
+            if key == "strategy" and dropped_choices:
+                kind = " | ".join(c for c in kind.split(" | ") if c not in dropped_choices)
+            yield {"key": prefix + key, "type": kind, "default": _default(field), "description": field.description or ""}
 
 
 def _section_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:

@@ -513,6 +513,19 @@ def test_keys_gives_every_key_of_every_stage_a_meaning_and_the_default_a_recipe_
         assert checked >= 2 or name in ("kv_cache", "structured"), name  # (those two have no optional key)
 
 
+def test_keys_lists_for_weights_and_activations_only_what_their_side_accepts(capsys):
+    """weights.strategy offered `token` and a weights.dynamic key, which the scheme refuses."""
+    rc, out, _ = run(capsys, "--json", "keys", "rtn")
+    rows = {r["key"]: r for r in json.loads(out)}
+    assert rc == 0 and "weights.dynamic" not in rows and "input_activations.dynamic" in rows
+    weights, activations = (rows[f"{side}.strategy"]["type"].split(" | ") for side in ("weights", "input_activations"))
+    assert "token" not in weights and {"channel", "group", "tensor"} <= set(weights)
+    assert "channel" not in activations and {"token", "tensor"} <= set(activations)
+    for side, choice in (("weights", "token"), ("input_activations", "channel")):  # what keys leaves out is refused
+        with pytest.raises(CompressError, match="strategy"):
+            parse_recipe(f"stages:\n  - rtn: {{scheme: W8A8, {side}: {{strategy: {choice}}}}}\n", "t")
+
+
 def test_keys_of_an_unknown_stage_is_refused_naming_the_known_ones(capsys):
     rc, out, err = run(capsys, "keys", "gptqq")
     assert rc == 2 and "gptqq" in err and "gptq," in err and "Traceback" not in err
