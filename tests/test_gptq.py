@@ -245,9 +245,15 @@ def test_engine_every_family_every_layer_beats_rtn(tiny_models, family, tmp_path
     layers = report["layers"]
     solved = {n: r for n, r in layers.items() if r["gptq_loss"] is not None}
     assert len(solved) >= 2 * 4
+    # what was written is the solve, not the input's weights nor their round-to-nearest
+    # (GPT-2's Conv1D included, whose weight is stored transposed)
+    original = dict(modeling.load_model(str(tiny_models[family]))[0].named_modules())
+    saved = dict(modeling.load_model(str(tmp_path / "o"))[0].named_modules())
     for name, r in solved.items():
         assert r["gptq_loss"] < r["rtn_loss"], name
         assert r["tokens"] > 0
+        W, Q = modeling.get_weight(original[name]).detach(), modeling.get_weight(saved[name]).detach()
+        assert not torch.equal(Q, W) and not torch.equal(Q, fake_quantize(W, 4, True, "group", 32)), name
     assert report["stages"][0]["summary"]["rtn_fallback"] == 0
     if family == "bert":  # the pooler sits outside the blocks: solved there, on its own inputs (one per sample)
         assert report["stages"][0]["summary"]["outside_blocks"] == ["pooler.dense"]

@@ -13,7 +13,7 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoTokenizer, BertCo
                           GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
-from compress import modeling, parse_recipe, run_recipe
+from compress import activations, modeling, parse_recipe, run_recipe
 from compress.quant import fake_quantize
 from compress.stages.base import StageContext
 from compress.targets import select_modules
@@ -148,6 +148,9 @@ def test_static_activation_ranges_survive_reload(tmp_path, repo):
     assert all(lo < 0 < hi for lo, hi in ranges)
 
     reloaded, _, _ = modeling.load_model(str(tmp_path / "out"), device="cpu")  # reattaches the activation hooks
+    attached = activations.attached_inputs(reloaded)
+    assert set(attached) == set(report["layers"])
+    assert all(tuple(attached[n]["activation_range"]) == tuple(r["activation_range"]) for n, r in report["layers"].items())
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()   # weights only
     ids = torch.randint(0, V, (1, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

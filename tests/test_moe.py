@@ -187,18 +187,24 @@ def test_quantized_experts_are_packed_one_matrix_each_and_reload_alike(moe_model
 
 @pytest.mark.parametrize("scheme", ["W4A16_ASYM", "W8A8"])
 def test_the_run_says_when_plain_transformers_cannot_load_its_experts(moe_model, tmp_path, scheme):
-    """Zero points or int8 activations on the experts: written packed (compress reads them), and
-    the format's reason, which the run prints last, says plain transformers cannot load them, as
-    it indeed cannot (its fusing of per-expert matrices does not handle them)."""
+    """Zero points or int8 activations on the experts: written packed, and compress reads them to
+    the model the dense output holds; the format's reason, which the run prints last, says plain
+    transformers cannot load them, as it indeed cannot (its fusing of per-expert matrices does not
+    handle them: it refuses the file rather than reading it wrong)."""
     family, path, _ = moe_model
     out = tmp_path / "packed"
-    written = run_recipe(recipe_on(path, f"rtn: {{scheme: {scheme}, weights: {{group_size: 16}}}}", samples=2),
-                         output=str(out), device="cpu")["format"]
+    recipe = recipe_on(path, f"rtn: {{scheme: {scheme}, weights: {{group_size: 16}}}}", samples=2)
+    written = run_recipe(recipe, output=str(out), device="cpu")["format"]
+    run_recipe(recipe, output=str(tmp_path / "dense"), device="cpu", format="dense")
     assert written["format"] == "packed" and "plain transformers (compressed-tensors 0.20) cannot load experts" in written["reason"]
-    with pytest.raises(Exception):
+    with pytest.raises((ValueError, KeyError, RuntimeError, TypeError, AttributeError, NotImplementedError)):
         AutoModelForCausalLM.from_pretrained(out)
+    packed, dense = (modeling.load_model(str(tmp_path / d), dtype="float32")[0] for d in ("packed", "dense"))
+    experts = [n for n, _ in dense.named_parameters() if ".experts." in n]
+    assert experts and all(torch.equal(packed.get_parameter(n), dense.get_parameter(n)) for n in experts)
     ids = torch.randint(5, V, (2, 24), generator=torch.Generator().manual_seed(2))
-    assert torch.isfinite(modeling.load_model(str(out), dtype="float32")[0](input_ids=ids).logits).all()
+    with torch.no_grad():
+        assert torch.equal(packed(input_ids=ids).logits, dense(input_ids=ids).logits)
 
 
 def test_moe_gates_are_left_in_float_unless_named(tmp_path):

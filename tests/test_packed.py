@@ -312,7 +312,8 @@ def test_w4_group128_and_w8_bytes(tmp_path):
     # zero-points too come back exactly (bfloat16 model, float32 scales), read by compress
     loaded, _, _ = modeling.load_model(str(out))
     expected = in_memory({"scheme": "W4A16_ASYM"})
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), expected.state_dict().values()))
+    got, want = loaded.state_dict(), expected.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     out, w8 = quantize(tmp_path, "w8", "{scheme: W8A8}")  # int8 weights as int8, dynamic per-token activations
     assert w8["output"]["quantized_layers_ratio_to_float16"] <= 0.55
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -392,6 +393,16 @@ def test_static_activations_and_fp8(tiny, tmp_path):
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "F8_E4M3"
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "float-quantized"
+    # and the values: compress and compressed-tensors read back the weights the stage rounded in memory
+    original = dict(modeling.load_model(path)[0].named_parameters())
+    expected = dict(in_memory({"scheme": "FP8_DYNAMIC"}, model=path).named_parameters())
+    reloaded = dict(modeling.load_model(str(out), dtype="float32")[0].named_parameters())
+    decompressed = ct_decompress(out)
+    assert len(decompressed) == 7 * 2  # every linear layer of the two blocks
+    for name, weight in decompressed.items():
+        assert not torch.equal(expected[f"{name}.weight"], original[f"{name}.weight"])  # it was rounded
+        assert torch.equal(reloaded[f"{name}.weight"], expected[f"{name}.weight"])
+        assert torch.equal(weight.float(), expected[f"{name}.weight"])
 
 
 def test_mixed_widths_pack_and_reload_layer_by_layer(tiny, tmp_path):
