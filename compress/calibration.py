@@ -3,8 +3,8 @@
 Packed (causal LMs): the texts are joined, tokenized without special tokens and cut into
 consecutive non-overlapping windows of `seq_len` tokens; the first `num_samples` windows are taken
 (or a seeded random choice with `shuffle`). Unpacked (encoders, or one conversation per sample):
-one sample per line or record, truncated at `seq_len`. The fingerprint (sha256 of the token ids)
-goes into the report.
+one sample per line or record, truncated at `seq_len`. The fingerprint (sha256 of the samples'
+lengths and token ids) goes into the report and keys the stage cache.
 
 A record's field may hold a conversation instead of text, a list of {role, content} messages as
 in chat datasets such as ultrachat: it is rendered with the tokenizer's chat template, so an
@@ -23,6 +23,7 @@ import torch
 
 from compress.errors import CompressError, first_line
 from compress.modeling import bundled_file
+from compress.seeding import seeded_generator
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 
@@ -308,13 +309,14 @@ def build_calibration(cfg, tokenizer, run_seed: int = 0, encoder: bool = False) 
                 "lower num_samples or seq_len, or give more text",
             )
         if cfg.shuffle:
-            g = torch.Generator().manual_seed(seed)
+            g = seeded_generator(seed)
             idx = torch.randperm(len(windows), generator=g)[: cfg.num_samples].sort().values
         else:
             idx = torch.arange(cfg.num_samples)
         chosen = windows[idx]
         samples = [{"input_ids": row.unsqueeze(0)} for row in chosen]
-        digest = hashlib.sha256(chosen.numpy().tobytes()).hexdigest()
+        # the window shape too: 4 windows of 128 and 2 of 256 are the same ids in other contexts
+        digest = hashlib.sha256(f"{tuple(chosen.shape)}".encode() + chosen.numpy().tobytes()).hexdigest()
         return CalibrationSet(samples, digest, source, int(chosen.numel()))
 
     texts = [t.strip() for t in gather(lines=True)]
@@ -327,7 +329,7 @@ def build_calibration(cfg, tokenizer, run_seed: int = 0, encoder: bool = False) 
             "lower num_samples or min_chars, or give more text",
         )
     if cfg.shuffle:
-        g = torch.Generator().manual_seed(seed)
+        g = seeded_generator(seed)
         texts = [texts[i] for i in torch.randperm(len(texts), generator=g)[: cfg.num_samples].sort().values.tolist()]
     else:
         texts = texts[: cfg.num_samples]
@@ -341,6 +343,6 @@ def build_calibration(cfg, tokenizer, run_seed: int = 0, encoder: bool = False) 
         enc = tokenizer(t, truncation=True, max_length=cfg.seq_len, return_tensors="pt", add_special_tokens=add_special)
         sample = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
         samples.append(sample)
-        h.update(sample["input_ids"].numpy().tobytes())
+        h.update(f"{sample['input_ids'].shape[-1]}:".encode() + sample["input_ids"].numpy().tobytes())  # where it ends too
         total += int(sample["input_ids"].numel())
     return CalibrationSet(samples, h.hexdigest(), source, total)

@@ -29,6 +29,7 @@ from compress.quant import scales_stored_as
 from compress.recipe import EvaluationConfig, Recipe
 from compress.report import versions, write_json, write_reports
 from compress.schemes import QuantArgs, packed_weight_bits
+from compress.seeding import seed_everything
 from compress.stages import STAGES
 from compress.stages.base import INPUT_MODEL, StageContext
 
@@ -60,12 +61,6 @@ def pick_devices(spec: str = "auto") -> list[torch.device]:
             device = f"cuda:{int(index) if index else torch.cuda.current_device()}"
         devices.append(torch.device(device))
     return devices
-
-
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
 
 
 def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = None, force: bool = False,

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compress.errors import CompressError
 from compress.moe import fused_layout
+from compress.seeding import seeded_generator
 
 Progress = Callable[[str, int, int], None]
 
@@ -96,7 +97,7 @@ def sample_order(step: int, micro: int, cfg: TrainingConfig, n_samples: int, see
     epochs, within = positions // n_samples, positions % n_samples
     out = torch.empty_like(positions)
     for epoch in epochs.unique().tolist():
-        perm = torch.randperm(n_samples, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+        perm = torch.randperm(n_samples, generator=seeded_generator(seed * 100003 + epoch))
         sel = epochs == epoch
         out[sel] = perm[within[sel]]
     return out

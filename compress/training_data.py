@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from compress.calibration import read_texts, text_windows
 from compress.errors import CompressError
+from compress.seeding import seeded_generator
 
 
 class GenerateConfig(BaseModel):
@@ -114,7 +115,7 @@ def training_sequences(cfg: TrainingData, tokenizer, calibration=None, teacher=N
         ids = text_windows(tokenizer, text, cfg.seq_len, want if not cfg.shuffle else None, encoder, f"stage {stage}: data.seq_len")
         if cfg.shuffle and want and want <= len(ids):
             # a seeded choice, kept in text order; the held-out windows are the last of them
-            pick = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))[:want].sort().values
+            pick = torch.randperm(len(ids), generator=seeded_generator(seed))[:want].sort().values
             ids = ids[pick]
         source = ", ".join(specs) + (f" ({want} windows at random)" if cfg.shuffle and want else "")
     else:
@@ -178,7 +179,7 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
     for i in range(0, cfg.num_sequences, cfg.batch_size):
         n = min(cfg.batch_size, cfg.num_sequences - i)
         progress("generating training data with the teacher", i, cfg.num_sequences)
-        gens = [torch.Generator().manual_seed((seed * 1_000_003 + j) % 2**63) for j in range(i, i + n)]  # any --seed
+        gens = [seeded_generator(seed * 1_000_003 + j) for j in range(i, i + n)]
         ids = starts[torch.cat([torch.randint(len(starts), (1, 1), generator=g) for g in gens])].to(device)
         past = None
         step_ids = ids

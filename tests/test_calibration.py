@@ -32,13 +32,36 @@ def test_packed_windows_from_txt(tmp_path, tokenizer):
     assert cal.samples[1]["input_ids"][0].tolist() == ids[64:128]
     again = build_calibration(CalibrationConfig(dataset=str(f), num_samples=8, seq_len=64), tokenizer)
     assert again.fingerprint == cal.fingerprint
+    # the same ids cut into other windows are another calibration set (it keys the stage cache:
+    # 2 windows of 256 reused a stage calibrated on 4 of 128)
+    halves = build_calibration(CalibrationConfig(dataset=str(f), num_samples=4, seq_len=128), tokenizer)
+    assert torch.equal(torch.cat([x["input_ids"] for x in halves.samples], 1), torch.cat([x["input_ids"] for x in cal.samples], 1))
+    assert halves.fingerprint != cal.fingerprint
 
 
-def test_shuffle_is_seeded(tmp_path, tokenizer):
+def test_per_line_fingerprint_tells_where_samples_end(tmp_path):
+    class Characters:  # one id per character, so that both files give the same ids
+        bos_token = None
+
+        def __call__(self, text, max_length, return_tensors, **_):
+            return {"input_ids": torch.tensor([[ord(c) for c in text[:max_length]]])}
+
+    f, joined = tmp_path / "c.txt", tmp_path / "j.txt"
+    f.write_text("thequickbrownfox\njumpsoverthelazydog\n")
+    joined.write_text("thequickbrownfoxjumps\noverthelazydog\n")
+    a, b = (build_calibration(CalibrationConfig(dataset=str(p), num_samples=2, seq_len=64, packing=False, min_chars=1),
+                              Characters()) for p in (f, joined))
+    ids = lambda cal: torch.cat([x["input_ids"] for x in cal.samples], 1)  # noqa: E731
+    assert torch.equal(ids(a), ids(b)) and a.fingerprint != b.fingerprint
+
+
+@pytest.mark.parametrize("seed", [0, 2**64 + 5, -3])
+def test_shuffle_is_seeded(tmp_path, tokenizer, seed):
+    """Any integer seeds a draw (torch's generators take 64 bits: 2^64 + 5 was an internal error)."""
     f = tmp_path / "c.txt"
     f.write_text(TEXT)
     cfg = lambda seed: CalibrationConfig(dataset=str(f), num_samples=4, seq_len=32, shuffle=True, seed=seed)  # noqa: E731
-    a, b, c = (build_calibration(cfg(s), tokenizer) for s in (0, 0, 1))
+    a, b, c = (build_calibration(cfg(s), tokenizer) for s in (seed, seed, seed + 1))
     assert a.fingerprint == b.fingerprint != c.fingerprint
 
 

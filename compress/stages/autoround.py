@@ -57,6 +57,7 @@ from compress.engine import ActivationStore, BlockRunner
 from compress.modeling import get_weight, set_weight
 from compress.quant import _grouped, range_qparams, relative_error, round_ste
 from compress.schemes import QuantArgs
+from compress.seeding import seeded_generator
 from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
 from compress.stages.rtn import quantize_weight
@@ -185,7 +186,7 @@ class AutoRound(EngineOptions, QuantizationStage):
         minmax_lr = self.minmax_lr or lr
         per_batch = max(1, runner.store.get(0).shape[0])
         batches_per_step = min(len(runner), max(1, math.ceil(self.samples_per_step / per_batch)))
-        generator = torch.Generator().manual_seed(ctx.seed * 1_000_003 + index)
+        generator = seeded_generator(ctx.seed * 1_000_003 + index)
         order: list[int] = []
         learned = {"V": V, "alpha": alpha, "beta": beta}
         best_loss, best = float("inf"), None  # best: a snapshot of `learned`

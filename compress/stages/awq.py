@@ -54,6 +54,7 @@ from compress.modeling import get_weight, set_weight
 from compress.quant import nvfp4_global_scale, quantize_dequantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
+from compress.seeding import seeded_generator
 from compress.stages.rtn import global_scales, quantize_weight
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +162,7 @@ class InputSampler:
 
     def __init__(self, per_batch: int, seed: int):
         self.per_batch = per_batch
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = seeded_generator(seed)
         self.samples: list[torch.Tensor] = []
         self.tokens = 0
 
