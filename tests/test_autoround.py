@@ -246,3 +246,20 @@ def test_a_block_left_out_restarts_the_float_path_after_it(tmp_path):
     assert summary["float_path_restarts"] == [2] and len(summary["block_losses"]) == 3
     for loss, rtn in summary["block_losses"]:
         assert loss <= rtn
+
+
+def test_a_step_over_samples_of_different_lengths_weighs_each_token_once(tiny_models, tmp_path):
+    """A step's loss is per token, as block_loss and the whole-set loss are: averaged per batch, a
+    10-token line weighed as much as a 60-token one. At rest (the first step, V = 0, no clipping)
+    the rounding is round-to-nearest's, so a step over every sample has exactly its loss."""
+    recipe = parse_recipe(f"""
+model: {tiny_models["llama"]}
+calibration: {{dataset: calibration/default.txt, num_samples: 12, seq_len: 64, packing: false, min_chars: 5}}
+stages:
+  - autoround: {{scheme: W4A16, weights: {{group_size: 32}}, iters: 1, batch_size: 1, samples_per_step: 12}}
+""", "test")
+    shown = []
+    run_recipe(recipe, output=str(tmp_path / "o"), device="cpu",
+               progress=lambda text, *_: shown.append(text) if "autoround loss" in text else None)
+    losses = [(float(t.split("autoround loss ")[1].split()[0]), float(t.split("(rtn ")[1].rstrip(")"))) for t in shown]
+    assert len(set(losses)) == 2 and all(step == pytest.approx(rtn, rel=1e-3) for step, rtn in losses), losses  # 2 blocks

@@ -200,7 +200,11 @@ class AutoRound(EngineOptions, QuantizationStage):
                         order += torch.randperm(len(runner), generator=generator).tolist()
                     chosen, order = order[:batches_per_step], order[batches_per_step:]
                     quantized = parameters()  # once per step: every batch of the step uses the same W̃
-                    loss = sum(loss_on(j, quantized) for j in chosen) / len(chosen)
+                    tokens = [self._tokens(runner, j) for j in chosen]
+                    if len(set(tokens)) == 1:  # batches of equal size (packed windows): their mean
+                        loss = sum(loss_on(j, quantized) for j in chosen) / len(chosen)
+                    else:  # per token, as block_loss is: a short sample weighs as few tokens as it has
+                        loss = sum(loss_on(j, quantized) * n for j, n in zip(chosen, tokens)) / sum(tokens)
                     value = float(loss.detach())
                     if value < best_loss:  # the parameters this loss was computed with
                         best_loss = value
@@ -283,14 +287,19 @@ class AutoRound(EngineOptions, QuantizationStage):
             self._float_inputs = None
 
     @staticmethod
-    def _full_loss(runner: BlockRunner, loss_on, parameters) -> float:
+    def _tokens(runner: BlockRunner, j: int) -> int:
+        """Batch j's tokens, padding excluded."""
+        mask = runner.mask(j)
+        return int(mask.sum()) if mask is not None else math.prod(runner.store.get(j).shape[:2])
+
+    @classmethod
+    def _full_loss(cls, runner: BlockRunner, loss_on, parameters) -> float:
         """The block's loss over every calibration batch, weighted by its tokens."""
         total, tokens = 0.0, 0
         with torch.no_grad():
             quantized = parameters()
             for j in range(len(runner)):
-                mask = runner.mask(j)
-                n = int(mask.sum()) if mask is not None else math.prod(runner.store.get(j).shape[:2])
+                n = cls._tokens(runner, j)
                 total += float(loss_on(j, quantized)) * n
                 tokens += n
         return total / max(tokens, 1)
