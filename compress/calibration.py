@@ -123,6 +123,18 @@ def _record_text(value, tokenizer, where: str) -> str | None:
     return render_conversation(value, tokenizer, where) if is_conversation(value) else None
 
 
+def _column_text(value, tokenizer, where: str, text_field: str) -> str | None:
+    """A table row's text (parquet, hub datasets): None for an empty (null) cell, which tables
+    often hold; a value of another kind (a number, a list of ids) means the wrong column."""
+    if value is None:
+        return None
+    text = _record_text(value, tokenizer, where)
+    if text is None:
+        raise CompressError(f"{where}: '{text_field}' holds {type(value).__name__} values, not text or a conversation",
+                            TEXT_FIELD_HINT)
+    return text
+
+
 def _read_file(path: Path, text_field: str, lines: bool, tokenizer=None) -> list[str]:
     suffix = path.suffix.lower()
     try:
@@ -132,8 +144,11 @@ def _read_file(path: Path, text_field: str, lines: bool, tokenizer=None) -> list
             table = pq.read_table(path)
             if text_field not in table.column_names:
                 raise CompressError(f"{path}: no column '{text_field}' (columns: {', '.join(table.column_names)})", TEXT_FIELD_HINT)
-            texts = [_record_text(v, tokenizer, f"{path}: row {n}") for n, v in enumerate(table.column(text_field).to_pylist())]
+            texts = [_column_text(v, tokenizer, f"{path}: row {n}", text_field)
+                     for n, v in enumerate(table.column(text_field).to_pylist())]
             texts = [t for t in texts if t is not None]
+        elif suffix == ".json" and _starts_with(path, "["):
+            texts = _json_array_texts(path, text_field, tokenizer)
         elif suffix in (".jsonl", ".json"):
             texts = []
             with open(path, encoding="utf-8") as fh:
@@ -164,6 +179,29 @@ def _read_file(path: Path, text_field: str, lines: bool, tokenizer=None) -> list
     return texts
 
 
+def _starts_with(path: Path, char: str) -> bool:
+    with open(path, encoding="utf-8") as fh:
+        return fh.read(4096).lstrip().startswith(char)
+
+
+def _json_array_texts(path: Path, text_field: str, tokenizer=None) -> list[str]:
+    """A .json file holding one array of records (or of strings), as datasets are often shared;
+    a .json file of one object per line is read as JSON Lines."""
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CompressError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})",
+                            "give one JSON array of records, or one JSON object per line") from None
+    texts = []
+    for n, record in enumerate(records):
+        text = record if isinstance(record, str) else \
+            _record_text(record.get(text_field), tokenizer, f"{path}: record {n}") if isinstance(record, dict) else None
+        if text is None:
+            raise CompressError(f"{path}: record {n}: no string or conversation field '{text_field}'", TEXT_FIELD_HINT)
+        texts.append(text)
+    return texts
+
+
 def _read_hub(name: str, text_field: str, split: str, config_name: str | None, tokenizer=None,
               stream: StreamBudget | None = None) -> list[str]:
     unreachable = "check the name and your network; offline, use a local .txt/.jsonl/.parquet file"
@@ -179,7 +217,7 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None, t
     if fields is not None and text_field not in fields:
         raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(fields)})", TEXT_FIELD_HINT)
     if stream is None:
-        texts = [_record_text(v, tokenizer, f"dataset '{name}' record {n}") for n, v in enumerate(ds[text_field])]
+        texts = [_column_text(v, tokenizer, f"dataset '{name}' record {n}", text_field) for n, v in enumerate(ds[text_field])]
         return [t for t in texts if t is not None]
     if stream.shuffle_seed is not None:
         ds = ds.shuffle(seed=stream.shuffle_seed, buffer_size=STREAM_SHUFFLE_BUFFER)
@@ -188,7 +226,7 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None, t
         for n, record in enumerate(ds):
             if text_field not in record:
                 raise CompressError(f"dataset '{name}' has no field '{text_field}' (fields: {', '.join(record)})", TEXT_FIELD_HINT)
-            text = _record_text(record[text_field], tokenizer, f"dataset '{name}' record {n}")
+            text = _column_text(record[text_field], tokenizer, f"dataset '{name}' record {n}", text_field)
             if text is not None:
                 texts.append(text)
                 if stream.take(text):

@@ -54,7 +54,7 @@ class CalibrationConfig(BaseModel):
     num_samples: int = Field(128, gt=0, description="how many calibration samples, a positive integer")
     seq_len: int = Field(256, gt=0, description="tokens per sample, a positive integer")
     packing: bool = Field(True, description="true: concatenate and cut into windows; false: one sample per line/record")
-    min_chars: int = Field(0, ge=0, description="skip lines/records shorter than this (unpacked mode)")
+    min_chars: int = Field(0, ge=0, description="unpacked mode: keep only lines/records longer than this many characters")
     shuffle: bool = Field(False, description="pick windows at random (with seed) instead of the first ones")
     streaming: bool = Field(False, description="hub datasets: read the split as a stream and stop once there are enough samples, "
                             "for corpora too big to download whole (allenai/c4); with shuffle, records are shuffled within 10,000")

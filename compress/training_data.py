@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from compress.calibration import read_texts, text_windows
+from compress.calibration import TEXT_FIELD_HINT, read_texts, text_windows
 from compress.errors import CompressError
 from compress.seeding import seeded_generator
 
@@ -108,8 +108,14 @@ def training_sequences(cfg: TrainingData, tokenizer, calibration=None, teacher=N
                   f"temperature {cfg.generate.temperature:g}{greedy}, seed {seed})")
     elif cfg.dataset is not None:
         specs = [cfg.dataset] if isinstance(cfg.dataset, str) else list(cfg.dataset)
-        text = "\n\n".join(t for spec in specs for t in read_texts(spec, cfg.text_field, cfg.split, cfg.config_name, tokenizer=tokenizer)
-                           if t.strip())
+        try:
+            text = "\n\n".join(t for spec in specs for t in read_texts(spec, cfg.text_field, cfg.split, cfg.config_name,
+                                                                      tokenizer=tokenizer) if t.strip())
+        except CompressError as exc:  # the key to set is this stage's, not the calibration section's
+            if exc.hint == TEXT_FIELD_HINT:
+                raise CompressError(exc.message, f"the field holding the text: the {stage} stage's data.text_field "
+                                                 "in a recipe") from None
+            raise
         if not text.strip():
             raise CompressError(f"stage {stage}: training data {', '.join(specs)} is empty", "give a file with text in it")
         ids = text_windows(tokenizer, text, cfg.seq_len, want if not cfg.shuffle else None, encoder, f"stage {stage}: data.seq_len")

@@ -105,6 +105,34 @@ def test_jsonl_and_parquet_give_the_same_samples(tmp_path, tokenizer):
     assert a.samples[0]["input_ids"].shape[1] <= 24
 
 
+def test_parquet_skips_empty_cells_and_names_a_column_that_is_not_text(tmp_path, tokenizer):
+    """A numeric column was read as an empty file ("is empty"), sending the user to the file
+    rather than to text_field."""
+    lines = TEXT.splitlines()[:40]
+    pq.write_table(pa.table({"content": [t if i % 2 else None for i, t in enumerate(lines)], "n": list(range(40))}),
+                   tmp_path / "c.parquet")
+    cfg = dict(dataset=str(tmp_path / "c.parquet"), num_samples=20, seq_len=24, packing=False)
+    cal = build_calibration(CalibrationConfig(**cfg, text_field="content"), tokenizer)
+    assert len(cal.samples) == 20  # the 20 rows that have text
+    with pytest.raises(CompressError, match=r"c.parquet: row 0: 'n' holds int values, not text") as exc:
+        build_calibration(CalibrationConfig(**cfg, text_field="n"), tokenizer)
+    assert "text_field" in exc.value.hint
+
+
+def test_a_json_array_reads_as_its_records(tmp_path, tokenizer):
+    """`[{"text": ...}, ...]` was read as JSON Lines and refused at line 1 for lacking 'text'."""
+    lines = TEXT.splitlines()[:20]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in lines))
+    (tmp_path / "a.json").write_text(json.dumps([{"text": t} for t in lines], indent=2))
+    (tmp_path / "s.json").write_text(json.dumps(lines))
+    a, b, c = (build_calibration(CalibrationConfig(dataset=str(tmp_path / n), num_samples=20, seq_len=24, packing=False), tokenizer)
+               for n in ("c.jsonl", "a.json", "s.json"))
+    assert a.fingerprint == b.fingerprint == c.fingerprint
+    (tmp_path / "b.json").write_text(json.dumps([{"text": "fine"}, {"body": "x"}]))
+    with pytest.raises(CompressError, match=r"b.json: record 1: no string or conversation field 'text'"):
+        build_calibration(CalibrationConfig(dataset=str(tmp_path / "b.json"), num_samples=1, seq_len=24), tokenizer)
+
+
 def test_list_of_files_is_concatenated(tmp_path, tokenizer):
     (tmp_path / "a.txt").write_text(TEXT[:2000])
     (tmp_path / "b.txt").write_text(TEXT[2000:])

@@ -255,6 +255,20 @@ def test_shuffled_training_windows_come_from_every_corpus(tmp_path):
     assert torch.equal(shuffled, again) and shuffled.shape == (20, 16) and held_out.shape == (2, 16)
 
 
+def test_training_data_without_its_text_field_names_the_stages_key(tmp_path):
+    """The hint named calibration.text_field, which a training stage's data does not read."""
+    import json
+
+    from compress.errors import CompressError
+    from compress.training_data import TrainingData, training_sequences
+
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"content": "the cat sat on the mat."}) for _ in range(50)))
+    with pytest.raises(CompressError, match="no string or conversation field 'text'") as exc:
+        training_sequences(TrainingData(dataset=str(tmp_path / "d.jsonl"), seq_len=8), AutoTokenizer.from_pretrained(
+            modeling.DEFAULT_MODEL_DIR), stage="qat")
+    assert exc.value.hint == "the field holding the text: the qat stage's data.text_field in a recipe"
+
+
 def test_a_second_training_run_may_ask_for_other_accelerator_settings(tmp_path):
     """accelerate keeps one process-wide state: an earlier Accelerator with other settings (here
     bf16 autocast, as a GPU stage asks for) must not make the next training stage fail."""

@@ -88,7 +88,8 @@ class EngineOptions(BaseModel):
 
     batch_size: Union[Literal["auto"], int] = Field(
         "auto", description="calibration samples per forward pass; auto: up to 1024 tokens per forward on CPU, "
-        "4096 on a GPU, one sample where lengths differ")
+        "4096 on a GPU (samples of different lengths padded, the padding left out of every statistic; one "
+        "sample per forward in mixture-of-experts models when lengths differ)")
     activations_on: Literal["auto", "device", "cpu"] = Field("auto", description="where cached block inputs live")
     activation_budget: Optional[Union[int, str]] = Field(
         "auto", description="host bytes for cached activations before spilling to disk, e.g. 4GiB; auto: half the memory available at start")
