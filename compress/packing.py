@@ -309,10 +309,11 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
         raise NotPackable(f"layer {name}: {failed} weight group(s) are not on a {w['num_bits']}-bit grid the format can store exactly",
                             "pass --format dense; the layer's weights were changed after quantization, or GPTQ ran with "
                           "actorder: group (blocks then mix scales)")
-    if weight.dtype in (torch.bfloat16, torch.float16) and w["type"] == "int":
+    if weight.dtype in (torch.bfloat16, torch.float16):
         # readers hold scales in the model's dtype: store them so wherever they are exact there
         # (stages round them so: compress.quant.scales_stored_as), so nothing is cast on load
-        in_dtype = scales_as(weight, scale, zero_point, w["num_bits"], w["strategy"], w.get("group_size"), weight.dtype)
+        in_dtype = scales_as(weight, scale, zero_point, w["num_bits"], w["strategy"], w.get("group_size"), weight.dtype,
+                             float8=w["type"] == "float")
         scale = scale if in_dtype is None else in_dtype
     scales = {"weight_scale": scale}
     if zero_point is not None:

@@ -255,8 +255,11 @@ def fake_quantize(
     return out if finite is None else torch.where(finite, out, original.float())
 
 
-def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | None = None) -> torch.Tensor:
-    """Round x to float8 e4m3 after scaling its range onto the format's [-448, 448]."""
+def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | None = None,
+                      storable: bool = False) -> torch.Tensor:
+    """Round x to float8 e4m3 after scaling its range onto the format's [-448, 448]. `storable`
+    (weights): the scale rounded up to a value of the stage's scale dtype (storable_scale), the
+    one a half-precision checkpoint stores and its readers multiply by."""
     if not hasattr(torch, "float8_e4m3fn"):
         raise RuntimeError("this torch build has no float8_e4m3fn dtype; FP8 needs torch >= 2.1")
     x32, finite = _finite_or_zero(x.float())
@@ -268,6 +271,8 @@ def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | Non
         else:
             raise ValueError(f"FP8 supports tensor, channel and token strategies, not {strategy!r}")
     scale = _positive_step(absmax.float() / FP8_E4M3_MAX)
+    if storable:
+        scale = storable_scale(scale)
     out = (x32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
     raw = absmax.float() / FP8_E4M3_MAX
     subnormal = (raw < torch.finfo(torch.float32).tiny) & (raw > 0)  # _positive_step raised those steps
@@ -579,7 +584,7 @@ def _solve_groups(w: torch.Tensor, top: float, start: int, qmin: float, qmax: fl
 
 
 def scales_as(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int, strategy: str,
-              group_size: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+              group_size: int | None, dtype: torch.dtype, float8: bool = False) -> torch.Tensor | None:
     """recover_qparams' float32 scales as values of `dtype` that give back `weight` just as
     exactly, or None when some group has none (its scale is then kept in float32).
 
@@ -591,13 +596,13 @@ def scales_as(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     w = weight.detach().reshape(-1, per_group)
     x = w.float()
     z = torch.zeros(w.shape[0], 1) if zero_point is None else zero_point.reshape(-1, 1).float()
-    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    qmin, qmax = (-FP8_E4M3_MAX, FP8_E4M3_MAX) if float8 else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
     nearest = scale.reshape(-1, 1).to(dtype)
     chosen = ok = None
     for cand in (nearest, torch.nextafter(nearest, torch.full_like(nearest, float("inf"))),
                  torch.nextafter(nearest, torch.full_like(nearest, -float("inf")))):
         s = cand.float()
-        good = _verify(w, x, s, qmin, qmax, symmetric=zero_point is None, float8=False, zero_point=z)[0]
+        good = _verify(w, x, s, qmin, qmax, symmetric=zero_point is None, float8=float8, zero_point=z)[0]
         good = good & torch.isfinite(s) & (s > 0)
         chosen = cand if chosen is None else torch.where(ok, chosen, cand)
         ok = good if ok is None else ok | good

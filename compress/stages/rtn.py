@@ -35,7 +35,7 @@ def quantize_weight(weight: torch.Tensor, args: QuantArgs, global_scale: float |
     if args.fp4_format == "mxfp4":
         return fake_quantize_fp4(weight, args.group_size)
     if args.type == "float":
-        return fake_quantize_fp8(weight, args.strategy)
+        return fake_quantize_fp8(weight, args.strategy, storable=True)
     return fake_quantize(weight, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
 
 
