@@ -281,6 +281,39 @@ def test_quantization_after_pruning_keeps_the_mask(tiny, quant, tmp_path):
             assert check_nm(saved[name], 2, 4), name
 
 
+@pytest.mark.parametrize("first,second", [("magnitude: {sparsity: 0.5}", "sparsegpt: {sparsity: 0.5}"),
+                                          ("magnitude: {sparsity: 0.3}", "sparsegpt: {pattern: '2:4'}"),
+                                          ("wanda: {pattern: '2:4'}", "sparsegpt: {sparsity: 0.6}")])
+def test_sparsegpt_after_pruning_keeps_the_earlier_zeros(tiny, first, second, tmp_path):
+    """SparseGPT updates the weights it keeps; before the earlier mask was kept, those updates
+    brought back about 0.1 % of magnitude's zeros. Now its mask contains the earlier one."""
+    run_recipe(recipe(tiny["llama"], f"  - {first}"), output=str(tmp_path / "a"), device="cpu")
+    before = saved_weights(tmp_path / "a", "llama")
+    report = run_recipe(recipe(tiny["llama"], f"  - {first}\n  - {second}"), output=str(tmp_path / "b"), device="cpu")
+    after = saved_weights(tmp_path / "b", "llama")
+    pruned = [n for n in before if n in report["layers"]]
+    assert len(pruned) == 2 * 7
+    for name in pruned:
+        W = before[name]
+        assert (after[name][W == 0] == 0).all(), name
+        # pruning more updates the kept weights; the same mask again has nothing to make up for
+        assert torch.equal(after[name], W) == ("0.5}" in second), name
+        if "2:4" in second:
+            assert check_nm(after[name], 2, 4), name
+        elif "0.6" in second:  # more than the earlier mask: exactly as many as asked
+            assert int((after[name] == 0).sum()) == round(0.6 * W.numel()), name
+
+
+def test_sparsegpt_prune_with_an_earlier_mask_contains_it():
+    W, X, H = correlated_layer()
+    earlier = magnitude_prune(W, LayerTarget(0.4, None)) == 0
+    for target in (LayerTarget(0.5, None), LayerTarget(0.5, (2, 4)), LayerTarget(0.3, None)):
+        Q, _ = sparsegpt_prune(W.masked_fill(earlier, 0), H, target, keep_zero=earlier)
+        assert (Q[earlier] == 0).all(), target.describe()
+        # as many as asked where the earlier mask is smaller, the earlier mask where it is larger (0.4 > 0.3)
+        assert int((Q == 0).sum()) == max(round(target.sparsity * W.numel()), int(earlier.sum())) or target.nm
+
+
 def test_bundled_recipes_parse_and_describe_what_they_do(repo):
     from compress.recipe import load_recipe
 

@@ -20,7 +20,9 @@ by visiting columns in order so that one Cholesky factor serves every step, as i
         then W[:, after block] -= E_block · U[block, after block]  (the lazy batched update)
 
 The masks are chosen on the weights as already updated (adaptive mask selection), so earlier
-columns' compensation informs which later weights go.
+columns' compensation informs which later weights go. The zeros of an earlier pruning (a stage
+before this one, or the input model's, by the rule GPTQ keeps masks by) count as the lowest
+saliency and are pruned whatever the count, so the new mask contains the old one.
 
 Sample recipe stage:
 
@@ -46,7 +48,7 @@ from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import compute_qparams, fake_quantize, quantize_dequantize
 from compress.schemes import PRESETS, QuantArgs, resolve_scheme
-from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count
+from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count, pruned_zeros
 from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext, done_by
 from compress.stages.gptq import HessianObserver, columns_ahead, enough_tokens, hessian_loss, inverse_hessian_cholesky, weight_and_hessian
 from compress.stages.magnitude import magnitude_prune
@@ -57,8 +59,13 @@ from compress.stages.pruning import LayerTarget, PruningStage, check_weight, cou
 
 
 def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block_size: int = 128, damp: float = 0.01,
-                    quant: QuantArgs | None = None, mask_selection: str = "block") -> tuple[torch.Tensor, dict]:
+                    quant: QuantArgs | None = None, mask_selection: str = "block",
+                    keep_zero: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Prune (and with `quant`, quantize) W [out, in] against Hessian H [in, in].
+
+    `keep_zero` (bool [out, in]): an earlier pruning's mask. Those weights are pruned first (their
+    saliency counts as lowest), so the new mask contains the old one; without it the updates of
+    earlier columns would bring some of them back to life.
 
     Returns the new weight (float32) and details. Unstructured, `mask_selection` "row": each row
     loses exactly round(sparsity · in) weights, the per-block counts being the differences of the
@@ -70,6 +77,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
     W = W.clone().float()
     H = H.clone().float()
     rows, columns = W.shape
+    kept_out = keep_zero.to(W.device) if keep_zero is not None else torch.zeros_like(W, dtype=torch.bool)
     nm = target.nm
     if nm:
         block_size = -(-block_size // nm[1]) * nm[1]
@@ -98,19 +106,21 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
         Hinv1 = Hinv[i1:i2, i1:i2]
         d = torch.diag(Hinv1)
         W1 = W1t.t()  # a view: the block as [rows, block] for the mask choices
+        gone1 = kept_out[:, i1:i2]  # an earlier mask: lowest saliency, and pruned whatever the count
         if nm is None and mask_selection == "block":
             k = prune_count(target.sparsity, rows * i2) - prune_count(target.sparsity, rows * i1)
-            keep1 = lowest_overall(W1.pow(2) / d.pow(2)[None, :], k)
+            keep1 = lowest_overall(saliency(W1, d, gone1), k) & ~gone1
         elif nm is None:
             k = prune_count(target.sparsity, i2) - prune_count(target.sparsity, i1)
-            keep1 = lowest_per_row(W1.pow(2) / d.pow(2)[None, :], k)
+            keep1 = lowest_per_row(saliency(W1, d, gone1), k) & ~gone1
         else:
             keep1 = torch.ones_like(W1, dtype=torch.bool)
         for i in range(i2 - i1):
             col = i1 + i
             if nm is not None and i % nm[1] == 0:
                 n, m = nm
-                keep1[:, i : i + m] = nm_mask(W1[:, i : i + m].pow(2) / d[i : i + m].pow(2)[None, :], n, m)
+                group_gone = gone1[:, i : i + m]
+                keep1[:, i : i + m] = nm_mask(saliency(W1[:, i : i + m], d[i : i + m], group_gone), n, m) & ~group_gone
             if group is not None and col % group == 0:
                 # Scales from the group's current (already error-compensated) values, with the
                 # weights already known to be pruned left out of the range.
@@ -125,6 +135,12 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
         Wt[i2:] -= Hinv[i1:i2, i2:].t() @ Err1t
     Q = Qt.t().contiguous()
     return Q, {"damp": damp_used, "damp_retries": retries, "dead_columns": int(dead.sum())}
+
+
+def saliency(W1: torch.Tensor, d: torch.Tensor, gone: torch.Tensor) -> torch.Tensor:
+    """OBS saliency w² / [H⁻¹]_jj² of the weights W1 [rows, cols] (d: those columns' U_jj); the
+    weights of an earlier mask (`gone`) lowest of all."""
+    return (W1.pow(2) / d.pow(2)[None, :]).masked_fill(gone, -1.0)
 
 
 def magnitude_baseline(W: torch.Tensor, target: LayerTarget, quant: QuantArgs | None = None) -> torch.Tensor:
@@ -198,8 +214,10 @@ class SparseGPT(SolvesOutsideBlocks, EngineOptions, PruningStage):
         def solve(name: str, device: torch.device) -> tuple:
             W, H = weight_and_hessian(name, layers[name], observers[name], device)
             target = self._targets[name]
+            earlier = pruned_zeros(W, None, ctx.layers.get(name))  # an earlier pruning's zeros (GPTQ's rule)
             try:
-                Q, info = sparsegpt_prune(W, H, target, self.block_size, self.dampening_frac, quant, self.mask_selection)
+                Q, info = sparsegpt_prune(W, H, target, self.block_size, self.dampening_frac, quant, self.mask_selection,
+                                          keep_zero=earlier)
             except FloatingPointError as exc:
                 raise CompressError(f"layer {name}: {exc}", "raise dampening_frac or give more calibration samples") from None
             return W, Q, info, hessian_loss(W, Q, H), hessian_loss(W, magnitude_baseline(W, target, quant), H)
