@@ -299,7 +299,7 @@ def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=N
         reshaped = None  # the first stage that changed the model's shapes
         for index, (name, stage) in enumerate(recipe.stages[start:], start):
             ctx.stage_index = index
-            warnings = forget_earlier_grids(index, name, stage, net, ctx.layers)
+            warnings = forget_earlier_grids(index, name, stage, net, ctx.layers) + tied_warnings(index, name, stage, net)
             with PeakMemory() as mem, scales_stored_as(saved_dtype):
                 summary = stage.apply(net, ctx)
             reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
@@ -373,6 +373,30 @@ def forget_earlier_grids(index: int, name: str, stage, net: torch.nn.Module, lay
             if qat else "their errors are measured from those values, not from the float weights")
     return [requantized_warning(index, name, earlier, len(names)) + f": {tail} (first: {names[0]})"
             for earlier, names in again.items()]
+
+
+def tied_layers(net: torch.nn.Module, layers: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """Each of `layers` whose weight is the very tensor of another parameter (a tied lm_head and
+    input embedding), with that parameter's name."""
+    names: dict[int, list[str]] = {}
+    for pname, param in net.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(pname)
+    out = {}
+    for name, module in layers.items():
+        others = [p for p in names.get(id(getattr(module, "weight", None)), []) if p != f"{name}.weight"]
+        if others:
+            out[name] = others[0]
+    return out
+
+
+def tied_warnings(index: int, name: str, stage, net: torch.nn.Module) -> list[str]:
+    """A stage that changes a tied weight changes its twin too (the input embeddings of a model
+    with tie_word_embeddings, when a recipe takes lm_head): say so, as nothing else would."""
+    if not hasattr(stage, "select") or name == "structured":
+        return []
+    return [f"stage {index + 1} ({name}) changes {layer}, whose weight is tied to {other}: that changes too "
+            f"(ignore {layer}, or untie the weights in the model, to keep it)"
+            for layer, other in tied_layers(net, stage.select(net, name)).items()]
 
 
 def requantized_warning(index: int, name: str, earlier: str, count: int) -> str:

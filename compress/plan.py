@@ -14,7 +14,7 @@ import torch
 from compress import modeling, packing
 from compress.errors import CompressError
 from compress.pipeline import (StageShapes, check_data_files, check_offloadable, check_sequence_lengths, inherited_records,
-                               preflight, requantized_warning, stage_weights)
+                               preflight, requantized_warning, stage_weights, tied_layers)
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, packed_weight_bits, scale_bits_of
 from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
@@ -187,7 +187,9 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 warnings.append(f"stage {i + 1} ({name}): selects no layer at all")
             elif head is not None and any(m is head for m in chosen.values()):
                 head_name = next(n for n, m in chosen.items() if m is head)
-                warnings.append(f"stage {i + 1} ({name}): selects the output layer {head_name} too; is that meant?")
+                tied = tied_layers(model, {head_name: head}).get(head_name)
+                warnings.append(f"stage {i + 1} ({name}): selects the output layer {head_name} too; is that meant?"
+                                + (f" Its weight is tied to {tied}, which changes with it" if tied else ""))
             scheme = stage.resolved_scheme() if hasattr(stage, "resolved_scheme") else None
             joint = stage_weights(stage) if scheme is None else None  # SparseGPT's `quantize:`
             rescales = scheme is not None and stage_weights(stage) is None  # AWQ's quantize: false scales only

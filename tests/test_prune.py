@@ -314,6 +314,30 @@ def test_sparsegpt_prune_with_an_earlier_mask_contains_it():
         assert int((Q == 0).sum()) == max(round(target.sparsity * W.numel()), int(earlier.sum())) or target.nm
 
 
+def test_a_stage_on_a_tied_output_layer_says_the_embeddings_change_too(tmp_path, capsys):
+    """With tie_word_embeddings, pruning lm_head (`ignore: []`) prunes the input embeddings too:
+    the run and the plan say so, since nothing in the layer table would."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path / "tied"
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(path)
+    stage = "  - magnitude: {sparsity: 0.5, ignore: []}"
+    report = run_recipe(recipe(path, stage), output=str(tmp_path / "o"), device="cpu")
+    saved = load_file(tmp_path / "o" / "model.safetensors")
+    assert float((saved["model.embed_tokens.weight"] == 0).float().mean()) == pytest.approx(0.5, abs=0.01)
+    assert any("changes lm_head, whose weight is tied to model.embed_tokens.weight" in w for w in report["warnings"])
+    (tmp_path / "r.yaml").write_text(f"model: {path}\nstages:\n{stage}\n")
+    capsys.readouterr()
+    assert main(["plan", "--recipe", str(tmp_path / "r.yaml")]) == 0
+    shown = capsys.readouterr()
+    assert "tied to model.embed_tokens.weight" in " ".join((shown.out + shown.err).split()), shown  # (wrapped)
+    report = run_recipe(recipe(path, "  - magnitude: {sparsity: 0.5}"), output=str(tmp_path / "d"), device="cpu")
+    assert not report.get("warnings")  # lm_head ignored (the default): nothing to say
+
+
 def test_bundled_recipes_parse_and_describe_what_they_do(repo):
     from compress.recipe import load_recipe
 
