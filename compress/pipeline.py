@@ -702,6 +702,17 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
             # would be scored on text it never sees, and a broken tokenizer could pass the gate
             raise CompressError(f"--baseline {baseline} and --model {model} have tokenizers that map text to different ids",
                                 "compare a model with its uncompressed original, saved with the same tokenizer")
+        if base_tok is not None and tokenizer is not None:
+            # the same vocabulary can still split text otherwise (other merges, normalizer or
+            # pre-tokenizer): then both models read ids the baseline's tokenizer never gives
+            for spec in datasets:
+                sample = "\n".join(read_texts(spec, tokenizer=tokenizer))[:TOKENIZER_CHECK_CHARS]
+                ours, theirs = (t(sample, add_special_tokens=False)["input_ids"] for t in (tokenizer, base_tok))
+                if ours != theirs:
+                    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+                    raise CompressError(f"--baseline {baseline} and --model {model} have tokenizers that split {spec} "
+                                        f"differently (from token {at} on)",
+                                        "compare a model with its uncompressed original, saved with the same tokenizer")
     causal = modeling.is_causal_lm(config)
     start = time.perf_counter()
     results = evaluate(net, tokenizer, datasets, baseline=base, causal=causal, seq_len=seq_len, max_windows=max_windows,
@@ -718,6 +729,11 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
     return {"model": model, "baseline": baseline, "kind": "causal-lm" if causal else "encoder",
             "results": results, "tasks": task_results, "size": size, "checks": checks,
             "passed": all(c["passed"] for c in checks), "wall_s": time.perf_counter() - start}
+
+
+# How much of each evaluation text both tokenizers must split alike (a broken tokenizer differs
+# within a few sentences; the whole of a large text would double the tokenizing).
+TOKENIZER_CHECK_CHARS = 200_000
 
 
 def inspect_checkpoint(path: str | Path) -> dict:

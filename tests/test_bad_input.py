@@ -515,6 +515,17 @@ def _eval_other_tokenizer(tmp):
             "--max-windows", "1", "--max-kl", "0.01"]
 
 
+def _eval_other_merges(tmp):
+    """Same vocabulary, a tokenizer that splits text otherwise (a quarter of its merges): both
+    models read the broken tokenizer's ids, so KL was 0 and the gate passed."""
+    model = copy_model(tmp)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["model"]["merges"] = spec["model"]["merges"][: len(spec["model"]["merges"]) // 4]
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    return ["eval", "--model", str(model), "--baseline", "default", "--data", "calibration/heldout-tinyshakespeare.txt",
+            "--max-windows", "1", "--max-kl", "0.01"]
+
+
 def _damaged_meta(text):
     def setup(tmp):
         model = copy_model(tmp)
@@ -921,6 +932,8 @@ CASES = [
     Case("eval-threshold-nan", lambda tmp: ["eval", "--model", "default", "--baseline", "default", "--data", "x.txt",
                                             "--max-ppl-increase", "nan"], ["--max-ppl-increase", "finite number"]),
     Case("eval-other-tokenizer", _eval_other_tokenizer, ["tokenizers that map text to different ids"]),
+    Case("eval-tokenizer-other-merges", _eval_other_merges, ["tokenizers that split", "heldout-tinyshakespeare.txt",
+                                                             "differently (from token"]),
     Case("compress-json-not-json", _damaged_meta("{oops"), ["compress.json: damaged"]),
     Case("compress-json-a-list", _damaged_meta("[]"), ["compress.json: damaged", "not the object"]),
     Case("model-is-an-unfinished-output", lambda tmp: ["eval", "--model", str(write(copy_model(tmp, "half-written") /
