@@ -2,7 +2,8 @@
 
 Causal LMs: token perplexity on non-overlapping windows of a text file (float32), word perplexity
 (exp of the same total negative log-likelihood divided by the number of whitespace-separated words
-in the evaluated text, the lm-eval definition), and, against a baseline, the mean KL(p_base || p)
+in the scored text, as lm-eval defines it; each window's first token is context, its words left
+out), and, against a baseline, the mean KL(p_base || p)
 of the next-token distributions and top-1 agreement over all positions.
 
 Encoders: sentence embeddings (attention-mask-weighted mean of the last hidden state,
@@ -132,11 +133,14 @@ def causal_metrics(model, windows: torch.Tensor, tokenizer=None, baseline=None, 
                 base_logp = next(baseline_logprobs).to(logp.device)
             else:
                 base_logp = F.log_softmax(baseline(input_ids=ids).logits.float(), dim=-1)
-            kl += float((base_logp.exp() * (base_logp - logp)).sum())
+            # p log(p / q) is 0 where p = 0 (a logit of -inf in the baseline), not 0 · inf = NaN;
+            # the difference of logs inside, not p log p - p log q: no cancellation at tiny KL
+            terms = base_logp.exp() * (base_logp - logp)
+            kl += float(terms.masked_fill(base_logp == -math.inf, 0.0).sum())
             agree += int((base_logp.argmax(-1) == logp.argmax(-1)).sum())
             positions += ids.numel()
         if prefix_windows is not None and start + len(ids) == prefix_windows:
-            prefix = {"windows": prefix_windows, "token_perplexity": math.exp(nll / predicted)}
+            prefix = {"windows": prefix_windows, "token_perplexity": _exp(nll / predicted)}
             if compare:
                 prefix.update(kl_divergence=kl / positions, top1_agreement=agree / positions)
     progress("evaluating", len(windows), len(windows))
@@ -146,7 +150,9 @@ def causal_metrics(model, windows: torch.Tensor, tokenizer=None, baseline=None, 
         "token_perplexity": _exp(nll / predicted),
     }
     if tokenizer is not None:
-        words = len(tokenizer.decode(windows.reshape(-1).tolist()).split())
+        # the words of the scored text: each window's first token is context, never predicted
+        # (counting it made a 2-token window's word perplexity fall below its token perplexity)
+        words = sum(len(tokenizer.decode(w[1:].tolist()).split()) for w in windows)
         out["words"] = words
         # text with few spaces (Chinese, say) has few "words": the figure may be past float range
         out["word_perplexity"] = _exp(nll / max(words, 1))

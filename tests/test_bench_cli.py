@@ -2,6 +2,7 @@
 saved baseline; report.md / .json / .html with a row and a plotted point per recipe."""
 
 import json
+import math
 import re
 
 import pytest
@@ -123,3 +124,43 @@ def test_a_recipe_without_calibration_gets_the_benchmarks(tmp_path):
 
     with pytest.raises(CompressError, match="needs calibration data"):
         _with_calibration(gptq, None)
+
+
+class _Logits(torch.nn.Module):
+    """A stand-in causal LM: fixed logits per position, whatever the ids."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, input_ids):
+        return type("Out", (), {"logits": self.logits[: input_ids.shape[0], : input_ids.shape[1]]})()
+
+
+def test_kl_is_finite_where_both_models_rule_a_token_out_and_broken_models_give_inf():
+    """0 · log 0 was NaN: a vocabulary masked to -inf in both models failed any --max-kl gate even
+    when identical; a model whose perplexity overflows gave inf, but its prefix figure raised."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    logits[..., 3] = -float("inf")
+    windows = torch.randint(0, 7, (2, 5))
+    windows[windows == 3] = 2
+    same = causal_metrics(_Logits(logits), windows, None, _Logits(logits.clone()), 2, prefix_windows=2)
+    assert same["kl_divergence"] == 0 and same["top1_agreement"] == 1
+    noisy = causal_metrics(_Logits(logits + 0.1 * torch.randn(2, 5, 7)), windows, None, _Logits(logits), 2)
+    assert 0 < noisy["kl_divergence"] < math.inf
+    broken = logits.clone()
+    broken[..., :3] = -1e6  # the text's tokens all but impossible
+    worst = causal_metrics(_Logits(broken), windows.clamp(max=2), None, None, 2, prefix_windows=2)
+    assert worst["token_perplexity"] == math.inf and worst["prefix"]["token_perplexity"] == math.inf
+
+
+def test_word_perplexity_counts_only_the_words_it_scored(ref_llama, repo):
+    """Each window's first token is context, never predicted; its words counted too made 2-token
+    windows' word perplexity fall below their token perplexity (impossible: a word has at least
+    one token)."""
+    base, tok, _ = modeling.load_model(str(ref_llama), dtype="float32")
+    windows = eval_windows(tok, str(repo / HELDOUT), 4, 64)
+    out = causal_metrics(base, windows, tok, None, 16)
+    assert out["words"] == sum(len(tok.decode(w[1:].tolist()).split()) for w in windows) <= out["tokens_predicted"]
+    assert out["word_perplexity"] >= out["token_perplexity"]
