@@ -756,8 +756,9 @@ def round_ste(x: torch.Tensor) -> torch.Tensor:
 
 
 def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
-    """x forward; its gradient multiplied by `factor` backward."""
-    return (x - x * factor).detach() + x * factor
+    """x forward, bit for bit; its gradient multiplied by `factor` backward."""
+    scaled = x * factor
+    return x.detach() + (scaled - scaled.detach())
 
 
 def lsq_gradient_factor(elements_per_scale: int, qmax: int) -> float:

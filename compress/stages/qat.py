@@ -11,7 +11,7 @@
 
 Each target layer's weight is replaced, for the forward pass, by dequantize(quantize(W)); the
 rounding passes gradients straight through (STE) so W keeps learning, and with `scales: learned`
-the step sizes learn too, by LSQ's gradient. The starting scales are those of the weights as
+the step sizes learn too, by LSQ's gradient (through their logarithm: see FakeQuantWeight). The starting scales are those of the weights as
 they arrive: an earlier PTQ stage at the same scheme (GPTQ, AWQ, RTN) hands over its grid
 exactly, so QAT starts from the PTQ result; otherwise round-to-nearest's. After training each
 weight is set to its final quantized values, recorded like any quantization stage's, and saved
@@ -54,19 +54,28 @@ class FakeQuantWeight(torch.nn.Module):
         self.group_size = args.group_size if args.strategy == "group" else None
         self.qmin, self.qmax = qparams.qmin, qparams.qmax
         self.transposed = transposed  # GPT-2's Conv1D stores [in, out]
-        self.learn_scale = learn_scale
-        if learn_scale:
-            self.scale = torch.nn.Parameter(qparams.scale.clone())
-        else:
-            self.register_buffer("scale", qparams.scale.clone())
+        self.register_buffer("scale", qparams.scale.clone())  # the starting step sizes (the fixed ones)
         self.register_buffer("zero_point", qparams.zero_point.clone())
+        # Learned, a step size is its start times exp(log_scale): AdamW moves every parameter by
+        # about lr a step whatever its gradient (LSQ's gradient scale assumes SGD), so a step of
+        # the logarithm changes a 4-bit scale and a 40x smaller 8-bit one by the same share, and
+        # never through zero (an absolute step of lr took 8-bit scales of 5e-4 negative).
+        self.log_scale = torch.nn.Parameter(torch.zeros_like(qparams.scale)) if learn_scale else None
         out_f, in_f = (weight.shape[1], weight.shape[0]) if transposed else tuple(weight.shape)
         per_scale = self.group_size or (in_f if args.strategy == "channel" else out_f * in_f)
         self.grad_factor = lsq_gradient_factor(per_scale, self.qmax)
 
+    def current_scale(self) -> torch.Tensor:
+        return self.scale if self.log_scale is None else self.scale * self.log_scale.exp()
+
+    def fix_scale(self, scale: torch.Tensor) -> None:
+        """Hold the step sizes at `scale` from now on (the learned ones, as the checkpoint stores them)."""
+        self.scale.copy_(scale)
+        self.log_scale = None
+
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         w = weight.t() if self.transposed else weight
-        scale = scale_gradient(self.scale, self.grad_factor) if self.learn_scale else self.scale
+        scale = self.scale if self.log_scale is None else scale_gradient(self.current_scale(), self.grad_factor)
         q = fake_quantize_ste(w.float(), scale, self.zero_point, self.qmin, self.qmax, self.group_size).to(weight.dtype)
         return q.t() if self.transposed else q
 
@@ -108,7 +117,8 @@ class QAT(DistillLoss, QuantizationStage):
     """Fine-tune the target layers through fake quantization, distilling from the input model."""
 
     scales: Literal["learned", "fixed"] = Field("learned", description="learned: LSQ step sizes; fixed: the starting ones")
-    scale_lr: Optional[float] = Field(None, gt=0, description="peak learning rate of the scales (default: train.lr)")
+    scale_lr: Optional[float] = Field(None, gt=0, description="peak learning rate of the scales' logarithm: about the share by which a "
+                                    "step size changes per step (default: train.lr)")
     freeze: list[Pattern] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
     keep_start_if_worse: bool = Field(True, description="when training ends with a higher held-out loss than it started "
                                       "with, keep the starting grid (the earlier stage's, or round-to-nearest's)")
@@ -164,7 +174,7 @@ class QAT(DistillLoss, QuantizationStage):
             parametrize.register_parametrization(module, "weight", fq)
             ctx.layers.setdefault(name, {})["qat_init"] = origin
             if self.scales == "learned":
-                scales.append(fq.scale)
+                scales.append(fq.log_scale)
             if scheme.input_activations is not None:
                 hooks.append(module.register_forward_pre_hook(_ActivationSTE(scheme.input_activations)))
 
@@ -197,7 +207,7 @@ class QAT(DistillLoss, QuantizationStage):
         for name, module in modules.items():
             with torch.no_grad():
                 fq = module.parametrizations.weight[0]
-                fq.scale.copy_(storable_scale(fq.scale))  # learned steps, as the checkpoint's dtype holds them
+                fq.fix_scale(storable_scale(fq.current_scale()))  # learned steps, as the checkpoint's dtype holds them
                 final = module.weight.detach().clone()  # the parametrized, quantized weight
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
             set_weight(module, (final.t() if type(module).__name__ == "Conv1D" else final).float())
