@@ -139,7 +139,12 @@ def mappings_for(model: torch.nn.Module, override: list[Mapping] | None = None, 
                             "inspect: <module to score>}]` with names inside a block")
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", heads) or heads
-    return [m for m, needs_mha in TABLES[model_type] if not needs_mha or kv_heads == heads]
+    table = TABLES[model_type]
+    if model_type == "opt" and not getattr(config, "do_layer_norm_before", True):
+        # post-LN OPT (opt-350m): its norms follow the residual add, so scaling one scales the
+        # residual stream as well; only the maps between linear layers stay exact
+        table = [(m, mha) for m, mha in table if not m.smooth.endswith("layer_norm")]
+    return [m for m, needs_mha in table if not needs_mha or kv_heads == heads]
 
 
 def _output_width(module: torch.nn.Module) -> int | None:
@@ -241,14 +246,15 @@ def require_exact(mapping: Mapping, where: str, before: list[torch.Tensor], afte
     shared by several query heads. The measure is the median over tokens of each token's relative
     change, so that the few tokens whose top-k experts swap places (a router's logits rounded
     after scaling, in half precision) do not count; a wrong map moves every token. Exact folds
-    measure about 1e-7 in float32 and 3e-3 in bfloat16, against limits of 1e-3 and 6e-2."""
+    measure about 1e-7 in float32 and 3e-3 in bfloat16, against limits of 1e-3 and 3e-2 (four
+    steps of the dtype: 8 let a post-LN fold that moved every token 5 % through in bfloat16)."""
     a = torch.cat([t.float().reshape(-1, t.shape[-1]) for t in after]) if after else torch.zeros(0, 1)
     b = torch.cat([t.float().reshape(-1, t.shape[-1]) for t in before]) if before else torch.zeros(0, 1)
     if b.shape[0] == 0:
         return  # nothing ran through the inspected module (an expert these batches did not reach)
     per_token = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp(min=1e-12)
     change = float(per_token.median())
-    if not change <= max(1e-3, 8 * torch.finfo(dtype).eps):
+    if not change <= max(1e-3, 4 * torch.finfo(dtype).eps):
         raise CompressError(f"{where}: moving scales from {mapping.smooth} into {', '.join(mapping.balance)} changes "
                             f"the float model's output by {change:.1e} (relative, median over tokens), so this mapping "
                             "is not exact here", "fix or remove it in the stage's `mappings`: between the two there "

@@ -167,6 +167,10 @@ class QuantScheme(BaseModel):
                              "(type float, num_bits 4)")
         if a is not None and a.strategy == "token" and not a.dynamic:
             raise ValueError("per-token activation quantization is dynamic: set dynamic: true")
+        if a is not None and a.dynamic and a.full_range and a.type == "int":
+            # nothing in the checkpoint carries it: vLLM's dynamic int8 kernels divide by 127
+            raise ValueError("full_range applies to static activation scales (stored as input_scale); dynamic int8 "
+                             "scales are absmax / 127 in vLLM: drop input_activations.full_range")
         return self
 
     @property

@@ -906,6 +906,9 @@ CASES = [
          ["r.yaml:3", "alpha_overrides.down_proj: expected a number, got true", "alpha per layer pattern"]),
     Case("recipe-stage-settings-a-list", lambda tmp: quantize(tmp, "stages:\n  - rtn: {scheme: W8A16}\n  - kv_cache: []\n"),
          ["r.yaml:3", "stages.1.kv_cache", "must be a mapping", "write `- kv_cache` alone"]),
+    Case("full-range-dynamic-activations", lambda tmp: quantize(tmp, "stages:\n  - rtn:\n      scheme: W8A8\n"
+                                                                "      input_activations: {full_range: true}\n"),
+         ["r.yaml", "full_range applies to static activation scales", "drop input_activations.full_range"]),
     Case("recipe-self-referencing-alias", lambda tmp: quantize(tmp, "stages: &s [ {rtn: {scheme: W8A16}}, *s ]\n"),
          ["r.yaml:1", "stages"]),
     Case("pattern-unquoted-in-recipe", _pattern_unquoted, ["r.yaml:3", "pattern", "124", "quote"]),

@@ -5,7 +5,7 @@ own objectives; AWQ then GPTQ chains in one recipe."""
 import pytest
 from safetensors.torch import load_file
 import torch
-from transformers import (AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM, LlamaConfig,
+from transformers import (AutoTokenizer, OPTConfig, OPTForCausalLM, Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM, LlamaConfig,
                           LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from compress import modeling, parse_recipe, run_recipe
@@ -33,6 +33,10 @@ SMOOTHING_FAMILIES = {
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
                                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                                             head_dim=16, vocab_size=V, num_experts=4, num_experts_per_tok=2)),
+    # post-LN OPT (opt-350m): its norms follow the residual add, so only fc1 -> fc2 and v -> out
+    "opt-post-ln": lambda: OPTForCausalLM(OPTConfig(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                                                    word_embed_proj_dim=64, vocab_size=V, max_position_embeddings=512,
+                                                    do_layer_norm_before=False)),
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, head_dim=16,
                                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=V,
                                                      sliding_window=8, pad_token_id=0, bos_token_id=2, eos_token_id=1)),
@@ -95,6 +99,26 @@ def test_a_mapping_that_is_not_exact_is_refused(tmp_path):
     with pytest.raises(CompressError, match=r"block 0: moving scales from mlp.gate_proj into mlp.down_proj changes .* not exact"):
         run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_fold_that_is_not_exact_is_refused_in_bfloat16_too(tmp_path):
+    """Half precision allows for its rounding (exact folds measure about 3e-3 in bfloat16), but a
+    limit of 8 of its steps (6e-2) let a post-LN OPT norm fold that moved every token 5 % through."""
+    from compress.errors import CompressError
+
+    torch.manual_seed(0)
+    model = SMOOTHING_FAMILIES["opt-post-ln"]().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm.weight" in name:
+                p.mul_(torch.rand_like(p) + 0.5)
+    save(model.to(torch.bfloat16), tmp_path / "in")
+    mapping = ("mappings: [{smooth: self_attn_layer_norm, balance: [self_attn.q_proj, self_attn.k_proj, self_attn.v_proj], "
+               "inspect: self_attn}]")
+    recipe = recipe_on(tmp_path / "in", f"awq: {{scheme: W4A16, weights: {{group_size: 32}}, quantize: false, {mapping}}}",
+                       samples=4)
+    with pytest.raises(CompressError, match=r"block 0: moving scales from self_attn_layer_norm .* by 5.0e-02 .* not exact"):
+        run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
 
 
 def test_awq_refuses_a_map_that_is_not_exact_even_where_no_scaling_wins(tmp_path):
