@@ -23,7 +23,7 @@ import torch
 
 from compress.errors import CompressError, first_line
 from compress.modeling import bundled_file
-from compress.seeding import seeded_generator
+from compress.seeding import SEED_RANGE, seeded_generator
 
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 
@@ -151,7 +151,7 @@ def _read_file(path: Path, text_field: str, lines: bool, tokenizer=None) -> list
             texts = _json_array_texts(path, text_field, tokenizer)
         elif suffix in (".jsonl", ".json"):
             texts = []
-            with open(path, encoding="utf-8") as fh:
+            with open(path, encoding="utf-8-sig") as fh:  # a byte-order mark is not JSON
                 for n, line in enumerate(fh, 1):
                     if not line.strip():
                         continue
@@ -180,7 +180,7 @@ def _read_file(path: Path, text_field: str, lines: bool, tokenizer=None) -> list
 
 
 def _starts_with(path: Path, char: str) -> bool:
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8-sig") as fh:
         return fh.read(4096).lstrip().startswith(char)
 
 
@@ -188,7 +188,7 @@ def _json_array_texts(path: Path, text_field: str, tokenizer=None) -> list[str]:
     """A .json file holding one array of records (or of strings), as datasets are often shared;
     a .json file of one object per line is read as JSON Lines."""
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        records = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as exc:
         raise CompressError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})",
                             "give one JSON array of records, or one JSON object per line") from None
@@ -220,7 +220,7 @@ def _read_hub(name: str, text_field: str, split: str, config_name: str | None, t
         texts = [_column_text(v, tokenizer, f"dataset '{name}' record {n}", text_field) for n, v in enumerate(ds[text_field])]
         return [t for t in texts if t is not None]
     if stream.shuffle_seed is not None:
-        ds = ds.shuffle(seed=stream.shuffle_seed, buffer_size=STREAM_SHUFFLE_BUFFER)
+        ds = ds.shuffle(seed=stream.shuffle_seed % SEED_RANGE, buffer_size=STREAM_SHUFFLE_BUFFER)  # any integer seed
     texts = []
     try:
         for n, record in enumerate(ds):

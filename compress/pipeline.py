@@ -299,9 +299,11 @@ def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=N
         reshaped = None  # the first stage that changed the model's shapes
         for index, (name, stage) in enumerate(recipe.stages[start:], start):
             ctx.stage_index = index
-            warnings = forget_earlier_grids(index, name, stage, net, ctx.layers) + tied_warnings(index, name, stage, net)
+            warnings = forget_earlier_grids(index, name, stage, net, ctx.layers)
+            tied = tied_weights(name, stage, net)
             with PeakMemory() as mem, scales_stored_as(saved_dtype):
                 summary = stage.apply(net, ctx)
+            warnings += tied_warnings(index, name, net, tied)
             reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
                             "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary,
                             **({"warnings": warnings} if warnings else {})})  # stored with it in the stage cache
@@ -389,14 +391,25 @@ def tied_layers(net: torch.nn.Module, layers: dict[str, torch.nn.Module]) -> dic
     return out
 
 
-def tied_warnings(index: int, name: str, stage, net: torch.nn.Module) -> list[str]:
-    """A stage that changes a tied weight changes its twin too (the input embeddings of a model
-    with tie_word_embeddings, when a recipe takes lm_head): say so, as nothing else would."""
-    if not hasattr(stage, "select") or name == "structured":
-        return []
-    return [f"stage {index + 1} ({name}) changes {layer}, whose weight is tied to {other}: that changes too "
+def tied_weights(name: str, stage, net: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    """The stage's target layers whose weight is tied to another parameter: (that parameter's
+    name, a copy of the weight as it is before the stage)."""
+    if not hasattr(stage, "select"):
+        return {}
+    modules = dict(net.named_modules())
+    return {layer: (other, modules[layer].weight.detach().to("cpu", copy=True))
+            for layer, other in tied_layers(net, stage.select(net, name)).items()}
+
+
+def tied_warnings(index: int, name: str, net: torch.nn.Module, tied: dict[str, tuple[str, torch.Tensor]]) -> list[str]:
+    """A stage that changed a tied weight changed its twin too (the input embeddings of a model
+    with tie_word_embeddings, when a recipe takes lm_head): say so, as nothing else would. (A stage
+    that only targeted it, AWQ scaling other layers, changed nothing: no word.)"""
+    modules = dict(net.named_modules())
+    return [f"stage {index + 1} ({name}) changed {layer}, whose weight is tied to {other}: that changed too "
             f"(ignore {layer}, or untie the weights in the model, to keep it)"
-            for layer, other in tied_layers(net, stage.select(net, name)).items()]
+            for layer, (other, before) in tied.items()
+            if layer in modules and not torch.equal(modules[layer].weight.detach().cpu(), before)]
 
 
 def requantized_warning(index: int, name: str, earlier: str, count: int) -> str:

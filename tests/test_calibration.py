@@ -123,7 +123,7 @@ def test_a_json_array_reads_as_its_records(tmp_path, tokenizer):
     """`[{"text": ...}, ...]` was read as JSON Lines and refused at line 1 for lacking 'text'."""
     lines = TEXT.splitlines()[:20]
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in lines))
-    (tmp_path / "a.json").write_text(json.dumps([{"text": t} for t in lines], indent=2))
+    (tmp_path / "a.json").write_text("\ufeff" + json.dumps([{"text": t} for t in lines], indent=2))  # with a BOM, as some editors save
     (tmp_path / "s.json").write_text(json.dumps(lines))
     a, b, c = (build_calibration(CalibrationConfig(dataset=str(tmp_path / n), num_samples=20, seq_len=24, packing=False), tokenizer)
                for n in ("c.jsonl", "a.json", "s.json"))
@@ -302,11 +302,12 @@ def test_streaming_reads_only_what_the_samples_need(monkeypatch, tokenizer):
     assert len(one_each.samples) == 5 and len(served) == 15  # lines 0-9 have 72 characters, 10-14 are taken
 
 
-def test_streaming_with_shuffle_is_seeded(monkeypatch, tokenizer):
+@pytest.mark.parametrize("seed", [0, -3, 2**64 + 5])  # datasets' shuffle takes non-negative seeds only
+def test_streaming_with_shuffle_is_seeded(monkeypatch, tokenizer, seed):
     _fake_hub(monkeypatch, [{"text": line} for line in TEXT.splitlines()])
     cfg = lambda seed: CalibrationConfig(dataset="org/big", num_samples=4, seq_len=32, streaming=True,  # noqa: E731
                                          shuffle=True, seed=seed)
-    a, b, c = (build_calibration(cfg(s), tokenizer) for s in (0, 0, 1))
+    a, b, c = (build_calibration(cfg(s), tokenizer) for s in (seed, seed, seed + 1))
     first = build_calibration(CalibrationConfig(dataset="org/big", num_samples=4, seq_len=32, streaming=True), tokenizer)
     assert a.fingerprint == b.fingerprint != c.fingerprint and a.fingerprint != first.fingerprint
 

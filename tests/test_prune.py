@@ -287,6 +287,7 @@ def test_quantization_after_pruning_keeps_the_mask(tiny, quant, tmp_path):
 def test_sparsegpt_after_pruning_keeps_the_earlier_zeros(tiny, first, second, tmp_path):
     """SparseGPT updates the weights it keeps; before the earlier mask was kept, those updates
     brought back about 0.1 % of magnitude's zeros. Now its mask contains the earlier one."""
+    second = second.replace("}", ", block_size: 16}")  # several column blocks: later blocks' masks follow updates
     run_recipe(recipe(tiny["llama"], f"  - {first}"), output=str(tmp_path / "a"), device="cpu")
     before = saved_weights(tmp_path / "a", "llama")
     report = run_recipe(recipe(tiny["llama"], f"  - {first}\n  - {second}"), output=str(tmp_path / "b"), device="cpu")
@@ -296,22 +297,22 @@ def test_sparsegpt_after_pruning_keeps_the_earlier_zeros(tiny, first, second, tm
     for name in pruned:
         W = before[name]
         assert (after[name][W == 0] == 0).all(), name
-        # pruning more updates the kept weights; the same mask again has nothing to make up for
-        assert torch.equal(after[name], W) == ("0.5}" in second), name
+        assert not torch.equal(after[name], W), name  # the kept weights were updated
         if "2:4" in second:
             assert check_nm(after[name], 2, 4), name
-        elif "0.6" in second:  # more than the earlier mask: exactly as many as asked
-            assert int((after[name] == 0).sum()) == round(0.6 * W.numel()), name
+        else:  # at least as many as asked (more where a block of columns held more earlier zeros than its share)
+            target = 0.6 if "0.6" in second else 0.5
+            assert int((after[name] == 0).sum()) >= round(target * W.numel()), name
 
 
 def test_sparsegpt_prune_with_an_earlier_mask_contains_it():
     W, X, H = correlated_layer()
     earlier = magnitude_prune(W, LayerTarget(0.4, None)) == 0
     for target in (LayerTarget(0.5, None), LayerTarget(0.5, (2, 4)), LayerTarget(0.3, None)):
-        Q, _ = sparsegpt_prune(W.masked_fill(earlier, 0), H, target, keep_zero=earlier)
+        Q, _ = sparsegpt_prune(W.masked_fill(earlier, 0), H, target, block_size=16, keep_zero=earlier)
         assert (Q[earlier] == 0).all(), target.describe()
-        # as many as asked where the earlier mask is smaller, the earlier mask where it is larger (0.4 > 0.3)
-        assert int((Q == 0).sum()) == max(round(target.sparsity * W.numel()), int(earlier.sum())) or target.nm
+        # at least as many as asked, and the earlier mask where it is larger (0.4 > 0.3)
+        assert int((Q == 0).sum()) >= max(round(target.sparsity * W.numel()), int(earlier.sum())) or target.nm
 
 
 def test_a_stage_on_a_tied_output_layer_says_the_embeddings_change_too(tmp_path, capsys):
@@ -328,7 +329,7 @@ def test_a_stage_on_a_tied_output_layer_says_the_embeddings_change_too(tmp_path,
     report = run_recipe(recipe(path, stage), output=str(tmp_path / "o"), device="cpu")
     saved = load_file(tmp_path / "o" / "model.safetensors")
     assert float((saved["model.embed_tokens.weight"] == 0).float().mean()) == pytest.approx(0.5, abs=0.01)
-    assert any("changes lm_head, whose weight is tied to model.embed_tokens.weight" in w for w in report["warnings"])
+    assert any("changed lm_head, whose weight is tied to model.embed_tokens.weight" in w for w in report["warnings"])
     (tmp_path / "r.yaml").write_text(f"model: {path}\nstages:\n{stage}\n")
     capsys.readouterr()
     assert main(["plan", "--recipe", str(tmp_path / "r.yaml")]) == 0
@@ -336,6 +337,9 @@ def test_a_stage_on_a_tied_output_layer_says_the_embeddings_change_too(tmp_path,
     assert "tied to model.embed_tokens.weight" in " ".join((shown.out + shown.err).split()), shown  # (wrapped)
     report = run_recipe(recipe(path, "  - magnitude: {sparsity: 0.5}"), output=str(tmp_path / "d"), device="cpu")
     assert not report.get("warnings")  # lm_head ignored (the default): nothing to say
+    report = run_recipe(recipe(path, "  - awq: {scheme: W4A16, weights: {group_size: 32}, quantize: false, ignore: []}"),
+                        output=str(tmp_path / "s"), device="cpu")
+    assert not report.get("warnings")  # targeted, but AWQ's scales never reach lm_head: it did not change
 
 
 def test_bundled_recipes_parse_and_describe_what_they_do(repo):

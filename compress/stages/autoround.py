@@ -182,6 +182,7 @@ class AutoRound(EngineOptions, QuantizationStage):
             return block_loss(runner.forward(j, parameters=quantized), targets.get(j), runner.mask(j))
 
         rtn_loss = self._full_loss(runner, loss_on, parameters)
+        batch_tokens = [self._tokens(runner, j) for j in range(len(runner))]  # once: a spilled batch loads from disk
         lr = self.lr or 1.0 / self.iters
         minmax_lr = self.minmax_lr or lr
         per_batch = max(1, runner.store.get(0).shape[0])
@@ -200,7 +201,7 @@ class AutoRound(EngineOptions, QuantizationStage):
                         order += torch.randperm(len(runner), generator=generator).tolist()
                     chosen, order = order[:batches_per_step], order[batches_per_step:]
                     quantized = parameters()  # once per step: every batch of the step uses the same W̃
-                    tokens = [self._tokens(runner, j) for j in chosen]
+                    tokens = [batch_tokens[j] for j in chosen]
                     if len(set(tokens)) == 1:  # batches of equal size (packed windows): their mean
                         loss = sum(loss_on(j, quantized) for j in chosen) / len(chosen)
                     else:  # per token, as block_loss is: a short sample weighs as few tokens as it has

@@ -347,8 +347,11 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
         if len(objective.projections) and any(p.requires_grad for p in objective.projections.parameters()):
             groups.append({"params": list(objective.projections.parameters()), "lr": cfg.lr})
         groups += list(extra_groups)
+        # the trained parameters' names too: a checkpoint laid out otherwise (QAT's step sizes became
+        # log_scale) is another run's, refused cleanly rather than failing to load
+        layout = [n for n, p in objective.named_parameters() if p.requires_grad]
         fingerprint = run_fingerprint(name, stage.model_dump(mode="json"), ctx.source_hash, teacher_hash,
-                                      train_ids.shape, float(train_ids.float().sum()), ctx.seed, ctx.stage_index)
+                                      train_ids.shape, float(train_ids.float().sum()), ctx.seed, ctx.stage_index, layout)
         checkpoint_dir = ctx.work_dir / f"{ctx.stage_index}-{name}" if ctx.work_dir is not None else None
         result = train(objective, train_ids, eval_ids, cfg, param_groups=groups, device=ctx.device, seed=ctx.seed,
                        masks=masks, checkpoint_dir=checkpoint_dir, resume=ctx.resume, fingerprint=fingerprint,

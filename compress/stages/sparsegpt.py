@@ -22,7 +22,8 @@ by visiting columns in order so that one Cholesky factor serves every step, as i
 The masks are chosen on the weights as already updated (adaptive mask selection), so earlier
 columns' compensation informs which later weights go. The zeros of an earlier pruning (a stage
 before this one, or the input model's, by the rule GPTQ keeps masks by) count as the lowest
-saliency and are pruned whatever the count, so the new mask contains the old one.
+saliency and are pruned whatever the count, so the new mask contains the old one (and a block
+holding more of them than its share ends above the target).
 
 Sample recipe stage:
 
