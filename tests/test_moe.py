@@ -197,7 +197,7 @@ def test_the_run_says_when_plain_transformers_cannot_load_its_experts(moe_model,
     written = run_recipe(recipe, output=str(out), device="cpu")["format"]
     run_recipe(recipe, output=str(tmp_path / "dense"), device="cpu", format="dense")
     assert written["format"] == "packed" and "plain transformers (compressed-tensors 0.20) cannot load experts" in written["reason"]
-    with pytest.raises((ValueError, KeyError, RuntimeError, TypeError, AttributeError, NotImplementedError)):
+    with pytest.raises(RuntimeError, match="automatic conversion of the weights"):  # transformers 5.24's fusing
         AutoModelForCausalLM.from_pretrained(out)
     packed, dense = (modeling.load_model(str(tmp_path / d), dtype="float32")[0] for d in ("packed", "dense"))
     experts = [n for n, _ in dense.named_parameters() if ".experts." in n]
