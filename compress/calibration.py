@@ -159,10 +159,7 @@ def _read_file(path: Path, text_field: str, lines: bool, tokenizer=None) -> list
                         record = json.loads(line)
                     except json.JSONDecodeError as exc:
                         raise CompressError(f"{path}:{n}: not valid JSON ({exc.msg})", "each line must be one JSON object") from None
-                    text = _record_text(record.get(text_field), tokenizer, f"{path}:{n}") if isinstance(record, dict) else None
-                    if text is None:
-                        raise CompressError(f"{path}:{n}: no string or conversation field '{text_field}'", TEXT_FIELD_HINT)
-                    texts.append(text)
+                    texts.append(_json_record_text(record, text_field, tokenizer, f"{path}:{n}"))
         else:
             raw = path.read_bytes()
             if b"\x00" in raw[:8192]:
@@ -192,14 +189,16 @@ def _json_array_texts(path: Path, text_field: str, tokenizer=None) -> list[str]:
     except json.JSONDecodeError as exc:
         raise CompressError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})",
                             "give one JSON array of records, or one JSON object per line") from None
-    texts = []
-    for n, record in enumerate(records):
-        text = record if isinstance(record, str) else \
-            _record_text(record.get(text_field), tokenizer, f"{path}: record {n}") if isinstance(record, dict) else None
-        if text is None:
-            raise CompressError(f"{path}: record {n}: no string or conversation field '{text_field}'", TEXT_FIELD_HINT)
-        texts.append(text)
-    return texts
+    return [record if isinstance(record, str) else _json_record_text(record, text_field, tokenizer, f"{path}: record {n}")
+            for n, record in enumerate(records)]
+
+
+def _json_record_text(record, text_field: str, tokenizer, where: str) -> str:
+    """A JSON record's text (its field's string or rendered conversation), or a one-line error."""
+    text = _record_text(record.get(text_field), tokenizer, where) if isinstance(record, dict) else None
+    if text is None:
+        raise CompressError(f"{where}: no string or conversation field '{text_field}'", TEXT_FIELD_HINT)
+    return text
 
 
 def _read_hub(name: str, text_field: str, split: str, config_name: str | None, tokenizer=None,

@@ -17,7 +17,6 @@ an error names the file, the line and the key, and suggests the nearest valid ke
 
 from __future__ import annotations
 
-
 import difflib
 import json
 from pathlib import Path

@@ -181,8 +181,9 @@ class AutoRound(EngineOptions, QuantizationStage):
         def loss_on(j: int, quantized: dict[str, torch.Tensor]) -> torch.Tensor:
             return block_loss(runner.forward(j, parameters=quantized), targets.get(j), runner.mask(j))
 
-        rtn_loss = self._full_loss(runner, loss_on, parameters)
-        batch_tokens = [self._tokens(runner, j) for j in range(len(runner))]  # once: a spilled batch loads from disk
+        # each batch's tokens, padding excluded, read once (a spilled batch loads from disk)
+        batch_tokens = [self._tokens(runner, j) for j in range(len(runner))]
+        rtn_loss = self._full_loss(runner, loss_on, parameters, batch_tokens)
         lr = self.lr or 1.0 / self.iters
         minmax_lr = self.minmax_lr or lr
         per_batch = max(1, runner.store.get(0).shape[0])
@@ -226,7 +227,7 @@ class AutoRound(EngineOptions, QuantizationStage):
                 for k, part in learned.items():
                     for n, t in part.items():
                         t.copy_(best[k][n])
-        tuned_loss = self._full_loss(runner, loss_on, parameters) if best is not None else math.inf
+        tuned_loss = self._full_loss(runner, loss_on, parameters, batch_tokens) if best is not None else math.inf
         kept_rtn = not tuned_loss <= rtn_loss
         final_loss = rtn_loss if kept_rtn else tuned_loss
         with torch.no_grad():
@@ -293,17 +294,15 @@ class AutoRound(EngineOptions, QuantizationStage):
         mask = runner.mask(j)
         return int(mask.sum()) if mask is not None else math.prod(runner.store.get(j).shape[:2])
 
-    @classmethod
-    def _full_loss(cls, runner: BlockRunner, loss_on, parameters) -> float:
+    @staticmethod
+    def _full_loss(runner: BlockRunner, loss_on, parameters, batch_tokens: list[int]) -> float:
         """The block's loss over every calibration batch, weighted by its tokens."""
-        total, tokens = 0.0, 0
+        total = 0.0
         with torch.no_grad():
             quantized = parameters()
-            for j in range(len(runner)):
-                n = cls._tokens(runner, j)
+            for j, n in enumerate(batch_tokens):
                 total += float(loss_on(j, quantized)) * n
-                tokens += n
-        return total / max(tokens, 1)
+        return total / max(sum(batch_tokens), 1)
 
     def _record(self, ctx: StageContext, name: str, module: torch.nn.Module, W: torch.Tensor, Q: torch.Tensor,
                 args: QuantArgs, info: dict) -> None:

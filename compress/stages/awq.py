@@ -53,8 +53,8 @@ from compress.moe import routes_tokens
 from compress.modeling import get_weight, set_weight
 from compress.quant import nvfp4_global_scale, quantize_dequantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
-from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
 from compress.seeding import seeded_generator
+from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
 from compress.stages.rtn import global_scales, quantize_weight
 
 # ---------------------------------------------------------------------------------------------
