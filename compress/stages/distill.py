@@ -242,13 +242,16 @@ def trainable_parameters(model: torch.nn.Module, freeze: list[str], stage: str) 
 
 def check_loss(stage: str, loss: "DistillLoss", causal: bool, student_layers: int, teacher_layers: Optional[int]) -> None:
     """What the objective needs of the student and the teacher (None: no teacher)."""
+    if not causal and loss.hidden and not any(pair.weight > 0 for pair in loss.hidden):
+        raise CompressError(f"stage {stage}: every hidden pair weighs 0 (kd_weight acts on logits, which an encoder has "
+                            "none of): the loss is zero, nothing to train on", "give a hidden pair a weight above 0")
     if loss.kd_weight == 0 and loss.ce_weight == 0 and not any(pair.weight > 0 for pair in loss.hidden):
         raise CompressError(f"stage {stage}: kd_weight and ce_weight are both 0" + (" and every hidden pair weighs 0" if loss.hidden else "")
                             + ": the loss is zero, nothing to train on",
                             "set kd_weight (distill from the teacher), ce_weight (the text itself) or hidden")
     if not causal and not loss.hidden:
         raise CompressError(f"stage {stage}: the model has no language-model logits to distill (an encoder)",
-                            "match hidden states instead: hidden: [{student: -1, teacher: -1}]")
+                            "match hidden states instead: hidden: [{student: -1, teacher: -1}] in a recipe, --hidden=-1:-1 on compress distill")
     if not causal and loss.ce_weight:
         raise CompressError(f"stage {stage}: ce_weight needs a causal language model", "set ce_weight: 0")
     if loss.hidden and teacher_layers is None:
@@ -281,8 +284,12 @@ def check_training(stage, name: str, model: torch.nn.Module, student_layers: int
     student_ref = getattr(source_config, "_name_or_path", None) or None
     if stage.teacher and student_ref and uses_teacher(stage, name):  # before any stage's work, not when this one starts
         check_tokenizers(name, stage.teacher, modeling.load_tokenizer(stage.teacher), student_ref, modeling.load_tokenizer(student_ref))
-    check_loss(name, stage, modeling.is_causal_lm(model.config), student_layers, teacher_layers)
+    causal = modeling.is_causal_lm(model.config)
+    check_loss(name, stage, causal, student_layers, teacher_layers)
     frozen_parameters(model, stage.freeze, name)
+    if stage.data.generate is not None and not causal:
+        raise CompressError(f"stage {name}: data.generate samples text from a causal language model's next-token "
+                            f"distribution; {type(model).__name__} is an encoder", "train on text instead: set data.dataset")
     if stage.data.generate is not None:
         check_generated_count(stage.data, name)
 

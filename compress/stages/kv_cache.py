@@ -91,7 +91,12 @@ class KVCache(Stage):
     def needs_calibration(self) -> bool:
         return True
 
-    def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
+    def preflight(self, model: torch.nn.Module) -> None:
+        self._attention(model)
+
+    @staticmethod
+    def _attention(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+        """The attention layers whose cache this stage calibrates, or why the model has none."""
         from compress.modeling import is_causal_lm
 
         if not is_causal_lm(model.config):
@@ -102,6 +107,10 @@ class KVCache(Stage):
             raise CompressError(f"kv_cache: no attention layer of {type(model).__name__} takes a cache argument "
                                 f"({', '.join(activations.CACHE_ARGUMENTS)}) to hand its keys and values to",
                                 "drop the kv_cache stage, or upgrade transformers if this model's attention is older")
+        return modules
+
+    def apply(self, model: torch.nn.Module, ctx: StageContext) -> dict:
+        modules = self._attention(model)
         if ctx.offload is not None:
             raise CompressError("kv_cache: offload: disk runs one block-by-block stage that compresses weights, and "
                                 "this stage compresses none", "drop offload: disk, or drop the kv_cache stage")
