@@ -656,9 +656,13 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
         kv = info["kv_cache"]["ranges"]
         out.print(f"KV cache: fp8 e4m3, per-tensor static key and value scales for {len(kv)} attention layers "
                   f"({'k_scale and v_scale in the checkpoint' if info['format'] == 'packed' else 'in compress.json only'})")
+    # whole blocks removed leave no layer record: the layers are gone, the others untouched
+    cuts = [(s["name"], s["summary"]) for s in report.get("stages", []) if "removed_blocks" in (s.get("summary") or {})]
+    for stage, summary in cuts:
+        out.print(f"blocks removed: {', '.join(map(str, summary['removed_blocks']))} ({summary['removed']}, by {stage})")
     if info["layers"]:
         _print_wide(_layer_table(info["layers"]))
-    else:  # distillation alone, say: the weights were trained, no layer quantized or pruned
+    elif not cuts:  # distillation alone, say: the weights were trained, no layer quantized or pruned
         out.print("layers: none quantized or pruned")
     sz = info["sizes"]
     line = f"size: {sz['source_bytes'] or 0:,} bytes before, {sz['bytes_on_disk']:,} bytes on disk after"

@@ -483,3 +483,21 @@ def test_with_quantization_the_records_follow_the_cut(stages, structure, tmp_pat
     for name, rec in report["layers"].items():
         assert tuple(rec["shape"]) == tuple(modules[name].weight.shape), name
     assert report["output"]["quantized_parameters"] == sum(m.weight.numel() for m in linear.values())
+
+
+def test_inspect_names_the_blocks_removed(tmp_path, capsys):
+    """Removing blocks leaves no layer record (the layers are gone, the rest unchanged): inspect
+    says which blocks went rather than that nothing was pruned."""
+    from compress.cli import main
+
+    tiny_llama(layers=3).save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(tmp_path / "m")
+    (tmp_path / "r.yaml").write_text("calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 32}\n"
+                                     "evaluation: {datasets: []}\nstages:\n  - structured: {structure: blocks, ratio: 0.34}\n")
+    assert main(["--json", "quantize", "--recipe", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m"),
+                 "--output", str(tmp_path / "out")]) == 0
+    removed = json.loads(capsys.readouterr().out)["stages"][0]["summary"]["removed_blocks"]
+    assert len(removed) == 1
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    assert f"blocks removed: {removed[0]} (1 of 3 blocks, by structured)" in text and "none quantized or pruned" not in text
