@@ -79,13 +79,20 @@ class TrainState:
 
     step: int = 0
     history: list = field(default_factory=list)
+    # training losses summed since the last history point, and over how many steps: a run resumed
+    # between two points averages the steps before the stop too
+    interval: dict = field(default_factory=dict)
+    interval_steps: int = 0
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "history": json.dumps(self.history)}
+        return {"step": self.step, "history": json.dumps(self.history), "interval": json.dumps(self.interval),
+                "interval_steps": self.interval_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
         self.history = json.loads(state["history"])
+        self.interval = json.loads(state.get("interval", "{}"))
+        self.interval_steps = int(state.get("interval_steps", 0))
 
 
 def sample_order(step: int, micro: int, cfg: TrainingConfig, n_samples: int, seed: int) -> torch.Tensor:
@@ -227,8 +234,6 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
     n = len(train_ids)
     tokens_per_step = cfg.batch_size * cfg.gradient_accumulation * train_ids.shape[1]
     last: dict = {}
-    interval: dict[str, float] = {}  # training losses summed since the last history entry
-    interval_steps = 0
     while state.step < cfg.steps:
         step = state.step + 1
         for group in optimizer.param_groups:
@@ -261,15 +266,15 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
         if grad_norm is not None:
             last["grad_norm"] = grad_norm
         for k, v in sums.items():
-            interval[k] = interval.get(k, 0.0) + v
-        interval_steps += 1
+            state.interval[k] = state.interval.get(k, 0.0) + v
+        state.interval_steps += 1
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             last.update({f"eval_{k}": v for k, v in evaluate().items()})
             # the curve's training losses: the mean over the steps since the previous point, not
             # the one step that happened to land on it (one batch's loss is noisy)
-            state.history.append({**last, **{f"train_{k}": v / interval_steps for k, v in interval.items()},
-                                  "train_steps": interval_steps, "tokens_seen": step * tokens_per_step})
-            interval, interval_steps = {}, 0
+            state.history.append({**last, **{f"train_{k}": v / state.interval_steps for k, v in state.interval.items()},
+                                  "train_steps": state.interval_steps, "tokens_seen": step * tokens_per_step})
+            state.interval, state.interval_steps = {}, 0
         shown = " ".join(f"{k} {v:.4g}" for k, v in sums.items())
         if "ce" in sums:
             shown += f" ppl {math.exp(min(sums['ce'], 50)):.2f}"

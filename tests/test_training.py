@@ -162,7 +162,7 @@ def test_distillation_lowers_the_held_out_kd_loss(tmp_path):
 def test_resume_is_exact(tmp_path):
     teacher, student = _pair()
     uninterrupted = _pair()[1]
-    _run(uninterrupted, teacher, tmp_path / "a")
+    expected = _run(uninterrupted, teacher, tmp_path / "a")
 
     with pytest.raises(TrainingStopped):
         _run(student, teacher, tmp_path / "b", stop_after=4)  # checkpoints at steps 2 and 4
@@ -171,6 +171,9 @@ def test_resume_is_exact(tmp_path):
     fresh = _pair()[1]  # a new process: the weights come from the checkpoint
     result = _run(fresh, teacher, tmp_path / "b", resume=True)
     assert result["resumed_from_step"] == 4
+    # the history too: its step-6 point averages steps 4 to 6, one of them before the stop
+    assert [h["train_steps"] for h in result["history"][1:]] == [3, 3]
+    assert result["history"] == expected["history"]
     a, b = uninterrupted.state_dict(), fresh.state_dict()
     assert a.keys() == b.keys()
     for name in a:
