@@ -361,3 +361,27 @@ def test_training_that_ends_worse_than_it_started_keeps_the_start(tiny, repo, tm
         # the embeddings trained too, and came back with the rest
         assert torch.equal(saved["model.embed_tokens.weight"], source.model.embed_tokens.weight.detach()) == keep
     assert errors[True] < 0.2 * errors[False], errors
+
+
+def test_freeze_names_a_quantized_layer_as_plan_shows_it(tiny, repo, tmp_path):
+    """QAT reparametrizes each target's weight (…q_proj.parametrizations.weight.original): a
+    freeze pattern names the layer or its weight as before, and that layer's float weights stay
+    put (with fixed scales it saves round-to-nearest's grid) while the others train."""
+    r = parse_recipe(f"""
+stages:
+  - qat:
+      weights: {{num_bits: 4, strategy: channel, symmetric: true}}
+      scales: fixed
+      keep_start_if_worse: false
+      freeze: [layers.0.self_attn.q_proj, layers.1.mlp.up_proj.weight]
+      data: {{dataset: {repo}/calibration/default.txt, seq_len: 32, num_samples: 16, eval_samples: 4}}
+      train: {TRAIN % (3, 1e-3)}
+""", "test")
+    run_recipe(r, model=str(tiny), output=str(tmp_path / "out"), format="dense")
+    source = LlamaForCausalLM.from_pretrained(tiny)
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"):
+        before = source.get_submodule(name).weight.detach()
+        assert torch.equal(saved[name + ".weight"], fake_quantize(before, 4, True, "channel")), name
+    before = source.model.layers[0].self_attn.k_proj.weight.detach()
+    assert not torch.equal(saved["model.layers.0.self_attn.k_proj.weight"], fake_quantize(before, 4, True, "channel"))

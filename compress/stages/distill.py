@@ -19,6 +19,7 @@ compress/training.py; this file wires model, teacher, data and loop together.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -218,8 +219,11 @@ def frozen_parameters(model: torch.nn.Module, freeze: list[str], stage: str) -> 
     refuses patterns that match none, and freezing everything."""
     frozen, used = {}, set()
     for name, param in model.named_parameters():
-        module_name = name.rsplit(".", 1)[0]
-        hit = [p for p in freeze if matches(p, name, param) or matches(p, module_name, param)]
+        # a weight QAT reparametrizes (…q_proj.parametrizations.weight.original) is matched by its
+        # own name, as the patterns were checked before the stage started and as plan shows it
+        plain = re.sub(r"\.parametrizations\.(\w+)\.original$", r".\1", name)
+        module_name = plain.rsplit(".", 1)[0]
+        hit = [p for p in freeze if matches(p, plain, param) or matches(p, module_name, param)]
         used.update(hit)
         frozen[name] = bool(hit)
     unused = [p for p in freeze if p not in used]
