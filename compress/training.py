@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compress.errors import CompressError
 from compress.moe import fused_layout
@@ -57,6 +57,13 @@ class TrainingConfig(BaseModel):
         "auto", description="autocast on GPU; auto: bf16 where the GPU supports it, else none; always none on CPU")
     eval_every: int = Field(50, ge=0, description="held-out evaluation every N steps (0: only before and after)")
     save_every: int = Field(50, ge=0, description="a resumable checkpoint every N steps (0: none)")
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "TrainingConfig":
+        if self.warmup_steps() > self.steps:  # the learning rate would never reach lr, nor decay
+            raise ValueError(f"a warm-up of {self.warmup_steps()} steps is longer than the run's {self.steps}: "
+                             "lower warmup (or give a share of the steps below 1)")
+        return self
 
     def warmup_steps(self) -> int:
         return int(self.warmup * self.steps) if self.warmup < 1 else int(self.warmup)

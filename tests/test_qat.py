@@ -166,6 +166,7 @@ stages:
     ("{scheme: W4A16, kd_weight: 0}", "nothing to train on"),
     ("{scheme: W4A16, freeze: [nothing_like_this]}", "match no parameter"),
     ("{scheme: W4A16, train: {steps: 0}}", "train.steps"),
+    ("{scheme: W4A16, train: {steps: 10, warmup: 20}}", "a warm-up of 20 steps is longer than the run's 10"),
 ])
 def test_bad_qat_stages(stage, words, tiny, repo, tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
