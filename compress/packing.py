@@ -365,7 +365,9 @@ def quantization_config(layers: dict, formats: dict[str, str], ignore: list[str]
         config_groups[f"group_{i}"] = scheme
     distinct = set(formats.values())
     fmt = distinct.pop() if len(distinct) == 1 else ("mixed-precision" if distinct else "dense")  # dense: a KV cache alone
-    return QuantizationConfig(config_groups=config_groups, format=fmt, ignore=ignore if single else [],
+    # every linear layer left unquantized, however the groups target: a reader matches each layer
+    # to a group or to `ignore`, and some (vLLM) refuse a layer that is in neither
+    return QuantizationConfig(config_groups=config_groups, format=fmt, ignore=ignore,
                               quantization_status=QuantizationStatus.COMPRESSED)
 
 

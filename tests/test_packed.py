@@ -589,3 +589,21 @@ def test_static_int8_inputs_beyond_the_calibrated_range_clamp_as_compressed_tens
         m.register_forward_pre_hook(lambda mod, inp, name=name: seen.__setitem__(name, inp[0]))
         m(x)
     assert theirs.min() == -128 * scale and torch.equal(seen["during"], theirs) and torch.equal(seen["reloaded"], theirs)
+
+
+def test_every_unquantized_linear_layer_is_ignored_whatever_the_number_of_schemes(tiny, tmp_path):
+    """With two schemes each group targets its layers by name, and a linear layer neither targets
+    nor lists as ignored is one some readers (vLLM) fail to place: every unquantized one is in
+    `ignore`, and plain transformers still reads the checkpoint as compress does."""
+    path = tiny()
+    recipe = parse_recipe(f"model: {path}\nstages:\n"
+                          "  - rtn: {scheme: W4A16, weights: {group_size: 32}, targets: ['re:.*self_attn.[qkv]_proj']}\n"
+                          "  - rtn: {scheme: W8A16, targets: ['re:.*mlp.*']}\n", "test")
+    run_recipe(recipe, output=str(tmp_path / "two"), device="cpu")
+    qconfig = json.loads((tmp_path / "two" / "config.json").read_text())["quantization_config"]
+    assert len(qconfig["config_groups"]) == 2
+    assert sorted(qconfig["ignore"]) == sorted(["lm_head", "model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"])
+    loaded, _, _ = modeling.load_model(str(tmp_path / "two"))
+    with torch.no_grad():
+        ours = loaded(input_ids=IDS).logits
+    assert relative_difference(ours, plain_transformers_logits(tmp_path / "two", tmp_path)) <= 1e-4
