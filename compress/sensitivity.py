@@ -25,7 +25,7 @@ from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.schemes import QuantArgs, packed_weight_bits
 from compress.stages.rtn import quantize_weight
-from compress.targets import select_modules
+from compress.targets import fused_groups, select_modules
 
 METRICS = ("kl", "ppl")
 
@@ -119,10 +119,17 @@ def allocate_bits(analysis: dict, budget_bits: float, metric: str = "kl") -> dic
     counted by parameters) at most that of every layer at `budget_bits` with the same grouping."""
     key = metric_key(metric)
     group_size, symmetric = analysis["group_size"], analysis["symmetric"]
+    layers = analysis["layers"]
     options, budget, params = {}, 0.0, 0
-    for name, rec in analysis["layers"].items():
+    # Layers an inference engine fuses (q/k/v, gate/up) run as one matrix with one scheme (vLLM
+    # refuses parts at different widths): each such group takes one width, its costs and bits summed.
+    groups = {group[0]: group for group in fused_groups(list(layers))}
+    for first, group in groups.items():
+        widths = sorted(set.intersection(*(set(layers[n]["by_bits"]) for n in group)))
+        options[first] = [Option(b, sum(layers[n]["by_bits"][b]["storage_bits"] for n in group),
+                                 sum(layers[n]["by_bits"][b][key] for n in group)) for b in widths]
+    for name, rec in layers.items():
         out_f, in_f = rec["shape"]
-        options[name] = [Option(b, c["storage_bits"], c[key]) for b, c in sorted(rec["by_bits"].items())]
         # The budget at a fractional width: codes at that width, scales as the scheme stores them.
         whole = weight_args(max(2, int(budget_bits)), group_size, symmetric)
         budget += (packed_weight_bits(out_f, in_f, whole, analysis.get("scale_bits", 16))
@@ -134,7 +141,8 @@ def allocate_bits(analysis: dict, budget_bits: float, metric: str = "kl") -> dic
         raise CompressError(f"--budget-bits {budget_bits:g} is below the narrowest width measured: {exc}",
                             "raise --budget-bits or measure narrower widths") from None
     used = sum(o.bits for o in choice.values())
-    return {"bits": {name: o.label for name, o in choice.items()},
+    leader = {name: first for first, group in groups.items() for name in group}
+    return {"bits": {name: choice[leader[name]].label for name in layers},
             "predicted_cost": sum(o.cost for o in choice.values()),
             "storage_bits_per_weight": used / params, "budget_bits_per_weight": budget / params}
 

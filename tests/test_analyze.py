@@ -115,3 +115,27 @@ def test_analyze_bad_input_is_one_line(ref_llama, capsys, args, message):
     rc = main(["analyze", "--model", str(ref_llama), *args])
     err = capsys.readouterr().err
     assert rc == 2 and message in err
+
+
+def test_layers_an_engine_fuses_get_one_width():
+    """q/k/v (and gate/up) run as one matrix with one scheme in vLLM, which refuses parts at
+    different widths: the allocation prices them together and gives them one width, where alone
+    the sensitive q_proj would take 4 bits and k/v 2."""
+    from compress.sensitivity import allocate_bits
+
+    def layer(costs):
+        return {"shape": [64, 64], "by_bits": {b: {"kl_divergence": c, "storage_bits": 64 * 64 * b} for b, c in costs.items()}}
+
+    prefix = "model.layers.0."
+    analysis = {"group_size": None, "symmetric": True, "scale_bits": 0, "layers": {
+        prefix + "self_attn.q_proj": layer({2: 9.0, 3: 3.0, 4: 0.1}),
+        prefix + "self_attn.k_proj": layer({2: 0.02, 3: 0.01, 4: 0.0}),
+        prefix + "self_attn.v_proj": layer({2: 0.02, 3: 0.01, 4: 0.0}),
+        prefix + "self_attn.o_proj": layer({2: 0.5, 3: 0.2, 4: 0.1}),
+    }}
+    bits = allocate_bits(analysis, 3.0)["bits"]
+    assert len({bits[prefix + f"self_attn.{p}_proj"] for p in "qkv"}) == 1, bits
+    # the same costs on layers no engine fuses are allocated one by one
+    alone = {"group_size": None, "symmetric": True, "scale_bits": 0,
+             "layers": {f"l{i}": rec for i, rec in enumerate(analysis["layers"].values())}}
+    assert len({allocate_bits(alone, 3.0)["bits"][f"l{i}"] for i in range(3)}) > 1
