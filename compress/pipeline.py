@@ -28,10 +28,11 @@ from compress.moe import fuse_experts, unfuse_experts
 from compress.quant import scales_stored_as
 from compress.recipe import EvaluationConfig, Recipe
 from compress.report import versions, write_json, write_reports
-from compress.schemes import QuantArgs, packed_weight_bits
+from compress.schemes import QuantArgs, QuantScheme, packed_weight_bits
 from compress.seeding import seed_everything
 from compress.stages import STAGES
 from compress.stages.base import INPUT_MODEL, StageContext
+from compress.targets import mixed_fused_groups, mixed_fused_warning
 
 Progress = Callable[[str, int, int], None]
 
@@ -231,6 +232,10 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
                 decision = packing.Decision("dense", f"the packed format cannot reproduce it exactly: {exc.message}"
                                             + packing.dense_notes(ctx.layers, ctx.kv_cache))
         report["format"] = {"format": decision.format, "reason": decision.reason}
+        if decision.format == "packed":
+            mixed = mixed_fused_groups(_linear_names(net, ctx.layers), layer_schemes(ctx.layers))
+            if mixed:
+                report.setdefault("warnings", []).append(mixed_fused_warning(mixed))
         with saved_use_cache([net.config, config], modeling.load_config(model_ref)):
             if ctx.offload is not None:
                 ctx.offload.finish()
@@ -375,6 +380,20 @@ def forget_earlier_grids(index: int, name: str, stage, net: torch.nn.Module, lay
             if qat else "their errors are measured from those values, not from the float weights")
     return [requantized_warning(index, name, earlier, len(names)) + f": {tail} (first: {names[0]})"
             for earlier, names in again.items()]
+
+
+def layer_schemes(layers: dict[str, dict]) -> dict[str, str]:
+    """Each quantized layer's scheme as reports describe it, from its record."""
+    return {n: QuantScheme(weights=r["weights"], input_activations=r.get("input_activations")).describe()
+            for n, r in layers.items() if r.get("weights")}
+
+
+def _linear_names(net: torch.nn.Module, layers: dict[str, dict]) -> list[str]:
+    """The model's linear layers, and those a record names that are not modules (unfused experts)."""
+    from compress.targets import LINEAR_TYPES
+
+    names = [n for n, m in net.named_modules() if type(m).__name__ in LINEAR_TYPES]
+    return names + [n for n in layers if n not in set(names)]
 
 
 def tied_layers(net: torch.nn.Module, layers: dict[str, torch.nn.Module]) -> dict[str, str]:

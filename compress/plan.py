@@ -16,8 +16,8 @@ from compress.errors import CompressError
 from compress.pipeline import (StageShapes, check_data_files, check_offloadable, check_sequence_lengths, inherited_records,
                                preflight, requantized_warning, stage_weights, tied_layers)
 from compress.recipe import Recipe
-from compress.schemes import QuantArgs, packed_weight_bits, scale_bits_of
-from compress.targets import LINEAR_TYPES, select_modules, unused_patterns
+from compress.schemes import QuantArgs, QuantScheme, packed_weight_bits, scale_bits_of
+from compress.targets import LINEAR_TYPES, mixed_fused_groups, mixed_fused_warning, select_modules, unused_patterns
 
 
 def build_meta_model(model_ref: str):
@@ -262,6 +262,12 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     fmt, fmt_reason, refused = _format(recipe, saved, assignments, list(unpackable.values()), walk.exact)
     if refused:
         refusals.append(refused)
+    if fmt == "packed":
+        schemes = {n: QuantScheme(weights=a["weights"], input_activations=a["activations"]).describe()
+                   for n, a in assignments.items() if a["weights"] is not None}
+        mixed = mixed_fused_groups(linear, schemes)
+        if mixed:
+            warnings.append(mixed_fused_warning(mixed))
     params_after = sum(p.numel() for p in saved.parameters())
 
     quantized_params = sum(a["shape"][0] * a["shape"][1] for a in assignments.values() if a["weights"])

@@ -101,3 +101,22 @@ def fused_groups(names: list[str]) -> list[list[str]]:
         key = (parent, fused) if fused is not None else (name,)
         groups.setdefault(key, []).append(name)
     return list(groups.values())
+
+
+def mixed_fused_groups(names: list[str], schemes: dict[str, str]) -> list[str]:
+    """The groups of `names` an engine fuses (fused_groups) whose parts are not all on one scheme
+    (`schemes`: layer -> its scheme described; a layer missing is unquantized), each named by its
+    parent module and parts. vLLM runs such a group as one matrix with one scheme and refuses
+    a checkpoint where they differ."""
+    mixed = []
+    for group in fused_groups(names):
+        if len(group) > 1 and len({schemes.get(n) for n in group}) > 1:
+            parent = group[0].rpartition(".")[0]
+            mixed.append(f"{parent} ({', '.join(n.rpartition('.')[2] + ': ' + schemes.get(n, 'unquantized') for n in group)})")
+    return mixed
+
+
+def mixed_fused_warning(mixed: list[str]) -> str:
+    return (f"{len(mixed)} group{'s' if len(mixed) > 1 else ''} of layers that vLLM runs as one fused matrix (q/k/v, "
+            f"gate/up) mix schemes, which vLLM refuses to load (transformers and compress read it): "
+            f"{'; '.join(mixed[:3])}{' ...' if len(mixed) > 3 else ''}; give each group one scheme")

@@ -607,3 +607,28 @@ def test_every_unquantized_linear_layer_is_ignored_whatever_the_number_of_scheme
     with torch.no_grad():
         ours = loaded(input_ids=IDS).logits
     assert relative_difference(ours, plain_transformers_logits(tmp_path / "two", tmp_path)) <= 1e-4
+
+
+def test_fused_layers_on_different_schemes_are_warned_of(tiny, tmp_path, capsys):
+    """vLLM runs q/k/v and gate/up as one matrix with one scheme and refuses a checkpoint whose
+    parts differ: the plan and the run say which groups do (the checkpoint is still written:
+    transformers and compress read it); one scheme per group draws no warning."""
+    from compress.cli import main
+
+    path = tiny()
+    mixed = ("  - rtn: {scheme: W4A16, weights: {group_size: 32}, ignore: [lm_head, 're:.*v_proj']}\n"
+             "  - rtn: {scheme: W8A16, targets: ['re:.*v_proj']}\n")
+    uniform = "  - rtn: {scheme: W4A16, weights: {group_size: 32}}\n"
+    for stages, warned in ((mixed, True), (uniform, False)):
+        (tmp_path / "r.yaml").write_text(f"model: {path}\nstages:\n{stages}")
+        assert main(["--json", "plan", "--recipe", str(tmp_path / "r.yaml")]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        out = tmp_path / ("mixed" if warned else "uniform")
+        assert main(["--json", "quantize", "--recipe", str(tmp_path / "r.yaml"), "--output", str(out)]) == 0
+        report = json.loads(capsys.readouterr().out)
+        for said in (plan["warnings"], report.get("warnings", [])):
+            hits = [w for w in said if "vLLM runs as one fused matrix" in w]
+            assert bool(hits) == warned, said
+            if warned:
+                assert hits[0].startswith("2 groups") and "model.layers.0.self_attn (q_proj: W[int4 g32 sym] A[none]" in hits[0]
+                assert "v_proj: W[int8 per-channel sym] A[none])" in hits[0]
