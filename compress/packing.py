@@ -303,8 +303,13 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
                           "so its groups mix scales, which the format cannot store", "use actorder: static (the default) to pack")
     if fp4_format(w):
         return _pack(name, module, rec, weight, _fp4_scales(name, weight, rec))
-    scale, zero_point, failed = recover_qparams(weight, w["num_bits"], w["symmetric"], w["strategy"], w.get("group_size"),
-                                                float8=w["type"] == "float")
+    if rec.get("fp8_absmax") is not None and w["type"] == "float" and w["strategy"] == "tensor":
+        # per-tensor FP8 at the scale its fused group shares (rtn.global_scales): a part whose own
+        # largest weight is smaller does not reach 448, which recovery from the weight assumes
+        scale, zero_point, failed = _shared_fp8_scale(weight, rec["fp8_absmax"]), None, 0
+    else:
+        scale, zero_point, failed = recover_qparams(weight, w["num_bits"], w["symmetric"], w["strategy"],
+                                                    w.get("group_size"), float8=w["type"] == "float")
     if failed:
         raise NotPackable(f"layer {name}: {failed} weight group(s) are not on a {w['num_bits']}-bit grid the format can store exactly",
                             "pass --format dense; the layer's weights were changed after quantization, or GPTQ ran with "
@@ -319,6 +324,15 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
     if zero_point is not None:
         scales["weight_zero_point"] = zero_point
     return _pack(name, module, rec, weight, scales)
+
+
+def _shared_fp8_scale(weight: torch.Tensor, absmax: float) -> torch.Tensor:
+    """The per-tensor FP8 scale the stage rounded `weight` at, from the largest |w| of its group,
+    as it computed it (held as the weight's dtype holds it); the layer's packing checks it."""
+    from compress.quant import fp8_step, scales_stored_as
+
+    with scales_stored_as(weight.dtype):
+        return fp8_step(torch.tensor([absmax]), storable=True)
 
 
 def _pack(name: str, module: torch.nn.Linear, rec: dict, weight: torch.Tensor,

@@ -255,6 +255,13 @@ def fake_quantize(
     return out if finite is None else torch.where(finite, out, original.float())
 
 
+def fp8_step(absmax: torch.Tensor, storable: bool = False) -> torch.Tensor:
+    """The FP8 (e4m3) scale that maps `absmax` onto 448, the format's largest value; `storable`:
+    rounded up to a value of the stage's scale dtype (storable_scale)."""
+    scale = _positive_step(absmax.float() / FP8_E4M3_MAX)
+    return storable_scale(scale) if storable else scale
+
+
 def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | None = None,
                       storable: bool = False) -> torch.Tensor:
     """Round x to float8 e4m3 after scaling its range onto the format's [-448, 448]. `storable`
@@ -270,9 +277,7 @@ def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | Non
             absmax = x32.abs().amax()
         else:
             raise ValueError(f"FP8 supports tensor, channel and token strategies, not {strategy!r}")
-    scale = _positive_step(absmax.float() / FP8_E4M3_MAX)
-    if storable:
-        scale = storable_scale(scale)
+    scale = fp8_step(absmax, storable)
     out = (x32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
     raw = absmax.float() / FP8_E4M3_MAX
     subnormal = (raw < torch.finfo(torch.float32).tiny) & (raw > 0)  # _positive_step raised those steps

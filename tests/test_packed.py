@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from compress import activations, modeling, packing, parse_recipe, run_recipe
@@ -632,3 +633,33 @@ def test_fused_layers_on_different_schemes_are_warned_of(tiny, tmp_path, capsys)
             if warned:
                 assert hits[0].startswith("2 groups") and "model.layers.0.self_attn (q_proj: W[int4 g32 sym] A[none]" in hits[0]
                 assert "v_proj: W[int8 per-channel sym] A[none])" in hits[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_per_tensor_fp8_weights_share_one_scale_across_layers_vllm_fuses(tiny, tmp_path, dtype):
+    """vLLM runs q/k/v and gate/up as one matrix and re-rounds every part of a per-tensor FP8
+    group to the group's largest weight scale when it loads it: each part is rounded at that
+    scale here already, so what vLLM runs is what compress evaluated (re-rounding changes no
+    weight), and the checkpoint reloads to the weights rounded in memory."""
+    path = tiny()
+    w8 = "{scheme: W8A16, weights: {type: float, num_bits: 8, strategy: tensor}}"
+    out, _ = quantize(tmp_path, f"fp8-{dtype}", w8, model=path, dtype=dtype)
+    state = load_file(out / "model.safetensors")
+    original = modeling.load_model(path, dtype=dtype)[0]
+    expected = dict(in_memory({"scheme": "W8A16", "weights": {"type": "float", "num_bits": 8, "strategy": "tensor"}},
+                              model=path, dtype=dtype).named_parameters())
+    reloaded = dict(modeling.load_model(str(out), dtype=dtype)[0].named_parameters())
+    for block in ("model.layers.0", "model.layers.1"):
+        for parts in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+            names = [f"{block}.{p}" for p in parts]
+            scales = [state[f"{n}.weight_scale"].float() for n in names]
+            assert all(torch.equal(s, scales[0]) for s in scales), names
+            top = max(float(original.get_submodule(n).weight.float().abs().amax()) for n in names)
+            assert float(scales[0]) == pytest.approx(top / 448, rel=2**-7)
+            for n in names:
+                codes = state[f"{n}.weight"].float()
+                weight = (codes * scales[0]).to(reloaded[f"{n}.weight"].dtype)
+                assert torch.equal(weight, reloaded[f"{n}.weight"]) and torch.equal(weight, expected[f"{n}.weight"]), n
+                # vLLM's load: every part to the largest scale of its group, here the one they share
+                again = (weight.float() / scales[0]).to(torch.float8_e4m3fn).float() * scales[0]
+                assert torch.equal(again.to(weight.dtype), weight), n

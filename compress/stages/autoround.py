@@ -309,6 +309,7 @@ class AutoRound(EngineOptions, QuantizationStage):
         set_weight(module, Q)
         record = ctx.layers.setdefault(name, {})
         record.pop("global_scale", None)  # from an earlier stage
+        record.pop("fp8_absmax", None)  # per-tensor FP8's (rtn)
         record.update({"stage": "autoround", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
                        "relative_error": relative_error(W, Q), **info})
 

@@ -494,6 +494,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
                   "relative_error": rel_error, "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
                   "tokens": obs.tokens, **info}
         ctx.layers[name].pop("global_scale", None)  # from an earlier stage; `info` has this one's
+        ctx.layers[name].pop("fp8_absmax", None)  # per-tensor FP8's (rtn)
         if info["damp_retries"]:
             record["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"
         if self.reorders_columns and not self.fixed_group_scales and scheme.weights.strategy in ("group", "tensor_group"):
@@ -528,6 +529,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         set_weight(module, rtn)
         record = ctx.layers.setdefault(name, {})
         record.pop("global_scale", None)
+        record.pop("fp8_absmax", None)  # per-tensor FP8's (rtn)
         record.update({
             "stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
             "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,

@@ -28,27 +28,41 @@ from compress.targets import fused_groups
 
 def quantize_weight(weight: torch.Tensor, args: QuantArgs, global_scale: float | None = None) -> torch.Tensor:
     """Round a [out_features, in_features] weight to the scheme's grid; returns float32.
-    NVFP4 takes the layer's `global_scale` (global_scales); without one, the weight's own."""
+    NVFP4 takes the layer's `global_scale`, per-tensor FP8 the largest |w| its scale is taken from
+    (both from global_scales); without one, the weight's own."""
     if args.fp4_format == "nvfp4":
         g = global_scale if global_scale is not None else nvfp4_global_scale(weight.abs().amax())
         return fake_quantize_fp4(weight, args.group_size, g)
     if args.fp4_format == "mxfp4":
         return fake_quantize_fp4(weight, args.group_size)
     if args.type == "float":
-        return fake_quantize_fp8(weight, args.strategy, storable=True)
+        absmax = torch.tensor(global_scale) if global_scale is not None and args.strategy == "tensor" else None
+        return fake_quantize_fp8(weight, args.strategy, absmax=absmax, storable=True)
     return fake_quantize(weight, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
 
 
 def global_scales(modules: dict[str, torch.nn.Module], args: QuantArgs) -> dict[str, float]:
-    """NVFP4's per-tensor scale for each layer, one per group an engine fuses (q/k/v, gate/up:
-    targets.fused_groups), from the group's largest weight; empty for every other scheme."""
-    if args.fp4_format != "nvfp4":
+    """The per-tensor value each layer shares with the group an engine fuses it into (q/k/v,
+    gate/up: targets.fused_groups), from the group's largest weight, since the fused matrix has
+    one: NVFP4's global scale, or the largest |w| per-tensor FP8 takes its scale from (vLLM
+    re-rounds each part of a fused FP8 matrix to the largest part's scale when it loads it; at
+    that scale already, it runs what was evaluated). Empty for every other scheme."""
+    nvfp4 = args.fp4_format == "nvfp4"
+    if not nvfp4 and not (args.type == "float" and not args.fp4_format and args.strategy == "tensor"):
         return {}
     scales = {}
     for group in fused_groups(list(modules)):
-        g = nvfp4_global_scale(max(float(get_weight(modules[n]).abs().amax()) for n in group))
-        scales.update({n: g for n in group})
+        top = max(float(get_weight(modules[n]).abs().amax()) for n in group)
+        scales.update({n: nvfp4_global_scale(top) if nvfp4 else top for n in group})
     return scales
+
+
+def scale_record(args: QuantArgs, shared: float | None) -> dict:
+    """What a layer's record keeps of global_scales' value, for packing: NVFP4's global scale, or
+    per-tensor FP8's largest |w| (packing finds the other schemes' scales from the weights)."""
+    if shared is None:
+        return {}
+    return {"global_scale": shared} if args.fp4_format == "nvfp4" else {"fp8_absmax": shared}
 
 
 class RangeObserver:
@@ -85,12 +99,13 @@ class RoundToNearest(QuantizationStage):
             set_weight(module, q)
             record = ctx.layers.setdefault(name, {})
             record.pop("global_scale", None)  # from an earlier stage
+            record.pop("fp8_absmax", None)
             record.update({
                 "stage": "rtn",
                 "shape": list(weight.shape),
                 "weights": wargs.model_dump(mode="json"),
                 "relative_error": relative_error(weight, q),
-                **({"global_scale": scales[name]} if name in scales else {}),
+                **scale_record(wargs, scales.get(name)),
             })
         ctx.progress("rtn", len(modules), len(modules))
 
