@@ -287,7 +287,7 @@ def distill(
     temperature: float = typer.Option(1.0, help="KD temperature T (the soft loss is scaled by T²)."),
     divergence: str = typer.Option("forward", help="forward KL, reverse KL or jsd."),
     ce_weight: float = typer.Option(0.0, help="λ: weight of the next-token loss on the training text."),
-    hidden: list[str] = typer.Option([], help="match hidden states STUDENT:TEACHER (block outputs; -1 the last); repeat for several."),
+    hidden: list[str] = typer.Option([], help="match hidden states STUDENT:TEACHER (0 the embeddings, i block i's output; the last, -1, after the final norm); repeat for several."),
     hidden_loss: str = typer.Option("auto", help="how hidden states are matched: mse, cosine, or auto (cosine for an encoder, mse for a causal LM)."),
     save_every: int = typer.Option(50, min=0, help="resumable checkpoint every N steps (0: none)."),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint of an interrupted run with the same settings."),

@@ -40,7 +40,8 @@ class HiddenPair(BaseModel):
     """Match the student's hidden states after block `student` to the teacher's after block `teacher`.
 
     Indices into the models' `hidden_states` outputs: 0 is the embeddings, i the output of block i,
-    -1 the last (after the final norm)."""
+    except the last (the block count, or -1), which is after the model's final norm where it has
+    one (Llama's): pair a last index with a last index."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -265,7 +266,7 @@ def check_loss(stage: str, loss: "DistillLoss", causal: bool, student_layers: in
             states = layers + 1  # the embeddings, then one per block
             if not -states <= index < states:
                 raise CompressError(f"stage {stage}: hidden {side} index {index} is out of range: the {side} has "
-                                    f"hidden states 0..{states - 1} (0: embeddings, i: after block i; -1: the last)",
+                                    f"hidden states 0..{states - 1} (0: embeddings, i: after block i; the last, also -1: after the final norm)",
                                     f"give a {side} index from {-states} to {states - 1}")
 
 
