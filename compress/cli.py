@@ -183,12 +183,15 @@ def prune(
     if recipe is not None:
         given = [f"--{k.replace('_', '-')}" for k, v in {
             "method": method, "sparsity": sparsity, "pattern": pattern, "structured": structured, "ratio": ratio,
-            "calibration": calibration, "num_samples": num_samples, "data": data or None, "no_eval": no_eval or None}.items()
+            "calibration": calibration, "num_samples": num_samples, "data": data or None}.items()
             if v is not None]
         if given:
-            raise CompressError(f"--recipe runs the recipe's stages, calibration and evaluation as written; "
-                                f"{', '.join(given)} would be ignored", "drop them, or edit the recipe")
+            raise CompressError(f"--recipe runs the recipe's stages and calibration as written; "
+                                f"{', '.join(given)} would be ignored",
+                                f"drop {'them' if len(given) > 1 else 'it'}, or edit the recipe")
         r = load_recipe(recipe)
+        if no_eval:  # as compress quantize --recipe does
+            r.evaluation = None
     else:
         r = _parse_built_recipe(_prune_recipe(model, output, method, sparsity, pattern, structured, ratio, calibration,
                                               num_samples, data, no_eval), "compress prune", {"structure": "--structured"})

@@ -528,3 +528,13 @@ def test_distillation_keeps_the_zeros_of_an_input_pruned_below_ten_percent(ref_l
     assert layers["model.layers.0.mlp.down_proj"]["sparsity"] == pytest.approx(0.08, abs=1e-3)
     zeros = lambda d: {k: int((v == 0).sum()) for k, v in load_file(d / "model.safetensors").items() if k.endswith("proj.weight")}  # noqa: E731
     assert zeros(student) == zeros(pruned) and sum(zeros(pruned).values()) > 0
+
+
+def test_prune_recipe_with_no_eval_skips_the_recipes_evaluation(tmp_path, capsys):
+    """--no-eval with --recipe does what it does for compress quantize (it was refused as ignored)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("evaluation: {datasets: [calibration/heldout-tinyshakespeare.txt], max_windows: 2}\n"
+                      "stages:\n  - magnitude: {sparsity: 0.5}\n")
+    rc = main(["--json", "prune", "--recipe", str(recipe), "--no-eval", "--model", "default", "--output", str(tmp_path / "out")])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and not report.get("evaluation") and report["output"]["nonzero_parameters"] < report["output"]["parameters"]
