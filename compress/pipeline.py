@@ -739,7 +739,7 @@ def evaluate_model(model: str, datasets: list[str], baseline: str | None = None,
             # pre-tokenizer): then both models read ids the baseline's tokenizer never gives
             for spec in datasets:
                 sample = "\n".join(read_texts(spec, tokenizer=tokenizer))[:TOKENIZER_CHECK_CHARS]
-                ours, theirs = (t(sample, add_special_tokens=False)["input_ids"] for t in (tokenizer, base_tok))
+                ours, theirs = (t(sample, add_special_tokens=False, verbose=False)["input_ids"] for t in (tokenizer, base_tok))
                 if ours != theirs:
                     at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
                     raise CompressError(f"--baseline {baseline} and --model {model} have tokenizers that split {spec} "
