@@ -38,7 +38,7 @@ class Mapping(BaseModel):
 
     smooth: str = Field(..., description="module inside the block whose output is divided by the scales")
     balance: list[str] = Field(..., min_length=1, description="layers inside the block whose input columns are multiplied")
-    inspect: Optional[str] = Field(None, description="module inside the block whose output AWQ scores (default: the whole block)")
+    inspect: Optional[str] = Field(None, description="AWQ: module inside the block whose output its scale search scores (default: the whole block); SmoothQuant does not use it")
     # Made by in_block from a `*` in `smooth`: one of several parallel branches (an expert's own
     # up -> down), whose fold cannot change another branch's inspected output (see fold_branches).
     _branch: bool = PrivateAttr(False)

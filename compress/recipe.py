@@ -4,7 +4,7 @@ an error names the file, the line and the key, and suggests the nearest valid ke
 
     model: default                      # hub id, local directory, or `default` (bundled ref-llama)
     calibration:
-      dataset: calibration/default.txt  # .txt, .jsonl, .parquet, or a hub dataset name
+      dataset: calibration/default.txt  # .txt, .jsonl, .json, .parquet, or a hub dataset name
       num_samples: 128
       seq_len: 256
     stages:
@@ -45,7 +45,7 @@ class CalibrationConfig(BaseModel):
 
     dataset: Union[str, list[str]] = Field(
         "calibration/default.txt",
-        description="file path (.txt/.jsonl/.parquet) or hub dataset name; a list is concatenated in order")
+        description="file path (.txt, .jsonl, a .json array, .parquet) or hub dataset name; a list is concatenated in order")
     config_name: Optional[str] = Field(None, description="hub dataset configuration, e.g. wikitext-2-raw-v1")
     split: str = Field("train", description="hub dataset split")
     text_field: str = Field("text", description="field holding the text in .jsonl/.parquet/hub records, or a conversation "
