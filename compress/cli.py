@@ -561,7 +561,9 @@ def _print_plan(p: dict, recipe: Path, model_ref: str) -> None:
     e = p["estimates"]
     training = f" (of which {e['training_bytes'] / 2**20:.0f} MiB training state and teacher)" if e.get("training_bytes") else ""
     packed, dense = f"{e['output_bytes_packed'] / 2**20:.1f} MiB packed", f"{e['output_bytes_dequantized'] / 2**20:.1f} MiB dense"
-    if p["format"] == "packed":
+    if p["format"] == "packed" and any(p["format_reason"] in r for r in p["refusals"]):  # format: packed, refused
+        written = f"{dense} with format: dense; the packed format is refused ({p['format_reason']})"
+    elif p["format"] == "packed":
         written = f"{packed} ({p['format_reason']}; {dense} with --format dense)"
     elif any(a["weights"] for a in p["assignments"].values()):
         written = f"{dense} ({p['format_reason']}; {packed} where it could)"

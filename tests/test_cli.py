@@ -456,6 +456,8 @@ def test_plan_tells_which_format_auto_writes(tmp_path, capsys, ref_llama):
     recipe.write_text("format: packed\nstages:\n  - rtn: {scheme: W4A16, weights: {group_size: 7}}\n")
     rc, out, err = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
     assert rc == 2 and "cannot write the packed format" in json.loads(out)["error"] and "cannot write the packed format" in err
+    rc, out, _ = run(capsys, "plan", "--recipe", recipe, "--model", ref_llama)  # the estimate does not promise it either
+    assert rc == 2 and "MiB dense with format: dense; the packed format is refused" in " ".join(out.split())
     recipe.write_text("format: dense\nstages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n")
     rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
     assert rc == 0 and json.loads(out)["format"] == "dense" and "asked for" in json.loads(out)["format_reason"]
