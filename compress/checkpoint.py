@@ -164,14 +164,10 @@ class AtomicOutput:
                 old = self.dest.parent / f".{self.dest.name}.old-{os.getpid()}"
                 os.replace(self.dest, old)
                 kill_point("replacing")
-            try:
-                os.replace(self.tmp, self.dest)
-            except BaseException:
-                if old is not None and not self.dest.exists():
-                    os.replace(old, self.dest)
-                    old = None
-                raise
-        except BaseException:
+            os.replace(self.tmp, self.dest)
+        except BaseException:  # the old output back where it was, if it had been moved aside
+            if old is not None and old.exists() and not self.dest.exists():
+                os.replace(old, self.dest)
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
         if old is not None:

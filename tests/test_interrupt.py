@@ -307,3 +307,16 @@ def test_an_interrupted_training_run_says_where_its_checkpoint_is(tmp_path, caps
         monkeypatch.setitem(pipeline.RUNNING, "cache", SimpleNamespace(stored=stored, restored=restored))
         cli._interrupted(["quantize", "--recipe", "r.yaml", "--resume"])
         assert expected in " ".join(capsys.readouterr().err.split()), (stored, restored)
+
+
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_interrupted_between_the_two_renames_of_a_replace_keeps_the_old_output(runs, tmp_path, repo, sig):
+    """Ctrl-C or SIGTERM after the old output was moved aside and before the new one moved in:
+    the old one is put back on the way out (it was left aside as `.out.old-<pid>` until a next run)."""
+    out = tmp_path / "out"
+    shutil.copytree(runs["cached_out"], out)
+    before = tree_digest(out)
+    proc = run_killed(argv_for(runs["recipe"], out, "--force", "--resume", "--cache-dir", str(runs["cache"])), repo,
+                      "replacing", sig)
+    assert proc.returncode == 130, proc.stderr
+    assert tree_digest(out) == before and list(tmp_path.glob(".out.*")) == []
