@@ -7,6 +7,7 @@ error.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -1051,6 +1052,13 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         return _interrupted(argv)
     except Exception as exc:  # click usage errors come here too
+        refused = _refused_path(exc)
+        if refused is not None:  # what the operating system refuses of a path given: bad input, not a fault
+            if debug:
+                traceback.print_exc()
+            message, hint = refused
+            console.print(f"[red]error:[/red] {escape(message)} [dim]({escape(hint)})[/dim]", soft_wrap=True, highlight=False)
+            return _json_error(argv, 2, message, hint)
         if isinstance(exc, _usage_error_types()):
             message = exc.format_message()
             if message:  # empty after `compress` alone, whose help has just been shown
@@ -1063,6 +1071,22 @@ def _main(argv: list[str] | None) -> int:
         console.print(f"[red]internal error:[/red] {type(exc).__name__}: {escape(first)} "
                       "[dim](rerun with --debug for the traceback, and please report it)[/dim]", soft_wrap=True, highlight=False)
         return _json_error(argv, 3, f"internal error: {type(exc).__name__}: {first}", "rerun with --debug for the traceback")
+
+
+_PATH_HINTS = {errno.ENAMETOOLONG: "use a shorter name (compress adds a prefix and suffix for its temporary directory)",
+               errno.EACCES: "check the permissions of the path and of the directories above it",
+               errno.EPERM: "check the permissions of the path and of the directories above it",
+               errno.EROFS: "write somewhere writable", errno.ENOSPC: "free some disk space, or write elsewhere",
+               errno.EDQUOT: "free some disk space, or write elsewhere",
+               errno.ENOTDIR: "a part of the path is a file, not a directory"}
+
+
+def _refused_path(exc: BaseException) -> tuple[str, str] | None:
+    """(message, hint) when `exc` is the operating system refusing a named path (too long a name,
+    no permission, a read-only or full disk), else None."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.errno in _PATH_HINTS:
+        return f"{exc.filename}: {exc.strerror}", _PATH_HINTS[exc.errno]
+    return None
 
 
 def _quiet_libraries() -> None:

@@ -886,6 +886,11 @@ CASES = [
     Case("prune-unknown-structure", _prune("--structured", "mlp", "--ratio", "0.25"), ["compress prune --structured", "mlp-channels"]),
     Case("prune-recipe-and-method", _prune_recipe_with_method, ["--recipe", "--method"]),
     Case("prune-recipe-and-eval-options", _prune_recipe_with_eval_options, ["--num-samples would be ignored (drop it"]),
+    # what the operating system refuses of a path given (was an internal error, exit 3)
+    Case("output-name-too-long", lambda tmp: ["--quiet", "quantize", "--recipe", str(write(tmp / "r.yaml", "stages:\n  - rtn: {scheme: W8A16}\n")),
+                                              "--model", "default", "--output", str(tmp / ("o" * 300))],
+         ["File name too long", "shorter name"]),
+    Case("inspect-name-too-long", lambda tmp: ["inspect", str(tmp / ("o" * 300))], ["File name too long"]),
     Case("prune-no-model", lambda tmp: ["prune", "--output", str(tmp / "out")], ["no model", "--model"]),
     Case("recipe-duplicate-key", lambda tmp: quantize(tmp, "stages:\n  - rtn:\n      scheme: W4A16\n      scheme: W8A16\n"),
          ["r.yaml:4", "'scheme' appears twice"]),
