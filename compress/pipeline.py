@@ -32,7 +32,7 @@ from compress.schemes import QuantArgs, QuantScheme, packed_weight_bits
 from compress.seeding import seed_everything
 from compress.stages import STAGES
 from compress.stages.base import INPUT_MODEL, StageContext
-from compress.targets import mixed_fused_groups, mixed_fused_warning
+from compress.targets import LINEAR_TYPES, mixed_fused_groups, mixed_fused_warning
 
 Progress = Callable[[str, int, int], None]
 
@@ -390,10 +390,9 @@ def layer_schemes(layers: dict[str, dict]) -> dict[str, str]:
 
 def _linear_names(net: torch.nn.Module, layers: dict[str, dict]) -> list[str]:
     """The model's linear layers, and those a record names that are not modules (unfused experts)."""
-    from compress.targets import LINEAR_TYPES
-
     names = [n for n, m in net.named_modules() if type(m).__name__ in LINEAR_TYPES]
-    return names + [n for n in layers if n not in set(names)]
+    seen = set(names)
+    return names + [n for n in layers if n not in seen]
 
 
 def tied_layers(net: torch.nn.Module, layers: dict[str, torch.nn.Module]) -> dict[str, str]:
@@ -561,7 +560,6 @@ def record_input_zeros(net: torch.nn.Module, layers: dict[str, dict]) -> None:
     the zeros stay a mask after a stage here quantizes the layer and records only its grid
     (sparsity.zeros_are_a_mask), in this run and, through compress.json, in the next."""
     from compress.sparsity import zeros_are_a_mask
-    from compress.targets import LINEAR_TYPES
 
     for name, module in net.named_modules():
         weight = getattr(module, "weight", None)
