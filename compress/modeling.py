@@ -228,7 +228,33 @@ def read_meta(path: str | Path) -> dict:
         raise CompressError(f"{meta_file}: damaged ({first_line(exc)})", "write the checkpoint again") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("layers", {}), dict):
         raise CompressError(f"{meta_file}: damaged (not the object compress writes)", "write the checkpoint again")
+    for name, record in meta.get("layers", {}).items():
+        problem = _record_problem(record)
+        if problem:
+            raise CompressError(f"{meta_file}: damaged (layer {name}: {problem})", "write the checkpoint again")
     return meta
+
+
+def _record_problem(record) -> str | None:
+    """What is wrong with one layer's record in compress.json, as far as readers rely on it."""
+    from pydantic import ValidationError
+
+    from compress.schemes import QuantArgs
+
+    if not isinstance(record, dict):
+        return "its record is not an object"
+    for key in ("weights", "input_activations"):
+        value = record.get(key)
+        if value is None:
+            continue
+        try:
+            QuantArgs(**value)
+        except (TypeError, ValidationError):
+            return f"`{key}` is not a quantization scheme"
+    shape = record.get("shape")
+    if shape is not None and not (isinstance(shape, list) and len(shape) == 2 and all(type(d) is int for d in shape)):
+        return "`shape` is not [out_features, in_features]"
+    return None
 
 
 def _reattach_activation_quant(model: torch.nn.Module, path: str) -> None:

@@ -21,7 +21,7 @@ import yaml
 
 from compress import activations, modeling, packing, tasks as lm_tasks
 from compress.calibration import build_calibration, draw_seed, is_local_spec, read_texts, resolve_data_path
-from compress.checkpoint import AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
+from compress.checkpoint import INCOMPLETE_MARKER, AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
 from compress.evaluate import evaluate, gate, task_gate, threshold_problem
 from compress.moe import fuse_experts, unfuse_experts
@@ -777,6 +777,9 @@ def inspect_checkpoint(path: str | Path) -> dict:
     if not path.is_dir():
         raise CompressError(f"{path} {'is not a directory' if path.exists() else 'does not exist'}",
                             "pass a directory written by `compress quantize`")
+    if (path / INCOMPLETE_MARKER).exists():  # as every command that reads a model refuses it
+        raise CompressError(f"{path} is an unfinished compress output (the run writing it was interrupted)",
+                            "inspect a finished output; the next run into the same destination removes this one")
     if not meta_file.is_file():
         raise CompressError(f"{path} has no compress.json: it was not written by compress", "inspect a compress output directory")
     meta = modeling.read_meta(path)

@@ -891,6 +891,9 @@ CASES = [
                                               "--model", "default", "--output", str(tmp / ("o" * 300))],
          ["File name too long", "shorter name"]),
     Case("inspect-name-too-long", lambda tmp: ["inspect", str(tmp / ("o" * 300))], ["File name too long"]),
+    # a temporary output an interrupted run left, its compress.json already written
+    Case("inspect-unfinished", lambda tmp: ["inspect", str(write(tmp / "o" / "COMPRESS_INCOMPLETE", "x").parent)]
+         if write(tmp / "o" / "compress.json", "{}") else [], ["is an unfinished compress output"]),
     Case("prune-no-model", lambda tmp: ["prune", "--output", str(tmp / "out")], ["no model", "--model"]),
     Case("recipe-duplicate-key", lambda tmp: quantize(tmp, "stages:\n  - rtn:\n      scheme: W4A16\n      scheme: W8A16\n"),
          ["r.yaml:4", "'scheme' appears twice"]),
@@ -944,6 +947,11 @@ CASES = [
                                                              "differently (from token"]),
     Case("compress-json-not-json", _damaged_meta("{oops"), ["compress.json: damaged"]),
     Case("compress-json-a-list", _damaged_meta("[]"), ["compress.json: damaged", "not the object"]),
+    # a layer's record edited by hand (was an internal error in eval, inspect and quantize)
+    Case("compress-json-record-damaged", _damaged_meta('{"layers": {"model.layers.0.mlp.up_proj": {"weights": "garbage"}}}'),
+         ["compress.json: damaged (layer model.layers.0.mlp.up_proj: `weights` is not a quantization scheme)"]),
+    Case("compress-json-record-shape", _damaged_meta('{"layers": {"lm_head": {"shape": "wide"}}}'),
+         ["layer lm_head: `shape` is not [out_features, in_features]"]),
     Case("model-is-an-unfinished-output", lambda tmp: ["eval", "--model", str(write(copy_model(tmp, "half-written") /
                                                                                     "COMPRESS_INCOMPLETE", "").parent),
                                                         "--data", "calibration/heldout-tinyshakespeare.txt"],
