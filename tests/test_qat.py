@@ -138,18 +138,23 @@ def test_learned_scales_move_by_a_share_of_themselves_and_stay_positive(ref_llam
     assert float((ratios.log().abs()).max()) > 0.1 * steps * lr  # and they did learn
 
 
-def test_fixed_scales_do_not_move(tiny, repo, tmp_path):
-    r = parse_recipe(f"""
+def fixed_w4_qat(repo, extra: str):
+    """QAT at W4 per-channel with fixed scales for 3 steps on the default text, `extra` keys added
+    (one YAML line each, indented as the stage's keys)."""
+    return parse_recipe(f"""
 stages:
   - qat:
       weights: {{num_bits: 4, strategy: channel, symmetric: true}}
       scales: fixed
       keep_start_if_worse: false
-      kd_weight: 0.0
-      ce_weight: 1.0
+{extra}
       data: {{dataset: {repo}/calibration/default.txt, seq_len: 32, num_samples: 16, eval_samples: 4}}
       train: {TRAIN % (3, 1e-3)}
 """, "test")
+
+
+def test_fixed_scales_do_not_move(tiny, repo, tmp_path):
+    r = fixed_w4_qat(repo, "      kd_weight: 0.0\n      ce_weight: 1.0")
     report = run_recipe(r, model=str(tiny), output=str(tmp_path / "out"), format="dense")
     assert report["stages"][0]["summary"]["teacher"] is None  # task loss: no teacher loaded
     before = LlamaForCausalLM.from_pretrained(tiny).model.layers[0].mlp.up_proj.weight.detach()
@@ -368,16 +373,7 @@ def test_freeze_names_a_quantized_layer_as_plan_shows_it(tiny, repo, tmp_path):
     """QAT reparametrizes each target's weight (…q_proj.parametrizations.weight.original): a
     freeze pattern names the layer or its weight as before, and that layer's float weights stay
     put (with fixed scales it saves round-to-nearest's grid) while the others train."""
-    r = parse_recipe(f"""
-stages:
-  - qat:
-      weights: {{num_bits: 4, strategy: channel, symmetric: true}}
-      scales: fixed
-      keep_start_if_worse: false
-      freeze: [layers.0.self_attn.q_proj, layers.1.mlp.up_proj.weight]
-      data: {{dataset: {repo}/calibration/default.txt, seq_len: 32, num_samples: 16, eval_samples: 4}}
-      train: {TRAIN % (3, 1e-3)}
-""", "test")
+    r = fixed_w4_qat(repo, "      freeze: [layers.0.self_attn.q_proj, layers.1.mlp.up_proj.weight]")
     run_recipe(r, model=str(tiny), output=str(tmp_path / "out"), format="dense")
     source = LlamaForCausalLM.from_pretrained(tiny)
     saved = load_file(tmp_path / "out" / "model.safetensors")
