@@ -873,7 +873,7 @@ def analyze(
         # the output stores scales in the model's own dtype (analysis runs in float32)
         scale_bits = scale_bits_of(modeling.saved_dtype(config))
         result = run_analysis(net, ids, widths, group_size or None, targets=list(targets) or ["Linear"], progress=progress,
-                              scale_bits=scale_bits)
+                              scale_bits=scale_bits, fused=emit_recipe is not None)
     result.update({"model": model, "metric": metric, "scheme_bits": bits, "data": calibration["dataset"], "warnings": warnings})
     result["ranking"] = [{"layer": n, "cost": c} for n, c in ranking(result, bits, metric)]
     if emit_recipe is not None:

@@ -7,7 +7,8 @@ chooses the widths).
 Measurement: the baseline's log-probabilities on the analysis windows are computed once; then for
 each layer and bit width the layer's weight is swapped for its rounded copy, one forward pass over
 the same windows gives KL(p_base ‖ p) per position (or the perplexity increase), and the weight
-is put back. The windows come from calibration text, not from the evaluation sets, so that a
+is put back; groups an inference engine fuses (q/k/v, gate/up) are measured again whole, since they
+get one width. The windows come from calibration text, not from the evaluation sets, so that a
 recipe chosen here is judged on data it did not see.
 """
 
@@ -66,10 +67,14 @@ def distribution_cost(model, windows: torch.Tensor, base_logp: list[torch.Tensor
 
 def analyze(model: torch.nn.Module, windows: torch.Tensor, bits: list[int], group_size: int | None,
             symmetric: bool = True, targets: list[str] = ("Linear",), ignore: list[str] = ("lm_head",),
-            batch_size: int = 8, progress: Callable[[str, int, int], None] = lambda *_: None, scale_bits: int = 16) -> dict:
+            batch_size: int = 8, progress: Callable[[str, int, int], None] = lambda *_: None, scale_bits: int = 16,
+            fused: bool = False) -> dict:
     """Every target layer quantized alone at each width in `bits`: its KL, top-1 agreement and
     perplexity increase against the unquantized model, on `windows` ([n, seq_len] token ids).
-    `scale_bits`: the width the output will store scales at (its dtype's: schemes.scale_bits_of)."""
+    `scale_bits`: the width the output will store scales at (its dtype's: schemes.scale_bits_of).
+    `fused`: also measure each group an engine fuses (q/k/v, gate/up: targets.fused_groups) with
+    all its parts quantized together, under "groups" keyed by its first part; allocate_bits gives
+    such a group one width and prices it by that joint cost."""
     model.eval()
     layers = select_modules(model, list(targets), list(ignore))
     if not layers:
@@ -77,26 +82,38 @@ def analyze(model: torch.nn.Module, windows: torch.Tensor, bits: list[int], grou
                             "run `compress plan` to see the model's module names")
     start = time.perf_counter()
     base_logp = _log_probs(model, windows, batch_size)
+    # Each unit is measured with all its layers rounded at once: a layer alone, then (with `fused`)
+    # every fused group whole. Parts of one attention or MLP interact (their errors meet in the same
+    # scores or products): on ref-llama at W2 g64 a group whole cost 1.2-1.5x its parts' sum.
+    units = [[name] for name in layers]
+    if fused:
+        units += [group for group in fused_groups(list(layers)) if len(group) > 1]
     results: dict[str, dict] = {}
-    total = len(layers) * len(bits)
+    groups: dict[str, dict] = {}
+    total = len(units) * len(bits)
     done = 0
-    for name, module in layers.items():
-        original = get_weight(module)
-        out_f, in_f = original.shape
-        results[name] = {"shape": [out_f, in_f], "parameters": out_f * in_f, "by_bits": {}}
+    for unit in units:
+        originals = {name: get_weight(layers[name]) for name in unit}
+        shapes = {name: tuple(w.shape) for name, w in originals.items()}
+        params = sum(o * i for o, i in shapes.values())
+        record = ({"shape": list(shapes[unit[0]])} if len(unit) == 1 else {"members": unit}) | {"parameters": params, "by_bits": {}}
         for b in bits:
-            progress(f"analyze {name} W{b}", done, total)
+            label = unit[0] if len(unit) == 1 else f"{unit[0].rpartition('.')[0]} ({'+'.join(n.rpartition('.')[2] for n in unit)})"
+            progress(f"analyze {label} W{b}", done, total)
             args = weight_args(b, group_size, symmetric)
-            set_weight(module, quantize_weight(original, args))
             try:
+                for name in unit:
+                    set_weight(layers[name], quantize_weight(originals[name], args))
                 cost = distribution_cost(model, windows, base_logp, batch_size)
             finally:
-                set_weight(module, original)
-            cost["storage_bits"] = packed_weight_bits(out_f, in_f, args, scale_bits)
-            results[name]["by_bits"][b] = cost
+                for name in unit:
+                    set_weight(layers[name], originals[name])
+            cost["storage_bits"] = sum(packed_weight_bits(o, i, args, scale_bits) for o, i in shapes.values())
+            record["by_bits"][b] = cost
             done += 1
+        (results if len(unit) == 1 else groups)[unit[0]] = record
     progress("analyze", total, total)
-    return {"layers": results, "windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
+    return {"layers": results, "groups": groups, "windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]),
             "bits": list(bits), "group_size": group_size, "symmetric": symmetric, "scale_bits": scale_bits,
             "wall_s": time.perf_counter() - start}
 
@@ -122,12 +139,16 @@ def allocate_bits(analysis: dict, budget_bits: float, metric: str = "kl") -> dic
     layers = analysis["layers"]
     options, budget, params = {}, 0.0, 0
     # Layers an inference engine fuses (q/k/v, gate/up) run as one matrix with one scheme (vLLM
-    # refuses parts at different widths): each such group takes one width, its costs and bits summed.
+    # refuses parts at different widths): each such group takes one width, priced by its cost
+    # measured whole (analyze(fused=True)), or else by its parts' costs summed.
     groups = {group[0]: group for group in fused_groups(list(layers))}
+    measured = analysis.get("groups", {})
     for first, group in groups.items():
-        widths = sorted(set.intersection(*(set(layers[n]["by_bits"]) for n in group)))
+        whole = measured.get(first) if measured.get(first, {}).get("members") == group else None
+        widths = sorted(set(whole["by_bits"]) if whole else set.intersection(*(set(layers[n]["by_bits"]) for n in group)))
         options[first] = [Option(b, sum(layers[n]["by_bits"][b]["storage_bits"] for n in group),
-                                 sum(layers[n]["by_bits"][b][key] for n in group)) for b in widths]
+                                 whole["by_bits"][b][key] if whole else sum(layers[n]["by_bits"][b][key] for n in group))
+                          for b in widths]
     for name, rec in layers.items():
         out_f, in_f = rec["shape"]
         # The budget at a fractional width: codes at that width, scales as the scheme stores them.

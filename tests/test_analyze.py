@@ -73,7 +73,13 @@ def test_analyze_ranks_layers_and_emits_a_recipe_that_runs(ref_llama, repo, tmp_
     assert sorted(named) == sorted(layers)
     widths = {st.weights.num_bits for _, st in r.stages}
     assert widths <= {2, 3, 4}
-    uniform = sum(rec["by_bits"]["3"]["kl_divergence"] for rec in layers.values())
+    # q/k/v and gate/up were also measured whole, each group with its parts rounded together
+    groups = out["groups"]
+    assert sorted(g["members"] for g in groups.values()) == [
+        [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up")], [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]]
+    fused = {n for g in groups.values() for n in g["members"]}
+    uniform = (sum(rec["by_bits"]["3"]["kl_divergence"] for n, rec in layers.items() if n not in fused)
+               + sum(g["by_bits"]["3"]["kl_divergence"] for g in groups.values()))
     assert alloc["predicted_cost"] <= uniform + 1e-15
     # and it runs: the packed checkpoint holds each layer at its chosen width
     rc = main(["--quiet", "quantize", "--recipe", str(recipe), "--output", str(tmp_path / "out")])
@@ -139,3 +145,43 @@ def test_layers_an_engine_fuses_get_one_width():
     alone = {"group_size": None, "symmetric": True, "scale_bits": 0,
              "layers": {f"l{i}": rec for i, rec in enumerate(analysis["layers"].values())}}
     assert len({allocate_bits(alone, 3.0)["bits"][f"l{i}"] for i in range(3)}) > 1
+
+
+def test_a_fused_group_is_priced_by_its_cost_measured_whole(ref_llama, repo):
+    """Rounding q, k and v together can cost more than their costs alone summed (their errors meet
+    in the same attention scores): analyze(fused=True) measures each group whole, and the
+    allocation prices the group by that measurement rather than by the sum."""
+    from compress import modeling
+    from compress.calibration import build_calibration
+    from compress.recipe import CalibrationConfig
+    from compress.sensitivity import _log_probs, allocate_bits, analyze, distribution_cost, weight_args
+    from compress.stages.rtn import quantize_weight
+
+    net, tokenizer, _ = modeling.load_model(str(ref_llama), dtype="float32")
+    cal = build_calibration(CalibrationConfig(dataset=[str(repo / "calibration/default.txt")], num_samples=2, seq_len=64), tokenizer)
+    ids = torch.cat([s["input_ids"] for s in cal.samples])
+    qkv = [f"model.layers.1.self_attn.{p}_proj" for p in "qkv"]
+    out = analyze(net, ids, [2, 3], None, targets=[f"re:{n}$" for n in qkv], fused=True)
+    group = out["groups"][qkv[0]]
+    assert group["members"] == qkv
+    # the joint figure is the model's with all three rounded at once, measured here independently
+    originals = {n: modeling.get_weight(net.get_submodule(n)) for n in qkv}
+    base = _log_probs(net, ids, 8)
+    for n in qkv:
+        modeling.set_weight(net.get_submodule(n), quantize_weight(originals[n], weight_args(2, None)))
+    joint = distribution_cost(net, ids, base, 8)
+    assert group["by_bits"][2]["kl_divergence"] == pytest.approx(joint["kl_divergence"], rel=1e-4)
+    assert group["by_bits"][2]["storage_bits"] == sum(out["layers"][n]["by_bits"][2]["storage_bits"] for n in qkv)
+
+    # priced by the joint cost: made dear at 2 bits, the group no longer takes 2 bits
+    def analysis(joint_w2):
+        rec = lambda c2, c3: {"shape": [64, 64], "by_bits": {2: {"kl_divergence": c2, "storage_bits": 2 * 64 * 64},
+                                                             3: {"kl_divergence": c3, "storage_bits": 3 * 64 * 64}}}
+        layers = {n: rec(0.01, 0.005) for n in qkv} | {"other": rec(0.2, 0.01)}
+        groups = {qkv[0]: {"members": qkv, "by_bits": {2: {"kl_divergence": joint_w2}, 3: {"kl_divergence": 0.015}}}}
+        return {"group_size": None, "symmetric": True, "scale_bits": 0, "layers": layers, "groups": groups}
+
+    # 2.75 bits a weight: room for the group, or `other`, at 3 bits, not both
+    cheap, dear = (allocate_bits(analysis(w2), 2.75)["bits"] for w2 in (0.03, 1.0))
+    assert cheap[qkv[0]] == 2 and cheap["other"] == 3
+    assert dear[qkv[0]] == 3 and dear["other"] == 2
