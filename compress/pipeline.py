@@ -783,6 +783,12 @@ def inspect_checkpoint(path: str | Path) -> dict:
     if not meta_file.is_file():
         raise CompressError(f"{path} has no compress.json: it was not written by compress", "inspect a compress output directory")
     meta = modeling.read_meta(path)
+    # what every compress output's compress.json holds (run_recipe writes them all): without them
+    # the summary would be a page of None about a file compress did not write
+    missing = [k for k, kind in (("format", str), ("source_model", dict), ("stages", list), ("layers", dict))
+               if not isinstance(meta.get(k), kind)]
+    if missing:
+        raise CompressError(f"{meta_file}: damaged (no {', '.join(missing)})", "write the checkpoint again")
     try:
         report = json.loads(report_file.read_text()) if report_file.is_file() else {}
     except ValueError as exc:

@@ -539,6 +539,12 @@ def _inspect_foreign(tmp):
     return ["inspect", str(d)]
 
 
+def _inspect_empty_meta(tmp):
+    model = copy_model(tmp)
+    write(model / "compress.json", "{}")  # exited 0 with a summary of None
+    return ["inspect", str(model)]
+
+
 def _inspect_missing(tmp):
     return ["inspect", str(tmp / "nothing")]
 
@@ -864,6 +870,7 @@ CASES = [
     Case("eval-baseline-hub-id-unknown", _eval_baseline_hub_id_unknown, ["--baseline: ", "no-such-org/no-such-model"]),
     Case("inspect-foreign-dir", _inspect_foreign, ["plain", "compress.json"]),
     Case("inspect-missing", _inspect_missing, ["nothing", "does not exist"]),
+    Case("inspect-empty-meta", _inspect_empty_meta, ["compress.json: damaged (no format, source_model, stages, layers)"]),
     Case("plan-no-model", _plan_no_model, ["r.yaml", "no model"]),
     # prune
     Case("prune-sparsity-above-1", _prune("--sparsity", "1.5"), ["--sparsity 1.5", "[0, 1)"]),
