@@ -454,7 +454,7 @@ def load_recipe(path: Union[str, Path], default_calibration: dict | None = None)
         p = bundled_file(p) or p  # a bundled recipe by the name `compress recipes` lists, from any directory
     if p.is_dir():
         raise CompressError(f"recipe {p} is a directory", "give the path of a .yaml recipe file")
-    if not p.is_file():
+    if not p.exists():  # a pipe (`--recipe <(sed ... r.yaml)`) is read as a file is
         raise CompressError(f"recipe file not found: {p}", "check the path, or run `compress recipes` to list the bundled ones")
     try:
         raw = p.read_bytes()
