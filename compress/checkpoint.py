@@ -1,6 +1,6 @@
 """Writing outputs so that nothing is lost: a temporary directory beside the destination, moved
-into place only when complete; an existing destination only replaced with --force; never inside
-(or onto) the input model."""
+into place only when complete; an existing destination (unless empty) only replaced with --force;
+never inside (or onto) the input model."""
 
 from __future__ import annotations
 
@@ -126,7 +126,9 @@ class AtomicOutput:
                 raise CompressError(f"input {p} lies inside the output directory {dest}", "choose an output directory that holds no input")
         if self.dest.exists() and not self.dest.is_dir():
             raise CompressError(f"output {dest} is a file", "choose a directory path for the output")
-        if self.dest.exists() and not force:
+        # An empty directory (`mktemp -d`'s) holds nothing to lose: it is written without --force.
+        self.was_empty = self.dest.is_dir() and not any(self.dest.iterdir())
+        if self.dest.exists() and not force and not self.was_empty:
             raise CompressError(f"output directory {dest} already exists", "pass --force to replace it, or choose another --output")
         if self.dest.exists() and not (self.dest / "compress.json").is_file() and any(self.dest.iterdir()):
             # --force replaces the whole directory: only ever one that compress wrote
@@ -138,21 +140,61 @@ class AtomicOutput:
             raise CompressError(f"output directory {dest} holds files compress did not write ({listed}); --force would delete them",
                                 "move them out of the directory, or choose another --output")
         self.tmp = self.dest.parent / f".{self.dest.name}.tmp-{os.getpid()}"
+        self._check_creatable(dest)
+        self.created: list[Path] = []  # parent directories this run makes, removed again if it fails
+
+    def _check_creatable(self, dest) -> None:
+        """Before any work, what the operating system would refuse only when the output is written:
+        a file where a parent directory should be, a parent that cannot be written, a name that,
+        as the temporary `.<name>.tmp-<pid>` written first, is over the file system's limit."""
+        existing = next(q for q in self.dest.parents if q.exists())
+        if not existing.is_dir():
+            raise CompressError(f"output {dest}: {existing} is a file, not a directory", "choose an output path under a directory")
+        try:
+            name_max = os.pathconf(existing, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            name_max = 255
+        longest = max([len(self.tmp.name.encode()), len(f".{self.dest.name}.old-{os.getpid()}".encode())]
+                      + [len(part.encode()) for part in self.dest.relative_to(existing).parts])
+        if longest > name_max:
+            room = name_max - (longest - len(self.dest.name.encode()))
+            raise CompressError(f"output {dest}: the name is {len(self.dest.name.encode())} bytes; compress writes it first as "
+                                f".{self.dest.name[:8]}….tmp-{os.getpid()}, over the file system's {name_max}",
+                                f"choose a name of at most {room} bytes")
+        try:  # a file really created there (root passes os.access even where nothing can be written)
+            tempfile.TemporaryFile(dir=existing).close()
+        except OSError as exc:
+            raise CompressError(f"output {dest}: {existing} is not a writable directory ({exc.strerror})",
+                                "choose an output path you can write to") from None
 
     def __enter__(self) -> Path:
         try:
-            self.dest.parent.mkdir(parents=True, exist_ok=True)
+            missing = [q for q in [self.dest.parent, *self.dest.parent.parents] if not q.exists()]
+            for q in reversed(missing):
+                q.mkdir()
+                self.created.append(q)
             if self.tmp.exists():
                 shutil.rmtree(self.tmp)
             self.tmp.mkdir()
             (self.tmp / INCOMPLETE_MARKER).write_text("compress is writing this directory; it is not a checkpoint\n")
         except OSError as exc:
+            self._remove_created()
             raise CompressError(f"cannot create output directory {self.dest}: {exc.strerror}", "check permissions and free space") from None
         return self.tmp
+
+    def _remove_created(self) -> None:
+        """The parent directories this run made, deepest first, while still empty: a failed or
+        interrupted run leaves the file system as it found it."""
+        for q in reversed(self.created):
+            try:
+                q.rmdir()
+            except OSError:
+                break
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            self._remove_created()
             return False
         old = None
         try:  # a Ctrl-C here must not leave the finished temporary directory behind, nor lose dest
@@ -160,6 +202,12 @@ class AtomicOutput:
             (self.tmp / INCOMPLETE_MARKER).unlink(missing_ok=True)
             (self.tmp / MANIFEST).write_text("".join(f + "\n" for f in _files(self.tmp)))
             _usual_file_modes(self.tmp)
+            if self.dest.exists() and not self.force:  # empty when the run started: it must still be
+                try:
+                    self.dest.rmdir()
+                except OSError:
+                    raise CompressError(f"output directory {self.dest} was empty when the run started and now holds files; "
+                                        "they were left alone and nothing was written", "run again with another --output") from None
             if self.dest.exists():
                 old = self.dest.parent / f".{self.dest.name}.old-{os.getpid()}"
                 os.replace(self.dest, old)
@@ -169,6 +217,7 @@ class AtomicOutput:
             if old is not None and old.exists() and not self.dest.exists():
                 os.replace(old, self.dest)
             shutil.rmtree(self.tmp, ignore_errors=True)
+            self._remove_created()
             raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

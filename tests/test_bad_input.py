@@ -348,6 +348,19 @@ def _output_is_file(tmp):
     return quantize(tmp, GOOD_STAGE)
 
 
+def _output_under_a_file(tmp):
+    write(tmp / "out", "x")
+    return quantize(tmp, GOOD_STAGE)[:-4] + ["--output", str(tmp / "out" / "w8"), "--model", "default"]
+
+
+def _output_name_near_the_limit(tmp):
+    # 250 bytes is a valid name, but not as `.<name>.tmp-<pid>`: this was "File name too long"
+    # (of a name the user never gave) when the checkpoint was written, after the stages ran
+    argv = quantize(tmp, GOOD_STAGE)
+    argv[argv.index("--output") + 1] = str(tmp / ("o" * 250))
+    return argv
+
+
 def _output_inside_model(tmp):
     d = copy_model(tmp)
     r = write(tmp / "r.yaml", GOOD_STAGE)
@@ -897,6 +910,12 @@ CASES = [
     Case("output-name-too-long", lambda tmp: ["--quiet", "quantize", "--recipe", str(write(tmp / "r.yaml", "stages:\n  - rtn: {scheme: W8A16}\n")),
                                               "--model", "default", "--output", str(tmp / ("o" * 300))],
          ["File name too long", "shorter name"]),
+    Case("output-under-a-file", _output_under_a_file, ["{tmp}/out is a file, not a directory"]),  # was "File exists"
+    Case("output-name-near-the-limit", _output_name_near_the_limit, ["the name is 250 bytes", "choose a name of at most"]),
+    Case("output-unwritable", lambda tmp: quantize(tmp, GOOD_STAGE)[:-4] + ["--output", "/proc/compress/out", "--model", "default"],
+         ["/proc/compress/out", "/proc is not a writable directory"]),
+    Case("recipe-dev-null", lambda tmp: ["--quiet", "quantize", "--recipe", "/dev/null", "--output", str(tmp / "out")],
+         ["/dev/null", "found an empty file"]),  # was "recipe file not found"
     Case("inspect-name-too-long", lambda tmp: ["inspect", str(tmp / ("o" * 300))], ["File name too long"]),
     # a temporary output an interrupted run left, its compress.json already written
     Case("inspect-unfinished", lambda tmp: ["inspect", str(write(tmp / "o" / "COMPRESS_INCOMPLETE", "x").parent)]

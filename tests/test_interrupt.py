@@ -320,3 +320,37 @@ def test_interrupted_between_the_two_renames_of_a_replace_keeps_the_old_output(r
                       "replacing", sig)
     assert proc.returncode == 130, proc.stderr
     assert tree_digest(out) == before and list(tmp_path.glob(".out.*")) == []
+
+
+def test_an_empty_output_directory_is_written_without_force(tmp_path):
+    """`mktemp -d` gives an empty directory: nothing in it to lose, so it needs no --force; but
+    files that arrive in it during the run are never replaced."""
+    from compress.checkpoint import AtomicOutput
+    from compress.errors import CompressError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with AtomicOutput(out) as tmp:
+        (tmp / "model.safetensors").write_text("weights")
+    assert (out / "model.safetensors").read_text() == "weights"
+
+    out2 = tmp_path / "out2"
+    out2.mkdir()
+    with pytest.raises(CompressError, match="was empty when the run started and now holds files"):
+        with AtomicOutput(out2) as tmp:
+            (tmp / "model.safetensors").write_text("weights")
+            (out2 / "notes.txt").write_text("mine")
+    assert [p.name for p in out2.iterdir()] == ["notes.txt"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out2")] == []
+
+
+def test_a_failed_run_removes_the_parent_directories_it_made(tmp_path):
+    from compress.checkpoint import AtomicOutput
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "kept.txt").write_text("mine")
+    with pytest.raises(RuntimeError):
+        with AtomicOutput(tmp_path / "a" / "b" / "c" / "out") as tmp:
+            assert tmp.parent == tmp_path / "a" / "b" / "c"
+            raise RuntimeError("a stage failed")
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["kept.txt"]  # b/ and b/c/ gone, a/ as it was
