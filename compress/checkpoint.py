@@ -171,8 +171,11 @@ class AtomicOutput:
         try:
             missing = [q for q in [self.dest.parent, *self.dest.parent.parents] if not q.exists()]
             for q in reversed(missing):
-                q.mkdir()
-                self.created.append(q)
+                try:
+                    q.mkdir()
+                    self.created.append(q)
+                except FileExistsError:  # made meanwhile by someone else: theirs, not removed
+                    pass
             if self.tmp.exists():
                 shutil.rmtree(self.tmp)
             self.tmp.mkdir()
