@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import io
 import logging
 import os
@@ -126,11 +127,51 @@ def primary_metric(metrics: dict, metric: str | None = None) -> str:
     return next((m for m in PREFERRED_METRICS if m in names), names[0] if names else None)
 
 
+def check_local_data(tasks: list[str], manager) -> None:
+    """A task of one's own names its data in its YAML (data_files, or a dataset_path that is a
+    directory); lm-eval reads them only when the task runs, which in a recipe is after every stage.
+    Files named there that do not exist are refused now. Hub datasets are not looked up."""
+    seen: set[str] = set()
+
+    def local_paths(cfg: dict) -> list[str]:
+        files = (cfg.get("dataset_kwargs") or {}).get("data_files") or []  # a path, a list, or split -> either
+        paths = []
+        for item in files.values() if isinstance(files, dict) else [files]:
+            paths += [item] if isinstance(item, str) else list(item)
+        path = cfg.get("dataset_path")
+        if isinstance(path, str) and path.startswith(("/", "./", "../", "~")):  # not a hub id, nor a loader (json)
+            paths.append(path)
+        return [p for p in paths if "://" not in p]
+
+    def walk(name: str) -> None:
+        entry = manager.task_index.get(name)
+        if entry is None or name in seen:
+            return
+        seen.add(name)
+        cfg = entry.cfg or {}
+        if entry.kind.name in ("GROUP", "TAG"):  # a group lists its tasks in `task`, a tag's entry in `tags`
+            members = cfg.get("task") if entry.kind.name == "GROUP" else sorted(getattr(entry, "tags", None) or [])
+            for member in members or []:
+                if isinstance(member, str):
+                    walk(member)
+            return
+        for path in local_paths(cfg):
+            where = str(Path(path).expanduser())
+            if not (glob.glob(where) if glob.has_magic(where) else Path(where).exists()):
+                raise CompressError(f"lm-eval task {name} ({entry.yaml_path}): its data {path} does not exist",
+                                    "correct the path in the task's YAML (a relative one is from the current directory), or create the file")
+
+    for name in tasks:
+        walk(name)
+
+
 def prepare(request: TaskRequest, causal: bool, model: str):
     """lm-eval's index, with the request checked where it costs nothing: a missing lm-eval,
-    unknown names and an encoder are refused before any model is loaded or compressed."""
+    unknown names, a local task's missing data and an encoder are refused before any model is
+    loaded or compressed."""
     manager = task_manager(request.include_path)
     check_tasks(request.names, manager)
+    check_local_data(request.names, manager)
     if not causal:
         raise CompressError(f"lm-eval tasks: {model} is an encoder, and lm-eval's tasks score causal language models",
                             "measure encoders with evaluation data and a baseline (embedding fidelity)")

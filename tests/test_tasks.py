@@ -122,6 +122,27 @@ def test_tasks_refused_before_any_model_is_loaded(task_dir, minilm, capsys, monk
     assert not loads
 
 
+def test_a_local_tasks_missing_data_is_refused_before_any_model_is_loaded(task_dir, tmp_path, capsys, monkeypatch):
+    """lm-eval reads a task's data files when the task runs: in a recipe, after every stage. A file
+    named in the task's YAML that does not exist is refused up front, also through a tag or group."""
+    from compress import modeling
+
+    lost = tmp_path / "tasks"
+    lost.mkdir()
+    cloze = (task_dir / "cloze.yaml").read_text()
+    (lost / "lost.yaml").write_text(cloze.replace("task: ts_cloze", "task: lost\ntag: lost_tag").replace(
+        str(task_dir / "cloze.jsonl"), str(tmp_path / "gone.jsonl")))
+    (lost / "group.yaml").write_text("group: lost_group\ntask: [lost]\n")
+    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    for name in ("lost", "lost_tag", "lost_group"):
+        rc, _, err = run(capsys, "eval", "--model", "default", "--tasks", name, "--include-path", lost)
+        assert rc == 2 and f"lm-eval task lost ({lost / 'lost.yaml'}): its data {tmp_path / 'gone.jsonl'} does not exist" in err, name
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"stages:\n  - magnitude: {{sparsity: 0.5}}\nevaluation:\n  tasks: {{names: [lost], include_path: {lost}}}\n")
+    rc, _, err = run(capsys, "quantize", "--recipe", recipe, "--model", "default", "--output", tmp_path / "out")
+    assert rc == 2 and "its data" in err and not (tmp_path / "out").exists()
+
+
 def test_without_lm_eval_the_message_says_what_to_install(monkeypatch, capsys):
     import sys
 
