@@ -8,8 +8,18 @@ Python API (the CLI is a thin layer over it):
 
 __version__ = "0.1.0"
 
-from compress.errors import CompressError  # noqa: E402
-from compress.recipe import load_recipe, parse_recipe  # noqa: E402
-from compress.pipeline import run_recipe, evaluate_model  # noqa: E402
+# The API is imported on first use (PEP 562), not with the package: importing torch and
+# transformers takes seconds, and the `compress` command must be able to catch a Ctrl-C in them
+# (compress/__main__.py), which it cannot while Python is still importing this package.
+_API = {"CompressError": "compress.errors", "load_recipe": "compress.recipe", "parse_recipe": "compress.recipe",
+        "run_recipe": "compress.pipeline", "evaluate_model": "compress.pipeline"}
 
-__all__ = ["CompressError", "load_recipe", "parse_recipe", "run_recipe", "evaluate_model", "__version__"]
+__all__ = [*_API, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'compress' has no attribute {name!r}")

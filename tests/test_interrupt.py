@@ -354,3 +354,17 @@ def test_a_failed_run_removes_the_parent_directories_it_made(tmp_path):
             assert tmp.parent == tmp_path / "a" / "b" / "c"
             raise RuntimeError("a stage failed")
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["kept.txt"]  # b/ and b/c/ gone, a/ as it was
+
+
+def test_ctrl_c_while_the_command_is_still_importing_is_one_line(repo):
+    """Importing torch and transformers takes seconds; a Ctrl-C then printed a traceback of the
+    import (the package imported them itself, before the command's handler existed). The package
+    now imports nothing heavy, so the command's guard (compress/__main__.py) is in place first."""
+    light = subprocess.run([sys.executable, "-c", "import sys, compress; print(sorted({'torch', 'transformers'} & set(sys.modules)))"],
+                           cwd=repo, capture_output=True, text=True, timeout=120)
+    assert light.stdout.strip() == "[]", light.stdout + light.stderr
+    for sig in ("INT", "TERM"):  # Ctrl-C, `kill`
+        proc = run_killed(["--json", "eval", "--model", "default", "--data", "x.txt"], repo, "importing", sig)
+        assert proc.returncode == 130, proc.stderr
+        assert proc.stderr == "interrupted\n" and json.loads(proc.stdout) == {"error": "interrupted", "hint": None, "exit_code": 130}
+
