@@ -1052,6 +1052,8 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         return _interrupted(argv)
     except Exception as exc:  # click usage errors come here too
+        if _caused_by_interrupt(exc):
+            return _interrupted(argv)
         refused = _refused_path(exc)
         if refused is not None:  # what the operating system refuses of a path given: bad input, not a fault
             if debug:
@@ -1079,6 +1081,17 @@ _PATH_HINTS = {errno.ENAMETOOLONG: "use a shorter name (compress adds a prefix a
                errno.EROFS: "write somewhere writable", errno.ENOSPC: "free some disk space, or write elsewhere",
                errno.EDQUOT: "free some disk space, or write elsewhere",
                errno.ENOTDIR: "a part of the path is a file, not a directory"}
+
+
+def _caused_by_interrupt(exc: BaseException) -> bool:
+    """A Ctrl-C that a library turned into its own error: transformers' lazy imports re-raise
+    whatever interrupted them as "ModuleNotFoundError: Could not import module 'LlamaConfig'"."""
+    seen = 0
+    while exc is not None and seen < 32:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _refused_path(exc: BaseException) -> tuple[str, str] | None:

@@ -368,3 +368,18 @@ def test_ctrl_c_while_the_command_is_still_importing_is_one_line(repo):
         assert proc.returncode == 130, proc.stderr
         assert proc.stderr == "interrupted\n" and json.loads(proc.stdout) == {"error": "interrupted", "hint": None, "exit_code": 130}
 
+
+def test_an_interrupt_a_library_wrapped_in_its_own_error_is_still_an_interrupt(monkeypatch, capsys):
+    """transformers' lazy import turns a Ctrl-C during it into ModuleNotFoundError("Could not
+    import module 'LlamaConfig'"), which was reported as an internal error, exit 3."""
+    from compress import modeling
+
+    def interrupted_import(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'") from exc
+
+    monkeypatch.setattr(modeling, "load_model", interrupted_import)
+    rc = main(["eval", "--model", "default", "--data", "calibration/heldout-tinyshakespeare.txt"])
+    assert rc == 130 and "interrupted" in capsys.readouterr().err
