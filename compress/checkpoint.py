@@ -4,10 +4,12 @@ never inside (or onto) the input model."""
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 import time
@@ -126,8 +128,11 @@ class AtomicOutput:
                 raise CompressError(f"input {p} lies inside the output directory {dest}", "choose an output directory that holds no input")
         if self.dest.exists() and not self.dest.is_dir():
             raise CompressError(f"output {dest} is a file", "choose a directory path for the output")
-        # An empty directory (`mktemp -d`'s) holds nothing to lose: it is written without --force.
+        # An empty directory (`mktemp -d`'s) holds nothing to lose: it is replaced without --force,
+        # and the output keeps its permissions (mktemp's 0700).
+        self.existed = self.dest.exists()
         self.was_empty = self.dest.is_dir() and not any(self.dest.iterdir())
+        self.empty_mode = stat.S_IMODE(self.dest.stat().st_mode) if self.was_empty else None
         if self.dest.exists() and not force and not self.was_empty:
             raise CompressError(f"output directory {dest} already exists", "pass --force to replace it, or choose another --output")
         if self.dest.exists() and not (self.dest / "compress.json").is_file() and any(self.dest.iterdir()):
@@ -205,12 +210,20 @@ class AtomicOutput:
             (self.tmp / INCOMPLETE_MARKER).unlink(missing_ok=True)
             (self.tmp / MANIFEST).write_text("".join(f + "\n" for f in _files(self.tmp)))
             _usual_file_modes(self.tmp)
-            if self.dest.exists() and not self.force:  # empty when the run started: it must still be
+            if not self.existed or self.was_empty:
+                # Nothing there to keep: renaming onto a missing or empty directory is one atomic
+                # step, and fails (ENOTEMPTY, EEXIST) if files arrived meanwhile, which stay put.
+                if self.empty_mode is not None:
+                    os.chmod(self.tmp, self.empty_mode)
                 try:
-                    self.dest.rmdir()
-                except OSError:
-                    raise CompressError(f"output directory {self.dest} was empty when the run started and now holds files; "
-                                        "they were left alone and nothing was written", "run again with another --output") from None
+                    os.replace(self.tmp, self.dest)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+                    how = "was empty when the run started and now holds files" if self.was_empty else "appeared during the run"
+                    raise CompressError(f"output directory {self.dest} {how}; it was left alone and nothing was written",
+                                        "run again with another --output") from None
+                return False
             if self.dest.exists():
                 old = self.dest.parent / f".{self.dest.name}.old-{os.getpid()}"
                 os.replace(self.dest, old)

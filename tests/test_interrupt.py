@@ -329,10 +329,10 @@ def test_an_empty_output_directory_is_written_without_force(tmp_path):
     from compress.errors import CompressError
 
     out = tmp_path / "out"
-    out.mkdir()
+    out.mkdir(mode=0o700)  # as mktemp -d makes it: the output keeps that
     with AtomicOutput(out) as tmp:
         (tmp / "model.safetensors").write_text("weights")
-    assert (out / "model.safetensors").read_text() == "weights"
+    assert (out / "model.safetensors").read_text() == "weights" and out.stat().st_mode & 0o777 == 0o700
 
     out2 = tmp_path / "out2"
     out2.mkdir()
@@ -342,6 +342,14 @@ def test_an_empty_output_directory_is_written_without_force(tmp_path):
             (out2 / "notes.txt").write_text("mine")
     assert [p.name for p in out2.iterdir()] == ["notes.txt"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out2")] == []
+    # nor is a directory that another run made meanwhile where there was none
+    out3 = tmp_path / "out3"
+    with pytest.raises(CompressError, match="appeared during the run"):
+        with AtomicOutput(out3) as tmp:
+            (tmp / "model.safetensors").write_text("weights")
+            out3.mkdir()
+            (out3 / "model.safetensors").write_text("theirs")
+    assert (out3 / "model.safetensors").read_text() == "theirs"
 
 
 def test_a_failed_run_removes_the_parent_directories_it_made(tmp_path):
