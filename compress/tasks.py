@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from compress.errors import CompressError, first_line
 
 PREFERRED_METRICS = ("acc_norm", "acc", "exact_match")
+FILE_LOADERS = ("json", "csv", "parquet", "text", "arrow")  # datasets' builders over files named by data_files
 INSTALL_HINT = "install lm-eval: pip install 'compress[tasks]'"
 TASK_HINT = ("list lm-eval's tasks with `lm-eval ls tasks`, or give the directory holding the task's YAML: "
              "--include-path DIR (include_path in a recipe)")
@@ -134,14 +135,21 @@ def check_local_data(tasks: list[str], manager) -> None:
     seen: set[str] = set()
 
     def local_paths(cfg: dict) -> list[str]:
+        """Paths a task reads from this machine. data_files are read from the current directory
+        under a loader (json, csv, ...), from inside dataset_path when that is a local directory,
+        and from the hub repository otherwise (not looked up here)."""
+        path = cfg.get("dataset_path")
+        if not isinstance(path, str):
+            return []
+        local_dir = path.startswith(("/", "./", "../", "~"))
+        if not local_dir and path not in FILE_LOADERS:
+            return []
         files = (cfg.get("dataset_kwargs") or {}).get("data_files") or []  # a path, a list, or split -> either
         paths = []
         for item in files.values() if isinstance(files, dict) else [files]:
             paths += [item] if isinstance(item, str) else list(item)
-        path = cfg.get("dataset_path")
-        if isinstance(path, str) and path.startswith(("/", "./", "../", "~")):  # not a hub id, nor a loader (json)
-            paths.append(path)
-        return [p for p in paths if "://" not in p]
+        base = Path(path).expanduser() if local_dir else Path()
+        return ([str(base)] if local_dir else []) + [str(base / p) for p in paths if "://" not in p]
 
     def walk(name: str) -> None:
         entry = manager.task_index.get(name)
@@ -157,9 +165,10 @@ def check_local_data(tasks: list[str], manager) -> None:
             return
         for path in local_paths(cfg):
             where = str(Path(path).expanduser())
-            if not (glob.glob(where) if glob.has_magic(where) else Path(where).exists()):
+            if not (glob.glob(where, recursive=True) if glob.has_magic(where) else Path(where).exists()):
                 raise CompressError(f"lm-eval task {name} ({entry.yaml_path}): its data {path} does not exist",
-                                    "correct the path in the task's YAML (a relative one is from the current directory), or create the file")
+                                    "correct the path in the task's YAML (data_files are read from the current directory, "
+                                    "or from within dataset_path when that is a directory), or create the file")
 
     for name in tasks:
         walk(name)

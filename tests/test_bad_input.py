@@ -878,7 +878,8 @@ CASES = [
     Case("eval-task-unknown", _eval_task_unknown, ["unknown lm-eval task: no_such_task", "--include-path"], marks=NEEDS_LM_EVAL),
     Case("eval-task-include-path-missing", _eval_task_include_path_missing, ["--include-path {tmp}/tasks", "not a directory"],
          marks=NEEDS_LM_EVAL),
-    Case("eval-task-data-missing", _eval_task_data_missing, ["lm-eval could not run mine", "gone.jsonl"], marks=NEEDS_LM_EVAL),
+    # found before the model loads (it was "lm-eval could not run mine: ..." once lm-eval ran)
+    Case("eval-task-data-missing", _eval_task_data_missing, ["lm-eval task mine", "gone.jsonl does not exist"], marks=NEEDS_LM_EVAL),
     Case("eval-baseline-missing", _eval_baseline_missing, ["--baseline", "gone", "does not exist"]),
     Case("eval-baseline-hub-id-unknown", _eval_baseline_hub_id_unknown, ["--baseline: ", "no-such-org/no-such-model"]),
     Case("inspect-foreign-dir", _inspect_foreign, ["plain", "compress.json"]),

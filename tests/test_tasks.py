@@ -137,6 +137,19 @@ def test_a_local_tasks_missing_data_is_refused_before_any_model_is_loaded(task_d
     for name in ("lost", "lost_tag", "lost_group"):
         rc, _, err = run(capsys, "eval", "--model", "default", "--tasks", name, "--include-path", lost)
         assert rc == 2 and f"lm-eval task lost ({lost / 'lost.yaml'}): its data {tmp_path / 'gone.jsonl'} does not exist" in err, name
+    # data_files inside a local dataset_path directory are read from there; a hub dataset's from
+    # its repository (lm-eval's c4 names en/c4-validation...json.gz there), which is not looked up
+    from compress.tasks import check_local_data, task_manager
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "test.jsonl").write_text((task_dir / "cloze.jsonl").read_text())
+    (lost / "in_dir.yaml").write_text(cloze.replace("task: ts_cloze", "task: in_dir").replace("dataset_path: json", f"dataset_path: {tmp_path / 'corpus'}")
+                                      .replace(str(task_dir / "cloze.jsonl"), "test.jsonl"))
+    manager = task_manager(lost)
+    check_local_data(["in_dir", "c4"], manager)
+    (tmp_path / "corpus" / "test.jsonl").unlink()
+    with pytest.raises(Exception, match=f"its data {tmp_path / 'corpus' / 'test.jsonl'} does not exist"):
+        check_local_data(["in_dir"], task_manager(lost))
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"stages:\n  - magnitude: {{sparsity: 0.5}}\nevaluation:\n  tasks: {{names: [lost], include_path: {lost}}}\n")
     rc, _, err = run(capsys, "quantize", "--recipe", recipe, "--model", "default", "--output", tmp_path / "out")
