@@ -3,6 +3,7 @@ a Ctrl-C or SIGTERM while torch and transformers load (seconds) ends as one line
 130, as it does once the command runs (compress.cli._interrupted), not as a traceback of the
 import or the shell's status for a killed process."""
 
+import json
 import os
 import signal
 import sys
@@ -13,18 +14,20 @@ def _interrupt(signum, frame):
 
 
 def run() -> int:
-    before = signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)  # until the command installs its own (cli._terminate_as_interrupt)
     try:
         if os.environ.get("COMPRESS_TEST_KILL_AT") == "importing":  # the kill tests' hook (compress.checkpoint.kill_point)
-            os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("COMPRESS_TEST_KILL_SIGNAL", "INT")))
+            os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("COMPRESS_TEST_KILL_SIGNAL", "KILL").upper()))
         from compress.cli import main
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        if "--json" in sys.argv[1:]:
-            print('{"error": "interrupted", "hint": null, "exit_code": 130}')
+        argv = sys.argv[1:]
+        writes = bool({"quantize", "prune", "distill"} & set(argv))  # what cli._interrupted says of them
+        message = "interrupted: no output was written" if writes else "interrupted"
+        hint = "rerun the same command" if writes else None
+        print(message + (f" ({hint})" if hint else ""), file=sys.stderr)
+        if "--json" in argv:
+            print(json.dumps({"error": message, "hint": hint, "exit_code": 130}))
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, before)  # the command installs its own (cli._terminate_as_interrupt)
     return main()
 
 

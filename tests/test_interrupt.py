@@ -375,6 +375,8 @@ def test_ctrl_c_while_the_command_is_still_importing_is_one_line(repo):
         proc = run_killed(["--json", "eval", "--model", "default", "--data", "x.txt"], repo, "importing", sig)
         assert proc.returncode == 130, proc.stderr
         assert proc.stderr == "interrupted\n" and json.loads(proc.stdout) == {"error": "interrupted", "hint": None, "exit_code": 130}
+    proc = run_killed(["--json", "quantize", "--recipe", "r.yaml"], repo, "importing", "INT")
+    assert proc.returncode == 130 and json.loads(proc.stdout)["error"] == "interrupted: no output was written", proc.stderr
 
 
 def test_an_interrupt_a_library_wrapped_in_its_own_error_is_still_an_interrupt(monkeypatch, capsys):
