@@ -1087,7 +1087,7 @@ def _caused_by_interrupt(exc: BaseException) -> bool:
     """A Ctrl-C that a library turned into its own error: transformers' lazy imports re-raise
     whatever interrupted them as "ModuleNotFoundError: Could not import module 'LlamaConfig'"."""
     seen = 0
-    while exc is not None and seen < 32:
+    while exc is not None and seen < 32:  # a bound: a chain may loop back on itself
         if isinstance(exc, KeyboardInterrupt):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1

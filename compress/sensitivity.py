@@ -97,8 +97,8 @@ def analyze(model: torch.nn.Module, windows: torch.Tensor, bits: list[int], grou
         shapes = {name: tuple(w.shape) for name, w in originals.items()}
         params = sum(o * i for o, i in shapes.values())
         record = ({"shape": list(shapes[unit[0]])} if len(unit) == 1 else {"members": unit}) | {"parameters": params, "by_bits": {}}
+        label = unit[0] if len(unit) == 1 else f"{unit[0].rpartition('.')[0]} ({'+'.join(n.rpartition('.')[2] for n in unit)})"
         for b in bits:
-            label = unit[0] if len(unit) == 1 else f"{unit[0].rpartition('.')[0]} ({'+'.join(n.rpartition('.')[2] for n in unit)})"
             progress(f"analyze {label} W{b}", done, total)
             args = weight_args(b, group_size, symmetric)
             try:
@@ -145,7 +145,8 @@ def allocate_bits(analysis: dict, budget_bits: float, metric: str = "kl") -> dic
     measured = analysis.get("groups", {})
     for first, group in groups.items():
         whole = measured.get(first) if measured.get(first, {}).get("members") == group else None
-        widths = sorted(set(whole["by_bits"]) if whole else set.intersection(*(set(layers[n]["by_bits"]) for n in group)))
+        widths = set.intersection(*(set(layers[n]["by_bits"]) for n in group), *([set(whole["by_bits"])] if whole else []))
+        widths = sorted(widths)
         options[first] = [Option(b, sum(layers[n]["by_bits"][b]["storage_bits"] for n in group),
                                  whole["by_bits"][b][key] if whole else sum(layers[n]["by_bits"][b][key] for n in group))
                           for b in widths]
