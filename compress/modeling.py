@@ -172,7 +172,30 @@ def _from_pretrained(ref: str, path: str, config, torch_dtype):
         return model_class(config).from_pretrained(path, dtype=torch_dtype)
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
         first = first_line(exc)
+        mismatch = _shape_mismatch(path, config) if "mismatch" in str(exc) else None
+        if mismatch:  # transformers' own message points at a report its logging (silenced here) printed
+            raise CompressError(f"cannot load model weights from {ref}: {mismatch}",
+                                "the weights and config.json disagree: use the config.json they were saved with") from None
         raise CompressError(f"cannot load model weights from {ref}: {first}", "the checkpoint may be truncated or corrupted") from None
+
+
+def _shape_mismatch(path: str, config) -> str | None:
+    """The first tensor whose stored shape differs from the one config.json builds, described;
+    None when none is found (or the files cannot be read)."""
+    from safetensors import safe_open
+
+    try:
+        with torch.device("meta"):  # shapes only: nothing allocated
+            expected = {k: tuple(v.shape) for k, v in model_class(config).from_config(config).state_dict().items()}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as handle:
+                for key in handle.keys():
+                    stored = tuple(handle.get_slice(key).get_shape())
+                    if key in expected and expected[key] != stored:
+                        return f"tensor {key} is {list(stored)} in {f.name}, but config.json makes it {list(expected[key])}"
+    except Exception:  # a diagnosis only: the caller reports the original error
+        return None
+    return None
 
 
 def local_dir(ref: str) -> Path:

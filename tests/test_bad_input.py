@@ -547,6 +547,14 @@ def _damaged_meta(text):
     return setup
 
 
+def _config_other_sizes(tmp):
+    model = copy_model(tmp)
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] = 512  # the weights hold 640
+    write(model / "config.json", json.dumps(config))
+    return ["eval", "--model", str(model), "--data", "calibration/heldout-tinyshakespeare.txt", "--max-windows", "1"]
+
+
 def _inspect_foreign(tmp):
     d = copy_model(tmp, "plain")
     return ["inspect", str(d)]
@@ -972,6 +980,10 @@ CASES = [
     Case("eval-other-tokenizer", _eval_other_tokenizer, ["tokenizers that map text to different ids"]),
     Case("eval-tokenizer-other-merges", _eval_other_merges, ["tokenizers that split", "heldout-tinyshakespeare.txt",
                                                              "differently (from token"]),
+    # was "You set `ignore_mismatched_sizes` to `False` ... look at the above report!" (a report
+    # transformers logs, silenced here), with the hint that the checkpoint may be truncated
+    Case("config-other-sizes", _config_other_sizes, ["model.layers.0.mlp.down_proj.weight is [256, 640] in model.safetensors, "
+                                                     "but config.json makes it [256, 512]", "config.json they were saved with"]),
     Case("compress-json-not-json", _damaged_meta("{oops"), ["compress.json: damaged"]),
     Case("compress-json-a-list", _damaged_meta("[]"), ["compress.json: damaged", "not the object"]),
     # a layer's record edited by hand (was an internal error in eval, inspect and quantize)
