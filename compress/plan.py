@@ -51,15 +51,31 @@ def _training_bytes(recipe: Recipe, params: int, model_bytes: int) -> int:
     return most
 
 
-def _smoothed_layers(net: torch.nn.Module, stage) -> list[str]:
-    """The layers a smoothing stage rescales: each block's mapped smooth op and balance layers."""
+def _smoothed_mappings(net: torch.nn.Module, stage) -> list[tuple[str, list[str]]]:
+    """(smooth op, balance layers) of every mapping a smoothing stage folds, by full name."""
     from compress.mappings import mapped_layers, mappings_for
 
     try:
-        mapped = mapped_layers(net, mappings_for(net, stage.mappings, stage.blocks), stage.blocks)
+        return mapped_layers(net, mappings_for(net, stage.mappings, stage.blocks), stage.blocks)
     except CompressError:  # refused by preflight, and so by the plan
         return []
-    return [n for smooth, balance in mapped for n in (smooth, *balance)]
+
+
+def _smoothed_layers(net: torch.nn.Module, stage) -> list[str]:
+    """The layers a smoothing stage rescales: each block's mapped smooth op and balance layers."""
+    return [n for smooth, balance in _smoothed_mappings(net, stage) for n in (smooth, *balance)]
+
+
+def _smoothing_alphas(net: torch.nn.Module, stage) -> dict[str, float]:
+    """The layers SmoothQuant balances (its maps' layers it does not `ignore`), each with the alpha
+    its mapping takes (alpha_overrides, as the run resolves them)."""
+    selected = select_modules(net, ["Linear"], stage.ignore)
+    alphas = {}
+    for _, balance in _smoothed_mappings(net, stage):
+        names = [n for n in balance if n in selected]
+        alpha = stage.alpha_for({n: selected[n] for n in names})
+        alphas.update({n: alpha for n in names})
+    return alphas
 
 
 def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable: list[str], exact: bool) -> tuple[str, str, str | None]:
@@ -173,15 +189,16 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                     if (assignments.get(n) or {}).get("weights") is not None:
                         unpackable[n] = f"{n}, rescaled by smoothquant after it was quantized"
             targets = getattr(stage, "targets", None)
-            if targets is None:
+            alphas = _smoothing_alphas(model, stage) if name == "smoothquant" else {}
+            if targets is None and not alphas:
                 continue
             ignore = getattr(stage, "ignore", [])
-            for p in unused_patterns(model, targets):
+            for p in unused_patterns(model, targets or []):
                 warnings.append(f"stage {i + 1} ({name}): target '{p}' matches no linear layer")
             if "ignore" in getattr(stage, "model_fields_set", {"ignore"}):  # the default lm_head, on an encoder, is no news
                 for p in unused_patterns(model, ignore):
                     warnings.append(f"stage {i + 1} ({name}): ignore entry '{p}' matches no linear layer")
-            chosen = select_modules(model, targets, ignore)
+            chosen = {n: model.get_submodule(n) for n in alphas} if alphas else select_modules(model, targets, ignore)
             head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
             if not chosen and not hasattr(stage, "select"):  # one with select is refused (pipeline.preflight)
                 warnings.append(f"stage {i + 1} ({name}): selects no layer at all")
@@ -206,9 +223,15 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 pruned_to = {}
             for n, m in chosen.items():
                 out_f, in_f = modeling.weight_shape(m)
+                target = pruned_to.get(n)
+                if scheme is None and not rescales and (target is not None or n in alphas):  # this layer's own
+                    described = (f"{name} alpha {alphas[n]:g}" if n in alphas else
+                                 f"{name} {target.pattern or f'sparsity {target.sparsity:g}'}") + (f" + {joint.describe()}" if joint else "")
                 entry = {"stage": name, "shape": [out_f, in_f], "scheme": scheme.describe() if scheme else described,
                          "weights": scheme.weights if scheme else joint,
                          "activations": scheme.input_activations if scheme else None}
+                if n in alphas:  # as the run records it
+                    entry["smoothquant_alpha"] = alphas[n]
                 if mixed:
                     unpackable[n] = f"{n}, solved by GPTQ with actorder: group (its groups mix scales)"
                 elif entry["weights"] is not None:
@@ -221,7 +244,6 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 if (before or {}).get("weights") is not None and entry["weights"] is not None and \
                         not (name == "qat" and before["weights"] == entry["weights"]):
                     requantized.setdefault((i, name, f"{before['stage']}: {before['scheme']}"), []).append(n)
-                target = pruned_to.get(n)
                 if target is not None:
                     entry.update(sparsity=target.sparsity, pattern=target.pattern)
                     # Pruned before at least as far, to the same pattern or none: the weights this stage
@@ -238,6 +260,8 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                         entry["weights"], entry["activations"] = before["weights"], before["activations"]
                     if entry.get("sparsity") is None and before.get("sparsity") is not None:  # and the zeros
                         entry["sparsity"], entry["pattern"] = before["sparsity"], before.get("pattern")
+                    if "smoothquant_alpha" in before:
+                        entry.setdefault("smoothquant_alpha", before["smoothquant_alpha"])
                 assignments[n] = entry
                 if scheme and scheme.weights and scheme.weights.strategy == "group" and in_f % scheme.weights.group_size:
                     partial.setdefault((i, name, scheme.weights.group_size), []).append(f"{n} ({in_f})")

@@ -244,6 +244,32 @@ def test_plan_shows_every_stage_of_a_layer(repo, capsys, ref_llama):
     assert "int4" in a["weights"]
 
 
+def test_plan_shows_each_layers_own_sparsity_and_smoothing_as_the_run_does_it(tmp_path, capsys, ref_llama):
+    """Per-pattern overrides: the table showed the stage's default sparsity on every layer, and no
+    SmoothQuant at all (a stage without targets); each layer now shows its own, as the run applies."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\nstages:\n"
+        "  - sparsegpt: {sparsity: 0.5, sparsity_overrides: {mlp.down_proj: 0.25, 're:.*self_attn.*': '2:4'}}\n"
+        "  - smoothquant: {alpha: 0.5, alpha_overrides: {'re:.*layers\\.1\\..*': 0.9}}\n"
+        "  - rtn: {scheme: W8A8, targets: ['re:.*mlp.*']}\n")
+    rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)
+    planned = json.loads(out)["assignments"]
+    assert rc == 0
+    assert planned["model.layers.0.mlp.down_proj"]["scheme"].startswith("sparsegpt sparsity 0.25 → smoothquant alpha 0.5 → W[int8")
+    assert planned["model.layers.1.self_attn.q_proj"]["scheme"] == "sparsegpt 2:4 → smoothquant alpha 0.9"
+    assert planned["model.layers.1.self_attn.o_proj"]["scheme"] == "sparsegpt 2:4"  # no map reaches o_proj under GQA
+    assert main(["--quiet", "quantize", "--recipe", str(recipe), "--model", str(ref_llama), "--output", str(tmp_path / "out"),
+                 "--no-eval"]) == 0
+    done = json.loads((tmp_path / "out" / "compress.json").read_text())["layers"]
+    for name, plan in planned.items():
+        if name == "lm_head":
+            continue
+        ran = done[name]
+        assert (plan.get("smoothquant_alpha"), plan["pattern"]) == (ran.get("smoothquant_alpha"), ran.get("pattern")), name
+        assert plan["sparsity"] == ran["target_sparsity"], name
+
+
 def test_plan_shows_what_structured_cuts_and_distillation_trains(repo, capsys, tmp_path):
     """Stages that select no layers by target (a structured cut, distillation) showed every layer as
     untouched, with no shape."""
