@@ -76,12 +76,17 @@ def find_blocks(model: torch.nn.Module, declared: str | None = None) -> tuple[st
             continue
         if isinstance(blocks, torch.nn.ModuleList) and len(blocks) > 0:
             return path, blocks
+    # The model's own ModuleLists, longest first, as the hint: the transformer layers are among them.
+    lists = sorted(((n, len(m)) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)),
+                   key=lambda item: -item[1])
+    found = ", ".join(f"{n} ({k})" for n, k in lists[:4]) if lists else "none"
+    example = lists[0][0] if lists else "model.layers"
     if declared:
-        raise CompressError(f"`blocks: {declared}` names no ModuleList in this {model_type} model",
-                            "give the dotted path of the transformer layers, e.g. model.layers")
+        raise CompressError(f"`blocks: {declared}` names no ModuleList in this {model_type} model (its ModuleLists: {found})",
+                            f"give the dotted path of the transformer layers, e.g. `blocks: {example}`")
     raise CompressError(
-        f"architecture '{model_type}' is not known to the calibration engine",
-        "declare its transformer layers in the stage, e.g. `blocks: model.layers`",
+        f"architecture '{model_type}' is not known to the calibration engine (its ModuleLists: {found})",
+        f"declare its transformer layers in the stage, e.g. `blocks: {example}`",
     )
 
 

@@ -566,10 +566,11 @@ def load_packed(path: str | Path, config, model_cls, dtype: torch.dtype | None) 
     files = ", ".join(f.name for f in _weight_files(path))
     swaps = []
     on_disk = expert_keys(model)
+    # every key renamed from its saved form (transformers saves GPT-NeoX's lm_head as embed_out)
+    tensors = _as_in_memory(model, tensors, on_disk)
     if on_disk:
         # experts saved one matrix each (pack_model): unfused here, so that each expert layer is a
-        # module its tensors decompress into, and every key renamed from its saved form
-        tensors = _as_in_memory(model, tensors, on_disk)
+        # module its tensors decompress into
         swaps = moe.unfuse_experts(model)
     by_module: dict[str, dict[str, torch.Tensor]] = {}  # module name -> its tensors, by last name component
     for key, value in tensors.items():

@@ -301,3 +301,33 @@ def test_layers_after_an_unpacking_layer_loop_are_calibrated_there():
     # the head saw the compressed blocks' outputs (not the float ones)
     assert len(seen) == 1 and seen[0].shape == expected.shape and not torch.equal(seen[0], expected)
     assert torch.allclose(seen[0], expected, atol=0.05)
+
+
+def test_an_undeclared_family_is_named_its_layer_lists_and_its_packed_output_reloads(tmp_path, capsys):
+    """GPT-NeoX: not in the engine's table, so the error names the model's ModuleLists (it
+    suggested `blocks: model.layers`, which this model does not have, and then refused it); with
+    the suggested `blocks:` it runs, and compress reads its own packed output, whose head
+    transformers saves as embed_out (it said "tensor lm_head.weight is missing")."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from compress.cli import main
+
+    torch.manual_seed(0)
+    path = tmp_path / "neox"
+    GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                     vocab_size=V, bos_token_id=0, eos_token_id=1)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(path)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 64}\n"
+                      "stages:\n  - gptq: {scheme: W4A16, weights: {group_size: 32}}\n")
+    assert main(["--quiet", "quantize", "--recipe", str(recipe), "--model", str(path), "--output", str(tmp_path / "out")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "its ModuleLists: gpt_neox.layers (2)" in err and "e.g. `blocks: gpt_neox.layers`" in err
+    recipe.write_text(recipe.read_text().replace("group_size: 32}", "group_size: 32}, blocks: gpt_neox.layers"))
+    assert main(["--quiet", "quantize", "--recipe", str(recipe), "--model", str(path), "--output", str(tmp_path / "out"),
+                 "--no-eval"]) == 0
+    ours, _, _ = modeling.load_model(str(tmp_path / "out"))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()  # compressed-tensors decompresses it
+    ids = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
