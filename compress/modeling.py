@@ -232,11 +232,16 @@ def load_skeleton(ref: str, dtype: str = "auto"):
     if getattr(model.config, "use_cache", None) is not None:
         model.config.use_cache = False
     tokenizer = _load_tokenizer(ref, path)
+    check_offload_model(model, ref)
+    return model, tokenizer, config
+
+
+def check_offload_model(model: torch.nn.Module, ref: str) -> None:
+    """What offload: disk cannot stream: experts fused into one parameter per block."""
     from compress.moe import is_fused_experts
 
     if any(is_fused_experts(m) for m in model.modules()):
         raise CompressError(f"offload: disk does not support mixture-of-experts models yet ({ref})", "drop offload: disk")
-    return model, tokenizer, config
 
 
 def read_meta(path: str | Path) -> dict:

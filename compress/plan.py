@@ -153,7 +153,8 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     # What the run refuses before any work, the plan refuses too (and exits as the run would).
     refusals = []
     for check in (lambda: check_data_files(recipe), lambda: check_sequence_lengths(recipe, config),
-                  lambda: check_offloadable(recipe) if recipe.offload == "disk" else None):
+                  lambda: check_offloadable(recipe) if recipe.offload == "disk" else None,
+                  lambda: modeling.check_offload_model(net, model_ref) if recipe.offload == "disk" else None):
         try:
             check()
         except CompressError as exc:

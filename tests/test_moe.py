@@ -495,6 +495,13 @@ def test_plan_shows_every_expert_layer_and_refuses_what_the_run_refuses(moe_mode
     monkeypatch.setattr(GPTQ, "apply", lambda *a: pytest.fail("a stage ran"))
     assert main(["quantize", "--recipe", str(recipe), "--output", str(tmp_path / "refused")]) == 2
     assert "mlp-channels pruning is not supported" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    # offload: disk, which cannot stream fused experts, is refused by the plan as by the run (the plan passed it)
+    recipe.write_text(f"model: {path}\ncalibration: {{dataset: calibration/default.txt, num_samples: 2, seq_len: 64}}\n"
+                      "offload: disk\nstages:\n  - gptq: {scheme: W4A16}\n")
+    assert main(["--json", "plan", "--recipe", str(recipe)]) == 2
+    assert "offload: disk does not support mixture-of-experts models" in json.loads(capsys.readouterr().out)["error"]
+    assert main(["quantize", "--recipe", str(recipe), "--output", str(tmp_path / "refused")]) == 2
+    assert "offload: disk does not support mixture-of-experts models" in capsys.readouterr().err
 
 
 def test_training_stopped_and_resumed_on_experts_equals_the_run_never_stopped(moe_model, tmp_path, monkeypatch):
