@@ -464,7 +464,7 @@ def eval_cmd(
     Example: compress eval --model out/w8 --baseline default --data calibration/heldout-tinyshakespeare.txt --max-ppl-increase 2
     """
     from compress.pipeline import evaluate_model
-    from compress.report import EVAL_MARKDOWN_START, JUNIT_START, evaluation_markdown, junit_xml
+    from compress.report import EVAL_MARKDOWN_START, JUNIT_START, check_figures, evaluation_markdown, junit_xml
     from compress.tasks import TaskRequest
 
     if S.dtype not in ("auto", "float32"):
@@ -508,8 +508,8 @@ def eval_cmd(
             _say("[green]PASS[/green]" if result["passed"] else "[red]FAIL[/red]")
     elif not result["passed"]:  # quiet, but a CI log must still say which threshold failed
         failed = [c for c in result["checks"] if not c["passed"]]
-        console.print("FAIL: " + "; ".join(f"{c['dataset']} {c['metric']} {c['value']:.4g} "
-                                           f"(needs {c['comparison']} {c['threshold']:g})" for c in failed), soft_wrap=True, highlight=False)
+        console.print("FAIL: " + "; ".join(f"{c['dataset']} {c['metric']} {check_figures(c)[0]} "
+                                           f"(needs {c['comparison']} {check_figures(c)[1]})" for c in failed), soft_wrap=True, highlight=False)
     if not result["passed"]:
         raise typer.Exit(1)
 
@@ -948,7 +948,7 @@ def _print_stages(report: dict) -> None:
 
 
 def _print_results(results: dict, checks: list | None = None, tasks: dict | None = None) -> None:
-    from compress.report import METRIC_LABELS, TASK_COLUMNS, task_rows
+    from compress.report import METRIC_LABELS, TASK_COLUMNS, check_figures, task_rows
 
     for spec, r in results.items():
         t = Table(title=str(spec))
@@ -969,7 +969,8 @@ def _print_results(results: dict, checks: list | None = None, tasks: dict | None
         for col in ("dataset", "metric", "value", "threshold", "result"):
             t.add_column(col)
         for c in checks:
-            t.add_row(c["dataset"], c["metric"], f"{c['value']:.6g}", f"{c['comparison']} {c['threshold']:.6g}",
+            value, threshold = check_figures(c)
+            t.add_row(c["dataset"], c["metric"], value, f"{c['comparison']} {threshold}",
                       "[green]pass[/green]" if c["passed"] else "[red]fail[/red]")
         _print_wide(t)
 

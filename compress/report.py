@@ -30,8 +30,21 @@ def _fmt(v) -> str:
             return "-"
         if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
             return f"{v:.3e}"
+        if abs(v) < 1:  # four significant digits, as above: methods are compared by ratios of these
+            return f"{v:.4g}"
         return f"{v:.4f}"
     return str(v)
+
+
+def check_figures(check: dict) -> tuple[str, str]:
+    """A threshold check's value and threshold as printed: six significant digits, or, where those
+    would print the same for different numbers (a value just past its threshold), every digit,
+    so that a failing line never reads "0.00133705 <= 0.00133705"."""
+    value, threshold = check["value"], check["threshold"]
+    if not math.isfinite(value):
+        return "-", f"{threshold:.6g}"
+    shown = f"{value:.6g}", f"{threshold:.6g}"
+    return (repr(float(value)), repr(float(threshold))) if shown[0] == shown[1] and value != threshold else shown
 
 
 METRIC_LABELS = {
@@ -76,9 +89,8 @@ def evaluation_markdown(results: dict, size: dict | None = None, checks: list[di
         lines += [f"**{'FAIL' if failed else 'PASS'}**: {len(checks) - len(failed)}/{len(checks)} thresholds met", ""]
         lines += ["| dataset | metric | value | threshold | result |", "| --- | --- | ---: | ---: | --- |"]
         for c in checks:
-            # six digits, as the JUnit message: four could print 0.9175 >= 0.9175 beside a fail
-            value = f"{c['value']:.6g}" if math.isfinite(c["value"]) else "-"
-            lines.append(f"| {c['dataset']} | {c['metric']} | {value} | {c['comparison']} {c['threshold']:.6g} "
+            value, threshold = check_figures(c)  # as the JUnit message and the terminal give them
+            lines.append(f"| {c['dataset']} | {c['metric']} | {value} | {c['comparison']} {threshold} "
                          f"| {'pass' if c['passed'] else '**fail**'} |")
         lines.append("")
     for spec, r in results.items():
@@ -108,7 +120,8 @@ def junit_xml(checks: list[dict], name: str = "compress-eval") -> str:
     for c in checks:
         # the dataset goes in the case's name: CI servers split a classname at its dots into
         # packages, and a file name (heldout.txt) would become one
-        measured = f"{c['metric']} = {c['value']:.6g}, needs {c['comparison']} {c['threshold']:.6g}"
+        value, threshold = check_figures(c)
+        measured = f"{c['metric']} = {value}, needs {c['comparison']} {threshold}"
         case = f'  <testcase classname={quoteattr(name)} name={quoteattr(c["dataset"] + ": " + c["metric"])}>'
         if not c["passed"]:
             case += f"\n    <failure message={quoteattr(measured)}>{escape(measured)}</failure>"

@@ -136,7 +136,9 @@ def test_markdown_and_html_show_the_same_layers_warnings_and_a_pruned_layers_own
     header, rows = md_rows[0], md_rows[1:]
     assert header == ["layer", "shape", "weights", "activations", "relative error", "pruning error", "sparsity"]
     row = next(r for r in rows if r[0] == "model.layers.0.mlp.down_proj")
-    assert row[4] == f"{down['relative_error']:.4f}" and row[5] == f"{down['pruning_relative_error']:.4f}"
+    from compress.report import _fmt
+
+    assert row[4] == _fmt(down["relative_error"]) and row[5] == _fmt(down["pruning_relative_error"])
     assert down["pruning_relative_error"] > 0.2 and row[6] == "0.5000"
     source = report["source_model"]["bytes"]
     assert f"{report['output']['bytes_on_disk'] / source:.1%} of the source's {source:,}" in md
@@ -152,3 +154,40 @@ def test_a_kv_cache_alone_is_described_as_such_in_the_size_line():
     report = {"format": {"format": "packed", "packed_layers": 0, "compressed_tensors_format": "dense"},
               "source_model": {"dtype": "bfloat16"}, "output": {"quantized_parameters": 0}}
     assert _storage(report) == "no weight quantized: the compressed-tensors format for the KV cache scales, weights in bfloat16"
+
+
+def test_a_task_drop_equal_to_its_threshold_passes():
+    """0.40 - 0.38 is 0.020000000000000018 in floats: an exact drop of 2 documents in 100 failed
+    --max-task-drop 0.02 (and, between k/100 scores, a quarter of all exact drops failed so)."""
+    from compress.evaluate import task_gate
+    from compress.tasks import worsening
+
+    failed = []
+    for base in range(101):
+        for model in range(base + 1):
+            accuracy = {"score": model / 100, "higher_is_better": True}
+            drop = worsening(accuracy, {"score": base / 100})
+            [gate] = task_gate({"t": {"metric": "acc", "score_drop": drop}}, max_task_drop=(base - model) / 100)
+            failed += [] if gate["passed"] else [(base, model)]
+    assert failed == []
+    # perplexity, better when lower: a rise is the drop, at the scores' own precision
+    assert worsening({"score": 123456.7, "higher_is_better": False}, {"score": 123456.6}) == 0.1
+
+
+def test_a_value_just_past_its_threshold_is_printed_with_every_digit(tmp_path):
+    """At six digits a failing KL read "0.00133705 <= 0.00133705 ... fail"; report.md gave KL
+    between 1e-3 and 1e-2 to one or two digits (0.0013), too few to compare methods by ratio."""
+    from xml.etree import ElementTree
+
+    from compress.evaluate import check
+    from compress.report import _fmt, evaluation_markdown, junit_xml
+
+    failing = check("ts.txt", "kl_divergence", 0.001337053021, "<=", 0.001337053)
+    assert not failing["passed"]
+    md = evaluation_markdown({}, checks=[failing])
+    assert "| 0.001337053021 | <= 0.001337053 | **fail** |" in md
+    message = ElementTree.fromstring(junit_xml([failing])).find("testcase/failure").get("message")
+    assert message == "kl_divergence = 0.001337053021, needs <= 0.001337053"
+    passing = check("ts.txt", "kl_divergence", 0.0012, "<=", 0.001337053)
+    assert "| 0.0012 | <= 0.00133705 | pass |" in evaluation_markdown({}, checks=[passing])
+    assert _fmt(0.0013370530) == "0.001337" and _fmt(3.83e-4) == "3.830e-04" and _fmt(76.6) == "76.6000"
