@@ -392,3 +392,23 @@ def test_what_an_encoder_cannot_train_or_keep_is_refused_before_the_first_stage(
         rc = main(["quantize", "--recipe", str(tmp_path / "r.yaml"), "--model", str(bert), "--output", str(tmp_path / "out")])
         err = capsys.readouterr().err
         assert rc == 2 and words in err and "Traceback" not in err and not (tmp_path / "out").exists(), (stage, err)
+
+
+
+def test_a_distillation_that_ends_worse_than_it_started_says_so(ref_llama, tmp_path):
+    """Pruned, then distilled too briefly at too high an lr: the held-out KD rose, and the worse
+    model was saved without a word. It is still saved (a copy of the start would cost a second
+    model in memory), with a warning; a run that changes nothing measurable gets none."""
+    def distilled(lr, out):
+        train = ("data: {dataset: calibration/default.txt, seq_len: 32, num_samples: 6, eval_samples: 2}, "
+                 f"train: {{steps: 2, lr: {lr}, batch_size: 2}}")
+        return run_recipe(parse_recipe(f"stages:\n  - magnitude: {{sparsity: 0.5}}\n  - distill: {{{train}}}\n", "t"),
+                          model=str(ref_llama), output=str(tmp_path / out), device="cpu", dtype="float32")
+
+    report = distilled(0.05, "out")
+    summary = report["stages"][1]["summary"]
+    assert summary["held_out_kd_after"] > summary["held_out_kd_before"] > 0
+    [warning] = report["warnings"]
+    assert warning.startswith("stage 2 (distill): the held-out kd is") and "the model got worse" in warning
+    assert "warnings" not in summary
+    assert "warnings" not in distilled(1e-12, "out2")  # float noise in an unchanged loss is not "worse"

@@ -156,8 +156,19 @@ class Distill(DistillLoss, Stage):
         if self.keep_layers is not None:
             keep_blocks(model, self.keep_layers, ctx.layers, "distill")
         teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "distill")
-        return run_training(self, "distill", model, teacher, teacher_ref, ctx, self.data, self.train,
-                            trainable=trainable_parameters(model, self.freeze, "distill"))
+        summary = run_training(self, "distill", model, teacher, teacher_ref, ctx, self.data, self.train,
+                               trainable=trainable_parameters(model, self.freeze, "distill"))
+        # A run too short (or an lr too high) can end worse than it started; the model is kept as
+        # trained (keeping a copy of the start would cost a second model in memory), but said so.
+        for label in ("held_out_kd", "held_out_loss"):
+            start, end = summary.get(f"{label}_before"), summary.get(f"{label}_after")
+            if start is not None and end is not None:
+                if end > start * (1 + 1e-4) + 1e-9:  # beyond float noise in a loss that did not move
+                    summary["warnings"] = [f"stage {ctx.stage_index + 1} (distill): the held-out {label.removeprefix('held_out_')} "
+                                           f"is {end:.4g} after training, {start:.4g} before: the model got worse; "
+                                           "train longer or with a lower lr"]
+                break
+        return summary
 
 
 def refuse_quantized_student(layers: dict[str, dict], source_model: Optional[str] = None) -> None:
