@@ -155,8 +155,16 @@ def stage_rows(report: dict) -> tuple[list[str], list[list[str]]]:
     header = ["stage", "wall s", "peak RSS MiB"] + (["peak GPU MiB"] if gpu else []) + ["summary"]
     return header, [[s["name"] + (" (from the stage cache)" if s.get("from_cache") else ""), f"{s.get('wall_s', 0):.2f}",
                      f"{s.get('peak_rss_mib', 0):.0f}"] + ([f"{s.get('peak_cuda_mib') or 0:.0f}"] if gpu else [])
-                    + [", ".join(f"{k} {_fmt(v)}" for k, v in s["summary"].items() if not isinstance(v, (dict, list)))]
+                    + [", ".join(f"{k} {_summary_value(v)}" for k, v in s["summary"].items() if _summary_value(v) is not None)]
                     for s in report["stages"]]
+
+
+def _summary_value(value) -> str | None:
+    """A stage summary's value as the stage table shows it: plain values, and short lists of
+    names or indices (the blocks a structured stage removed); None for what only report.json holds."""
+    if isinstance(value, list) and 0 < len(value) <= 16 and all(isinstance(v, (int, str)) and not isinstance(v, bool) for v in value):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return None if isinstance(value, (dict, list)) else _fmt(value)
 
 
 LAYER_NOTE = ("relative error: ‖W − Ŵ‖ / ‖W‖ of the last stage that changed the layer, W being the weights that stage "

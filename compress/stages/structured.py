@@ -361,7 +361,8 @@ class Structured(Stage):
                                 "use one of the supported families")
         if self.structure == "heads" and family.attention is None:
             raise CompressError(f"stage structured: heads pruning is not supported for '{model_type}': {_NO_HEADS_WHY} "
-                                f"(heads: {', '.join(_HEADS)}; mlp-channels and blocks: {', '.join(FAMILIES)})",
+                                f"(heads: {', '.join(_HEADS)}; mlp-channels: {', '.join(n for n, f in FAMILIES.items() if f.mlp_out)}; "
+                                f"blocks: {', '.join(FAMILIES)})",
                                 "prune mlp-channels or blocks instead")
         if self.structure == "mlp-channels" and family.mlp_out is None:
             raise CompressError(f"stage structured: mlp-channels pruning is not supported for the mixture-of-experts "
