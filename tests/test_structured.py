@@ -504,3 +504,18 @@ def test_inspect_names_the_blocks_removed(tmp_path, capsys):
     assert f"blocks removed: {removed[0]} (1 of 3 blocks, by structured)" in text and "none quantized or pruned" not in text
     # and the run's own report.md says which, as report.json does (a list it left out of the stage table)
     assert f"removed_blocks [{removed[0]}]" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_an_nm_pattern_before_a_cut_is_refused_only_where_the_cut_splits_its_runs():
+    """2:4 then heads: a KV group's columns of o_proj (32 here) are whole runs of 4, so the pattern
+    survives the cut (this was refused like any pattern); mlp-channels cut single columns: refused."""
+    from compress.sparsity import check_nm
+    from compress.stages.magnitude import Magnitude
+
+    model, ctx = tiny_llama(), calib_ctx()
+    Magnitude(pattern="2:4").apply(model, ctx)
+    with pytest.raises(CompressError, match="down_proj was pruned 2:4.*breaks that layout"):
+        Structured(structure="mlp-channels", ratio=0.25).apply(model, ctx)
+    Structured(structure="heads", ratio=0.5).apply(model, ctx)
+    for layer in model.model.layers:
+        assert layer.self_attn.o_proj.weight.shape == (64, 32) and check_nm(layer.self_attn.o_proj.weight.detach(), 2, 4)

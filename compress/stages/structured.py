@@ -59,6 +59,7 @@ from compress import activations
 from compress.engine import find_blocks, observe_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import weight_shape
+from compress.sparsity import parse_pattern
 from compress.stages.base import Stage, StageContext, done_by, from_input
 
 # ---------------------------------------------------------------------------------------------
@@ -389,7 +390,7 @@ class Structured(Stage):
             rec = records.get(name, {})
             group = (rec.get("weights") or {}).get("group_size") if (rec.get("weights") or {}).get("strategy") == "group" else None
             pattern = rec.get("pattern")
-            if (group and unit % group) or pattern:
+            if (group and unit % group) or (pattern and unit % parse_pattern(pattern)[1]):  # N:M: whole runs of M kept
                 what = f"quantized in groups of {group} input columns" if group else f"pruned {pattern}"
                 raise CompressError(f"stage structured: layer {name} was {what} by {done_by(rec)}; removing "
                                     f"{self.structure} cuts its input columns and breaks that layout",
