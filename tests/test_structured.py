@@ -519,3 +519,15 @@ def test_an_nm_pattern_before_a_cut_is_refused_only_where_the_cut_splits_its_run
     Structured(structure="heads", ratio=0.5).apply(model, ctx)
     for layer in model.model.layers:
         assert layer.self_attn.o_proj.weight.shape == (64, 32) and check_nm(layer.self_attn.o_proj.weight.detach(), 2, 4)
+
+
+def test_blocks_removed_by_a_second_stage_are_numbered_as_in_the_input_model():
+    """Two blocks stages: the second one's removed_blocks were indices into what the first left,
+    so inspect printed "blocks removed: 0" twice where blocks 0 and 1 of the input had gone."""
+    from compress.stages.structured import INPUT_INDEX
+
+    model, ctx = tiny_llama(layers=4), calib_ctx()
+    first = Structured(structure="blocks", ratio=0.25).apply(model, ctx)["removed_blocks"]
+    second = Structured(structure="blocks", ratio=0.34).apply(model, ctx)["removed_blocks"]
+    kept = [getattr(block, INPUT_INDEX) for block in model.model.layers]
+    assert len(first) == len(second) == 1 and sorted(first + second + kept) == [0, 1, 2, 3]

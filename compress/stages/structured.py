@@ -246,7 +246,8 @@ class Structured(Stage):
             scores = torch.tensor([1 - s.item() / max(t, 1) for s, t in zip(stats.sums, stats.tokens)])
             keep = keep_most_important(scores, n_remove).tolist()
             details["kept_blocks"] = f"{len(keep)} of {total}"
-            details["removed_blocks"] = [i for i in range(total) if i not in keep]
+            # numbered as in the input model: a second blocks stage's indices are not the first one's
+            details["removed_blocks"] = [getattr(blocks[i], INPUT_INDEX, i) for i in range(total) if i not in keep]
             details["block_importance"] = [round(float(s), 5) for s in scores]
         self._cut(model, path, blocks, family, keep, changes(n_remove), ctx.layers)
         if ctx.kv_cache is not None:  # an FP8 KV cache's scales follow their attention layer to its new index
