@@ -666,9 +666,15 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
     cuts = [(s["name"], s["summary"]) for s in report.get("stages", []) if "removed_blocks" in (s.get("summary") or {})]
     for stage, summary in cuts:
         out.print(f"blocks removed: {', '.join(map(str, summary['removed_blocks']))} ({summary['removed']}, by {stage})")
+    # heads and MLP channels: the layers' new shapes alone do not say they were cut, or from what
+    for s in report.get("stages", []):
+        summary = s.get("summary") or {}
+        if "kept_per_block" in summary:
+            out.print(f"{summary['structure']} removed: {summary['removed']}; kept {summary['kept_per_block']} "
+                      f"(by {s['name']}; which, per block: `inspect --json`)")
     if info["layers"]:
         _print_wide(_layer_table(info["layers"]))
-    elif not cuts:  # distillation alone, say: the weights were trained, no layer quantized or pruned
+    elif not cuts and not any("kept_per_block" in (s.get("summary") or {}) for s in report.get("stages", [])):  # distillation alone, say: the weights were trained, no layer quantized or pruned
         out.print("layers: none quantized or pruned")
     sz = info["sizes"]
     line = f"size: {sz['source_bytes'] or 0:,} bytes before, {sz['bytes_on_disk']:,} bytes on disk after"

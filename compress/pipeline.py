@@ -809,7 +809,9 @@ def inspect_checkpoint(path: str | Path) -> dict:
                       "input_activations": rec.get("input_activations"), "sparsity": rec.get("sparsity"),
                       "pattern": rec.get("pattern"), "relative_error": rec.get("relative_error"),
                       "tensors": sorted(stored), "bytes_on_disk": sum(stored.values()),
-                      "float16_bytes": params * 2 if params else None}
+                      "float16_bytes": params * 2 if params else None,
+                      # which MLP channels or heads a structured stage kept, on the layer it records them
+                      **{k: rec[k] for k in ("kept_channels", "kept_heads", "kept_kv_heads") if k in rec}}
     quantized = [r for r in rows.values() if r["weights"] and r["float16_bytes"]]
     q_disk, q_fp16 = sum(r["bytes_on_disk"] for r in quantized), sum(r["float16_bytes"] for r in quantized)
     packed = packing.is_packed(path)

@@ -531,3 +531,24 @@ def test_blocks_removed_by_a_second_stage_are_numbered_as_in_the_input_model():
     second = Structured(structure="blocks", ratio=0.34).apply(model, ctx)["removed_blocks"]
     kept = [getattr(block, INPUT_INDEX) for block in model.model.layers]
     assert len(first) == len(second) == 1 and sorted(first + second + kept) == [0, 1, 2, 3]
+
+
+def test_inspect_says_which_heads_and_channels_were_cut(tmp_path, capsys):
+    """Heads and MLP channels: inspect showed only the layers' new shapes, nothing of the cut."""
+    from compress.cli import main
+
+    tiny_llama().save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(tmp_path / "m")
+    (tmp_path / "r.yaml").write_text("calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 32}\n"
+                                     "evaluation: {datasets: []}\nstages:\n  - structured: {structure: heads, ratio: 0.5}\n"
+                                     "  - structured: {structure: mlp-channels, ratio: 0.25}\n")
+    assert main(["--quiet", "quantize", "--recipe", str(tmp_path / "r.yaml"), "--model", str(tmp_path / "m"),
+                 "--output", str(tmp_path / "out")]) == 0
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "heads removed: 1 of 2 KV groups of heads per block; kept 1 of 2 KV groups" in text
+    assert "mlp-channels removed: 24 of 96 MLP channels per block; kept 72 of 96 MLP channels" in text
+    assert main(["--json", "inspect", str(tmp_path / "out")]) == 0
+    layers = json.loads(capsys.readouterr().out)["summary"]["layers"]
+    o_proj, down = layers["model.layers.0.self_attn.o_proj"], layers["model.layers.0.mlp.down_proj"]
+    assert len(o_proj["kept_kv_heads"]) == 1 and len(o_proj["kept_heads"]) == 2 and len(down["kept_channels"]) == 72
