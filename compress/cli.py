@@ -508,8 +508,9 @@ def eval_cmd(
             _say("[green]PASS[/green]" if result["passed"] else "[red]FAIL[/red]")
     elif not result["passed"]:  # quiet, but a CI log must still say which threshold failed
         failed = [c for c in result["checks"] if not c["passed"]]
-        console.print("FAIL: " + "; ".join(f"{c['dataset']} {c['metric']} {check_figures(c)[0]} "
-                                           f"(needs {c['comparison']} {check_figures(c)[1]})" for c in failed), soft_wrap=True, highlight=False)
+        shown = [(c, *check_figures(c)) for c in failed]
+        console.print("FAIL: " + "; ".join(f"{c['dataset']} {c['metric']} {value} (needs {c['comparison']} {threshold})"
+                                           for c, value, threshold in shown), soft_wrap=True, highlight=False)
     if not result["passed"]:
         raise typer.Exit(1)
 
@@ -667,14 +668,13 @@ def inspect(path: Path = typer.Argument(..., help="a directory written by compre
     for stage, summary in cuts:
         out.print(f"blocks removed: {', '.join(map(str, summary['removed_blocks']))} ({summary['removed']}, by {stage})")
     # heads and MLP channels: the layers' new shapes alone do not say they were cut, or from what
-    for s in report.get("stages", []):
-        summary = s.get("summary") or {}
-        if "kept_per_block" in summary:
-            out.print(f"{summary['structure']} removed: {summary['removed']}; kept {summary['kept_per_block']} "
-                      f"(by {s['name']}; which, per block: `inspect --json`)")
+    narrowed = [(s["name"], s["summary"]) for s in report.get("stages", []) if "kept_per_block" in (s.get("summary") or {})]
+    for stage, summary in narrowed:
+        out.print(f"{summary['structure']} removed: {summary['removed']}; kept {summary['kept_per_block']} "
+                  f"(by {stage}; which, per block: `inspect --json`)")
     if info["layers"]:
         _print_wide(_layer_table(info["layers"]))
-    elif not cuts and not any("kept_per_block" in (s.get("summary") or {}) for s in report.get("stages", [])):  # distillation alone, say: the weights were trained, no layer quantized or pruned
+    elif not cuts and not narrowed:  # distillation alone, say: the weights were trained, no layer quantized or pruned
         out.print("layers: none quantized or pruned")
     sz = info["sizes"]
     line = f"size: {sz['source_bytes'] or 0:,} bytes before, {sz['bytes_on_disk']:,} bytes on disk after"
