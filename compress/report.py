@@ -30,7 +30,7 @@ def _fmt(v) -> str:
             return "-"
         if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
             return f"{v:.3e}"
-        if abs(v) < 1:  # four significant digits, as above: methods are compared by ratios of these
+        if abs(v) < 0.01:  # four significant digits, as above (four decimals gave a KL of 0.00134 as 0.0013)
             return f"{v:.4g}"
         return f"{v:.4f}"
     return str(v)

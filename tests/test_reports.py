@@ -191,3 +191,4 @@ def test_a_value_just_past_its_threshold_is_printed_with_every_digit(tmp_path):
     passing = check("ts.txt", "kl_divergence", 0.0012, "<=", 0.001337053)
     assert "| 0.0012 | <= 0.00133705 | pass |" in evaluation_markdown({}, checks=[passing])
     assert _fmt(0.0013370530) == "0.001337" and _fmt(3.83e-4) == "3.830e-04" and _fmt(76.6) == "76.6000"
+    assert _fmt(0.26) == "0.2600"  # accuracies keep their four decimals
