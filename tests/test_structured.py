@@ -552,3 +552,25 @@ def test_inspect_says_which_heads_and_channels_were_cut(tmp_path, capsys):
     layers = json.loads(capsys.readouterr().out)["summary"]["layers"]
     o_proj, down = layers["model.layers.0.self_attn.o_proj"], layers["model.layers.0.mlp.down_proj"]
     assert len(o_proj["kept_kv_heads"]) == 1 and len(o_proj["kept_heads"]) == 2 and len(down["kept_channels"]) == 72
+
+
+def test_mlp_channels_kept_can_be_a_multiple_of_a_later_group_size(tmp_path):
+    """ratio 0.25 of 96 keeps 72 channels, which a later W4 g16 stage cannot group (72 = 4.5 · 16),
+    so the checkpoint was written dense; multiple_of: 16 keeps 80 (the nearest multiple; ties keep
+    more) and the result packs."""
+    model, ctx = tiny_llama(), calib_ctx()
+    summary = Structured(structure="mlp-channels", ratio=0.25, multiple_of=16).apply(model, ctx)
+    assert summary["kept_per_block"] == "80 of 96 MLP channels" and model.config.intermediate_size == 80
+    assert Structured(structure="mlp-channels", ratio=0.3, multiple_of=16).apply(tiny_llama(), calib_ctx())["kept_per_block"] \
+        == "64 of 96 MLP channels"  # 67.2 kept: 64 is nearer
+    with pytest.raises(CompressError, match="keeping a multiple of 96 removes nothing"):  # 72 rounds to 96
+        Structured(structure="mlp-channels", ratio=0.25, multiple_of=96).apply(tiny_llama(), calib_ctx())
+    with pytest.raises(ValueError, match="multiple_of rounds the MLP channels kept; it does not apply to heads"):
+        Structured(structure="heads", ratio=0.5, multiple_of=16)
+    tiny_llama().save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(tmp_path / "m")
+    recipe = ("calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 32}\nstages:\n"
+              "  - structured: {structure: mlp-channels, ratio: 0.25, multiple_of: 16}\n"
+              "  - rtn: {scheme: W4A16, weights: {group_size: 16}}\n")
+    report = run_recipe(parse_recipe(recipe, "t"), model=str(tmp_path / "m"), output=str(tmp_path / "out"), device="cpu")
+    assert report["format"]["format"] == "packed"

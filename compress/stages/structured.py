@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from compress import activations
 from compress.engine import find_blocks, observe_layers, token_rows
@@ -217,6 +217,15 @@ class Structured(Stage):
     structure: Literal["mlp-channels", "heads", "blocks"] = Field(
         ..., description="what to remove: mlp-channels, heads (whole KV groups) or blocks")
     ratio: float = Field(..., gt=0, lt=1, description="share of MLP channels / KV groups / blocks removed, in (0, 1)")
+    multiple_of: Optional[int] = Field(
+        None, ge=1, description="mlp-channels: keep a multiple of this many channels (the nearest to what ratio keeps, "
+                                "ties keeping more), e.g. a later stage's group_size, so its groups fit and it packs")
+
+    @model_validator(mode="after")
+    def _multiple_of_channels(self):
+        if self.multiple_of is not None and self.structure != "mlp-channels":
+            raise ValueError(f"multiple_of rounds the MLP channels kept; it does not apply to {self.structure}")
+        return self
 
     @property
     def needs_calibration(self) -> bool:
@@ -335,13 +344,17 @@ class Structured(Stage):
         else:
             total, unit = len(blocks), "blocks"
         n_remove = math.floor(self.ratio * total + 0.5)
+        if self.multiple_of:  # the nearest multiple to what the ratio keeps; at a tie, the larger
+            m = self.multiple_of
+            n_remove = total - m * math.floor((total - n_remove) / m + 0.5)
         if total == 1:
             one = unit.replace("channels", "channel").replace("groups", "group").replace("blocks", "block")
             raise CompressError(f"stage structured: the model has only 1 {one}: there is nothing to remove",
                                 "drop this stage")
         if n_remove == 0 or n_remove >= total:
             what = "nothing" if n_remove == 0 else "all of them"
-            raise CompressError(f"stage structured: ratio {self.ratio:g} of {total} {unit} removes {what}",
+            keeps = f" keeping a multiple of {self.multiple_of}" if self.multiple_of else ""
+            raise CompressError(f"stage structured: ratio {self.ratio:g} of {total} {unit}{keeps} removes {what}",
                                 f"it removes round(ratio · {total}); choose a ratio that removes 1 to {total - 1}, "
                                 f"e.g. {1 / total:.3g} to {(total - 1) / total:.3g}")
         changes = lambda n: self._config_changes(config, family, blocks, total, n)  # noqa: E731
