@@ -27,11 +27,17 @@ def build_meta_model(model_ref: str):
     return net, config
 
 
-def _describe(name: str, stage) -> str:
-    """A stage without a quantization scheme, as the plan shows it (pruning: its target)."""
-    pattern = getattr(stage, "pattern", None)
+def _describe(name: str, stage, target=None, alpha: float | None = None) -> str:
+    """A stage without a quantization scheme, as the plan shows it on a layer: pruning, the
+    layer's own target (`target`, from the stage's overrides) or else the stage's; smoothing, the
+    layer's `alpha`."""
+    if alpha is not None:
+        return f"{name} alpha {alpha:g}"
+    pattern = target.pattern if target is not None else getattr(stage, "pattern", None)
     if pattern:
         return f"{name} {pattern}"
+    if target is not None:
+        return f"{name} sparsity {target.sparsity:g}"
     if hasattr(stage, "sparsity"):
         return f"{name} sparsity {stage.sparsity if stage.sparsity is not None else 0.5:g}"
     return name
@@ -211,10 +217,9 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             scheme = stage.resolved_scheme() if hasattr(stage, "resolved_scheme") else None
             joint = stage_weights(stage) if scheme is None else None  # SparseGPT's `quantize:`
             rescales = scheme is not None and stage_weights(stage) is None  # AWQ's quantize: false scales only
+            rescaled = f"{name} scales for {scheme.describe()} (quantize: false)" if rescales else None
             if rescales:
-                scheme, described = None, f"{name} scales for {scheme.describe()} (quantize: false)"
-            else:
-                described = _describe(name, stage) + (f" + {joint.describe()}" if joint else "")
+                scheme = None
             # GPTQ's act-order without static groups mixes scales within a group: the run writes dense
             mixed = (getattr(stage, "reorders_columns", False) and not getattr(stage, "fixed_group_scales", False)
                      and scheme is not None and scheme.weights.strategy in ("group", "tensor_group"))
@@ -225,9 +230,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
             for n, m in chosen.items():
                 out_f, in_f = modeling.weight_shape(m)
                 target = pruned_to.get(n)
-                if scheme is None and not rescales and (target is not None or n in alphas):  # this layer's own
-                    described = (f"{name} alpha {alphas[n]:g}" if n in alphas else
-                                 f"{name} {target.pattern or f'sparsity {target.sparsity:g}'}") + (f" + {joint.describe()}" if joint else "")
+                described = rescaled or (_describe(name, stage, target, alphas.get(n)) + (f" + {joint.describe()}" if joint else ""))
                 entry = {"stage": name, "shape": [out_f, in_f], "scheme": scheme.describe() if scheme else described,
                          "weights": scheme.weights if scheme else joint,
                          "activations": scheme.input_activations if scheme else None}
