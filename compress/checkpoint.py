@@ -98,16 +98,25 @@ def check_side_output(path: str | Path, option: str, inputs: list[str | Path] = 
                                 "remove it, or choose another path")
     if directory and dest.exists() and not dest.is_dir():
         raise CompressError(f"{option} {path} is a file", "give a directory")
-    parent = next((q for q in [dest, *dest.parents] if q.exists()), None) if directory else \
-        next((q for q in dest.parents if q.exists()), None)
-    try:  # a file really created there (root passes os.access even where nothing can be written, /sys)
-        if parent is None or not parent.is_dir():
-            raise OSError
-        tempfile.TemporaryFile(dir=parent).close()
-    except OSError:
-        raise CompressError(f"{option} {path}: {parent or dest.parent} is not a writable directory",
-                            "choose a path you can write to") from None
+    writable_ancestor([dest, *dest.parents] if directory else list(dest.parents), f"{option} {path}")
     return dest
+
+
+def writable_ancestor(candidates: list[Path], what: str) -> Path:
+    """The first of `candidates` (a path and its parents, nearest first) that exists, checked to
+    be a directory this process can create files in: what the operating system would otherwise
+    refuse only when the output is written, after the work. `what` names the path in the error."""
+    existing = next((q for q in candidates if q.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise CompressError(f"{what}: {existing} is a file, not a directory", "choose a path under a directory")
+    try:  # a file really created there (root passes os.access even where nothing can be written, /sys)
+        if existing is None:
+            raise OSError(errno.ENOENT, "nothing of the path exists")
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as exc:
+        raise CompressError(f"{what}: {existing} is not a writable directory ({exc.strerror})",
+                            "choose a path you can write to") from None
+    return existing
 
 
 class AtomicOutput:
@@ -150,11 +159,9 @@ class AtomicOutput:
 
     def _check_creatable(self, dest) -> None:
         """Before any work, what the operating system would refuse only when the output is written:
-        a file where a parent directory should be, a parent that cannot be written, a name that,
-        as the temporary `.<name>.tmp-<pid>` written first, is over the file system's limit."""
-        existing = next(q for q in self.dest.parents if q.exists())
-        if not existing.is_dir():
-            raise CompressError(f"output {dest}: {existing} is a file, not a directory", "choose an output path under a directory")
+        a parent that is a file or cannot be written (writable_ancestor), a name that, as the
+        temporary `.<name>.tmp-<pid>` written first, is over the file system's limit."""
+        existing = writable_ancestor(list(self.dest.parents), f"output {dest}")
         try:
             name_max = os.pathconf(existing, "PC_NAME_MAX")
         except (OSError, ValueError):
@@ -166,11 +173,6 @@ class AtomicOutput:
             raise CompressError(f"output {dest}: the name is {len(self.dest.name.encode())} bytes; compress writes it first as "
                                 f".{self.dest.name[:8]}….tmp-{os.getpid()}, over the file system's {name_max}",
                                 f"choose a name of at most {room} bytes")
-        try:  # a file really created there (root passes os.access even where nothing can be written)
-            tempfile.TemporaryFile(dir=existing).close()
-        except OSError as exc:
-            raise CompressError(f"output {dest}: {existing} is not a writable directory ({exc.strerror})",
-                                "choose an output path you can write to") from None
 
     def __enter__(self) -> Path:
         try:
