@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from compress.errors import WRITING_COMMANDS  # plain Python, as this whole module: nothing heavy
+
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
@@ -21,7 +23,7 @@ def run() -> int:
         from compress.cli import main
     except KeyboardInterrupt:
         argv = sys.argv[1:]
-        writes = bool({"quantize", "prune", "distill"} & set(argv))  # what cli._interrupted says of them
+        writes = bool(WRITING_COMMANDS & set(argv))  # as cli._interrupted says of them
         message = "interrupted: no output was written" if writes else "interrupted"
         hint = "rerun the same command" if writes else None
         print(message + (f" ({hint})" if hint else ""), file=sys.stderr)

@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from compress.checkpoint import check_side_output
-from compress.errors import CompressError
+from compress.errors import WRITING_COMMANDS, CompressError
 from compress.schemes import weights_label
 
 app = typer.Typer(
@@ -1135,7 +1135,7 @@ def _interrupted(argv: list[str]) -> int:
     """Ctrl-C (or SIGTERM): the output is written atomically, so nothing partial exists; say how
     to go on, on stderr and, with --json, on stdout as any failure is. Returns the exit code, 130."""
     message, hint = "interrupted", None
-    if {"quantize", "prune", "distill"} & set(argv):  # eval, analyze, bench: nothing to resume
+    if WRITING_COMMANDS & set(argv):  # eval, analyze, bench: nothing to resume
         from compress.pipeline import RUNNING, kept_training_step
 
         resuming = "--resume" in argv or any(a.split("=", 1)[0] == "--cache-dir" for a in argv)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+# The commands that write an output (and keep a stage cache), for what an interruption tells them:
+# compress.cli._interrupted, and compress/__main__.py before the CLI has loaded.
+WRITING_COMMANDS = frozenset({"quantize", "prune", "distill"})
+
+
 class CompressError(Exception):
     """Bad input: a file, key or layer the user can fix. `hint` says what to do."""
 
