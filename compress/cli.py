@@ -163,6 +163,8 @@ def prune(
     pattern: Optional[str] = typer.Option(None, help="N:M semi-structured sparsity, e.g. 2:4: N zeros in every M consecutive input weights."),
     structured: Optional[str] = typer.Option(None, help="structured pruning instead: mlp-channels, heads or blocks (the `structured` stage)."),
     ratio: Optional[float] = typer.Option(None, help="with --structured: the share of channels / heads / blocks removed."),
+    multiple_of: Optional[int] = typer.Option(None, help="with --structured mlp-channels: keep a multiple of this many channels "
+                                              "(the nearest to what --ratio keeps), e.g. a later quantization's group size."),
     recipe: Optional[Path] = typer.Option(None, "--recipe", "-r", help="run this recipe instead of building one from the options."),
     calibration: Optional[str] = typer.Option(None, help="calibration text (wanda, sparsegpt, structured; default: calibration/default.txt)."),
     num_samples: Optional[int] = typer.Option(None, min=1, help="calibration windows of 256 tokens (default 128)."),
@@ -184,7 +186,7 @@ def prune(
     if recipe is not None:
         given = [f"--{k.replace('_', '-')}" for k, v in {
             "method": method, "sparsity": sparsity, "pattern": pattern, "structured": structured, "ratio": ratio,
-            "calibration": calibration, "num_samples": num_samples, "data": data or None}.items()
+            "multiple_of": multiple_of, "calibration": calibration, "num_samples": num_samples, "data": data or None}.items()
             if v is not None]
         if given:
             raise CompressError(f"--recipe runs the recipe's stages and calibration as written; "
@@ -194,8 +196,9 @@ def prune(
         if no_eval:  # as compress quantize --recipe does
             r.evaluation = None
     else:
-        r = _parse_built_recipe(_prune_recipe(model, output, method, sparsity, pattern, structured, ratio, calibration,
-                                              num_samples, data, no_eval), "compress prune", {"structure": "--structured"})
+        r = _parse_built_recipe(_prune_recipe(model, output, method, sparsity, pattern, structured, ratio, multiple_of,
+                                              calibration, num_samples, data, no_eval), "compress prune",
+                                {"structure": "--structured"})
     try:
         with progress_bar() as progress:
             report = run_recipe(r, model=model, output=output, force=force, device=S.device, dtype=S.dtype,
@@ -212,8 +215,8 @@ def prune(
     _show_run(report, output or r.output, details=details)
 
 
-def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, calibration, num_samples, data,
-                  no_eval) -> str:
+def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, multiple_of, calibration, num_samples,
+                  data, no_eval) -> str:
     """The recipe `compress prune` runs, as YAML text, after checking the options agree."""
     import yaml
 
@@ -243,9 +246,15 @@ def _prune_recipe(model, output, method, sparsity, pattern, structured, ratio, c
         if not 0 < ratio < 1:
             raise CompressError(f"--ratio {ratio:g} is outside (0, 1)", "e.g. --ratio 0.25 removes a quarter")
         name, body = "structured", {"structure": structured, "ratio": ratio}
+        if multiple_of is not None:
+            if structured != "mlp-channels":
+                raise CompressError(f"--multiple-of rounds the MLP channels kept; it does not apply to --structured {structured}",
+                                    "drop it, or use --structured mlp-channels")
+            body["multiple_of"] = multiple_of
     else:
-        if ratio is not None:
-            raise CompressError("--ratio goes with --structured", "for unstructured pruning give --sparsity")
+        if ratio is not None or multiple_of is not None:
+            flag = "--ratio" if ratio is not None else "--multiple-of"
+            raise CompressError(f"{flag} goes with --structured", "for unstructured pruning give --sparsity or --pattern")
         name = method or "sparsegpt"
         if name not in PRUNE_METHODS:
             raise CompressError(f"--method {name!r} is not a pruning method", f"use one of {', '.join(PRUNE_METHODS)}")

@@ -574,3 +574,9 @@ def test_mlp_channels_kept_can_be_a_multiple_of_a_later_group_size(tmp_path):
               "  - rtn: {scheme: W4A16, weights: {group_size: 16}}\n")
     report = run_recipe(parse_recipe(recipe, "t"), model=str(tmp_path / "m"), output=str(tmp_path / "out"), device="cpu")
     assert report["format"]["format"] == "packed"
+    # the same from the command line
+    from compress.cli import main
+
+    assert main(["--quiet", "prune", "--model", str(tmp_path / "m"), "--structured", "mlp-channels", "--ratio", "0.25",
+                 "--multiple-of", "16", "--num-samples", "2", "--no-eval", "--output", str(tmp_path / "cli")]) == 0
+    assert json.loads((tmp_path / "cli/config.json").read_text())["intermediate_size"] == 80
