@@ -102,6 +102,19 @@ class TrainState:
         self.interval_steps = int(state.get("interval_steps", 0))
 
 
+class StartingValues:
+    """The trained values as they start, copied to the host, to give back when training ends
+    worse than it started: one more copy of the trained parameters in CPU memory."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self._saved = [(p, p.detach().to("cpu", copy=True)) for p in params]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for param, value in self._saved:
+            param.copy_(value)
+
+
 def sample_order(step: int, micro: int, cfg: TrainingConfig, n_samples: int, seed: int) -> torch.Tensor:
     """Indices of the samples in micro-batch `micro` of optimizer step `step` (1-based): epochs of
     a seeded permutation, consumed in order. A pure function of its arguments, which is what makes

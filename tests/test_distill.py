@@ -271,7 +271,7 @@ def test_freeze_holds_for_its_own_stage_only(ref_llama, tmp_path):
     """A stage's `freeze` stops gradients for that stage: the next training stage trains those
     weights unless it freezes them too (they stayed frozen, reported as trainable)."""
     train = ("ce_weight: 1, data: {dataset: calibration/default.txt, seq_len: 32, num_samples: 6, eval_samples: 2}, "
-             "train: {steps: 2, lr: 0.01, batch_size: 2}")
+             "train: {steps: 2, lr: 0.01, batch_size: 2}, keep_start_if_worse: false")  # the teacher itself: any step is worse
     report = run_recipe(parse_recipe(f"stages:\n  - distill: {{freeze: [embed_tokens], {train}}}\n  - distill: {{{train}}}\n", "t"),
                         model=str(ref_llama), output=str(tmp_path / "out"), device="cpu", dtype="float32")
     first, second = (s["summary"]["trainable_parameters"] for s in report["stages"])
@@ -395,20 +395,31 @@ def test_what_an_encoder_cannot_train_or_keep_is_refused_before_the_first_stage(
 
 
 
-def test_a_distillation_that_ends_worse_than_it_started_says_so(ref_llama, tmp_path):
+def test_a_distillation_that_ends_worse_than_it_started_gives_the_start_back(ref_llama, tmp_path):
     """Pruned, then distilled too briefly at too high an lr: the held-out KD rose, and the worse
-    model was saved without a word. It is still saved (a copy of the start would cost a second
-    model in memory), with a warning; a run that changes nothing measurable gets none."""
-    def distilled(lr, out):
+    model was saved without a word. Now the pruned start is saved, with a warning; with
+    `keep_start_if_worse: false` the trained model is, with a warning that it got worse. A run that
+    changes nothing measurable gets no warning."""
+    def distilled(lr, out, keep=True):
         train = ("data: {dataset: calibration/default.txt, seq_len: 32, num_samples: 6, eval_samples: 2}, "
-                 f"train: {{steps: 2, lr: {lr}, batch_size: 2}}")
+                 f"train: {{steps: 2, lr: {lr}, batch_size: 2}}, keep_start_if_worse: {str(keep).lower()}")
         return run_recipe(parse_recipe(f"stages:\n  - magnitude: {{sparsity: 0.5}}\n  - distill: {{{train}}}\n", "t"),
                           model=str(ref_llama), output=str(tmp_path / out), device="cpu", dtype="float32")
 
-    report = distilled(0.05, "out")
-    summary = report["stages"][1]["summary"]
-    assert summary["held_out_kd_after"] > summary["held_out_kd_before"] > 0
-    [warning] = report["warnings"]
-    assert warning.startswith("stage 2 (distill): the held-out kd is") and "the model got worse" in warning
-    assert "warnings" not in summary
+    pruned = run_recipe(parse_recipe("stages:\n  - magnitude: {sparsity: 0.5}\n", "t"), model=str(ref_llama),
+                        output=str(tmp_path / "pruned"), device="cpu", dtype="float32")
+    assert pruned["output"]
+    start = load_file(tmp_path / "pruned/model.safetensors")
+    for keep in (True, False):
+        report = distilled(0.05, f"out-{keep}", keep)
+        summary = report["stages"][1]["summary"]
+        assert summary["held_out_kd_after"] > summary["held_out_kd_before"] > 0
+        [warning] = report["warnings"]
+        assert warning.startswith("stage 2 (distill): the held-out kd is") and "warnings" not in summary
+        saved = load_file(tmp_path / f"out-{keep}/model.safetensors")
+        same = all(torch.equal(saved[k], start[k]) for k in start)
+        if keep:
+            assert "the starting weights are kept" in warning and "kept_start" in summary and same
+        else:
+            assert "the model got worse" in warning and "kept_start" not in summary and not same
     assert "warnings" not in distilled(1e-12, "out2")  # float noise in an unchanged loss is not "worse"

@@ -32,7 +32,7 @@ from compress.sparsity import pruned_zeros
 from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext, from_input
 from compress.targets import LINEAR_TYPES, Pattern, matches
-from compress.training import TrainingConfig, in_float32, run_fingerprint, train
+from compress.training import StartingValues, TrainingConfig, in_float32, run_fingerprint, train
 from compress.training_data import TrainingData, check_generated_count, training_sequences
 
 
@@ -130,6 +130,8 @@ class Distill(DistillLoss, Stage):
     freeze: list[Pattern] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
     data: TrainingData = Field(default_factory=TrainingData, description="training sequences")
     train: TrainingConfig = Field(default_factory=TrainingConfig, description="the optimizer and its schedule")
+    keep_start_if_worse: bool = Field(True, description="when training ends with a higher held-out KD (or loss) than it "
+                                      "started with, give back the starting weights (a copy of them is kept in CPU memory)")
 
     @property
     def needs_calibration(self) -> bool:
@@ -156,18 +158,24 @@ class Distill(DistillLoss, Stage):
         if self.keep_layers is not None:
             keep_blocks(model, self.keep_layers, ctx.layers, "distill")
         teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "distill")
-        summary = run_training(self, "distill", model, teacher, teacher_ref, ctx, self.data, self.train,
-                               trainable=trainable_parameters(model, self.freeze, "distill"))
-        # A run too short (or an lr too high) can end worse than it started; the model is kept as
-        # trained (keeping a copy of the start would cost a second model in memory), but said so.
-        for label in ("held_out_kd", "held_out_loss"):
-            start, end = summary.get(f"{label}_before"), summary.get(f"{label}_after")
-            if start is not None and end is not None:
-                if end > start * (1 + 1e-4) + 1e-9:  # beyond float noise in a loss that did not move
-                    summary["warnings"] = [f"stage {ctx.stage_index + 1} (distill): the held-out {label.removeprefix('held_out_')} "
-                                           f"is {end:.4g} after training, {start:.4g} before: the model got worse; "
-                                           "train longer or with a lower lr"]
-                break
+        trainable = trainable_parameters(model, self.freeze, "distill")
+        start = StartingValues(trainable) if self.keep_start_if_worse else None
+        summary = run_training(self, "distill", model, teacher, teacher_ref, ctx, self.data, self.train, trainable=trainable)
+        # A run too short (or an lr too high) can end worse than it started: the start is given
+        # back (or, with keep_start_if_worse: false, the worse model kept), and either is said.
+        for label in ("held_out_kd", "held_out_loss"):  # the objective, where there is a teacher's
+            before, after = summary.get(f"{label}_before"), summary.get(f"{label}_after")
+            if before is None or after is None:
+                continue
+            what = f"the held-out {label.removeprefix('held_out_')} is {after:.4g} after training, {before:.4g} before"
+            if start is not None and not after < before:
+                start.restore()
+                summary["kept_start"] = f"{what}: the starting weights are kept (keep_start_if_worse)"
+            if after > before * (1 + 1e-4) + 1e-9:  # beyond float noise in a loss that did not move
+                kept = "the starting weights are kept" if start is not None else "the model got worse"
+                summary["warnings"] = [f"stage {ctx.stage_index + 1} (distill): {what}: {kept}; "
+                                       "train longer or with a lower lr"]
+            break
         return summary
 
 

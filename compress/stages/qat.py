@@ -41,7 +41,7 @@ from compress.stages.distill import (DistillLoss, check_training, input_is_quant
                                      trainable_parameters, uses_teacher)
 from compress.stages.structured import input_layer_name
 from compress.targets import Pattern
-from compress.training import TrainingConfig
+from compress.training import StartingValues, TrainingConfig
 from compress.training_data import TrainingData
 
 
@@ -184,7 +184,7 @@ class QAT(DistillLoss, QuantizationStage):
         # Every trained value as it starts (on the CPU): training that ends worse than its start
         # (an 8-bit grid barely loses anything, and AdamW's steps of about lr move weights by
         # more than its step size) gives the start back rather than a worse model.
-        start = [(p, p.detach().to("cpu", copy=True)) for p in trainable + scales] if self.keep_start_if_worse else []
+        start = StartingValues(trainable + scales) if self.keep_start_if_worse else None
         try:
             summary = run_training(self, "qat", model, teacher, teacher_ref, ctx, self.data, self.train,
                                    trainable=trainable, extra_groups=extra, masks=masks)
@@ -192,10 +192,8 @@ class QAT(DistillLoss, QuantizationStage):
             for h in hooks:
                 h.remove()
         loss_start, loss_end = summary.get("held_out_loss_before"), summary.get("held_out_loss_after")
-        if start and loss_start is not None and loss_end is not None and not loss_end < loss_start:
-            with torch.no_grad():
-                for param, value in start:
-                    param.copy_(value)
+        if start is not None and loss_start is not None and loss_end is not None and not loss_end < loss_start:
+            start.restore()
             summary["kept_start"] = (f"held-out loss {loss_end:.4g} after training, {loss_start:.4g} before: the starting "
                                      "weights and grid are kept (keep_start_if_worse)")
         del start
