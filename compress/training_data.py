@@ -4,6 +4,9 @@ the teacher writes itself.
 Teacher-generated data follows LLM-QAT (Liu et al. 2023): with no access to the training corpus,
 start each sequence from a random vocabulary token and let the teacher continue it by top-k
 sampling; the student then learns the teacher's distribution where the teacher puts its mass.
+Where the teacher ends a text (its EOS, or an end of turn its generation_config lists), the row
+goes on with a new text from a new random token, as documents are packed into a pretraining
+window: what a model writes after its end token is not text.
 Generation is the slow part, so the sequences are cached on disk under a key made of the
 teacher's weights hash and the generation settings, and reused by the next run.
 """
@@ -151,6 +154,21 @@ def _cache_root(cfg: GenerateConfig) -> Path:
     return Path(base) / "generated"
 
 
+def end_of_sequence_ids(model, tokenizer) -> set[int]:
+    """The tokens that end a text: the tokenizer's EOS and the model's generation_config's (a
+    chat model may list several, such as an end-of-turn token)."""
+    ends = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    config_ends = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if config_ends is not None:
+        ends |= set(config_ends) if isinstance(config_ends, (list, tuple)) else {config_ends}
+    return {int(t) for t in ends}
+
+
+def _random_start(starts: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """[1]: a token drawn uniformly from the non-special vocabulary."""
+    return starts[torch.randint(len(starts), (1,), generator=generator)]
+
+
 @torch.no_grad()
 def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, teacher_hash: str | None, seed: int,
                         progress=lambda *_: None) -> torch.Tensor:
@@ -159,6 +177,7 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
     sequences come out does not depend on how many are generated at once (`batch_size`) beyond
     the float rounding of batched matrix products; the cache key has the batch size for that rest."""
     key = hashlib.sha256(json.dumps({"teacher": teacher_hash, "seq_len": seq_len, "seed": seed, "sampling": "per-sequence",
+                                     "after_end": "random start",
                                      **cfg.model_dump(exclude={"cache_dir"})}, sort_keys=True).encode()).hexdigest()[:20]
     path = _cache_root(cfg) / f"{key}.pt"
     if teacher_hash is not None:  # a cache that cannot be written is said before minutes of generating
@@ -176,6 +195,7 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
             pass
     special = set(tokenizer.all_special_ids or [])
     starts = torch.tensor([t for t in range(len(tokenizer)) if t not in special])
+    ends = end_of_sequence_ids(teacher, tokenizer)
     device = next(teacher.parameters()).device
     was_training = teacher.training
     teacher.eval()
@@ -186,20 +206,31 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
         n = min(cfg.batch_size, cfg.num_sequences - i)
         progress("generating training data with the teacher", i, cfg.num_sequences)
         gens = [seeded_generator(seed * 1_000_003 + j) for j in range(i, i + n)]
-        ids = starts[torch.cat([torch.randint(len(starts), (1, 1), generator=g) for g in gens])].to(device)
+        ids = torch.stack([_random_start(starts, g) for g in gens]).to(device)
+        since_start = [1] * n  # tokens since each row's (last) random start, that one included
         past = None
         step_ids = ids
-        for t in range(seq_len - 1):
+        for _ in range(seq_len - 1):
             out = teacher(input_ids=step_ids, use_cache=True, **{cache_key: past})
             past = getattr(out, cache_key)
             logits = out.logits[:, -1].float() / cfg.temperature
-            if t < cfg.greedy_tokens:  # a confident start from a random first token, then variety
-                step_ids = logits.argmax(-1, keepdim=True)
-            else:
-                top, idx = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1)
-                probs = top.softmax(-1).cpu()
-                choice = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, gens)]).unsqueeze(-1).to(device)
-                step_ids = idx.gather(-1, choice)
+            greedy = logits.argmax(-1).cpu()
+            top, idx = logits.topk(min(cfg.top_k, logits.shape[-1]), dim=-1)
+            probs, idx = top.softmax(-1).cpu(), idx.cpu()
+            chosen = []
+            for r, g in enumerate(gens):
+                if int(ids[r, -1]) in ends:
+                    # The teacher ended its text: what it writes after an end of sequence is not text
+                    # (LLM-QAT stops there). The row goes on with a new text from a random first
+                    # token, as documents are packed into a pretraining window.
+                    chosen.append(_random_start(starts, g)[0])
+                    since_start[r] = 0
+                elif since_start[r] <= cfg.greedy_tokens:  # a confident start from a random first token, then variety
+                    chosen.append(greedy[r])
+                else:
+                    chosen.append(idx[r, torch.multinomial(probs[r], 1, generator=g)[0]])
+                since_start[r] += 1
+            step_ids = torch.stack(chosen).unsqueeze(-1).to(device)
             ids = torch.cat([ids, step_ids], dim=1)
         chunks.append(ids.cpu())
     teacher.train(was_training)

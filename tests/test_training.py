@@ -241,6 +241,40 @@ def test_default_tokenizer_round_trip_for_generated_data(tmp_path):
     assert bool((topk == a[:, 1:].unsqueeze(-1)).any(-1).all())
 
 
+def test_generated_data_starts_a_new_text_after_the_teacher_ends_one(tmp_path):
+    """What a teacher writes after its end-of-sequence token is not text (LLM-QAT stops there);
+    the sequences went on sampling it. A row now goes on with a new text from a random first token.
+    The teacher here ends a text at one token in five, and otherwise writes only 7 tokens."""
+    from compress.training_data import GenerateConfig, end_of_sequence_ids, generated_sequences
+
+    tok = AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR)
+    cfg_model = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=len(tok))
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(cfg_model).eval()
+    teacher.generation_config.eos_token_id = [tok.eos_token_id, 5]  # a chat model's end of turn as well
+    assert end_of_sequence_ids(teacher, tok) == {tok.eos_token_id, 5}
+    written = list(range(100, 107))
+    head = torch.nn.Linear(32, len(tok), bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.fill_(-30.0)
+        head.bias[tok.eos_token_id] = 3.0
+        head.bias[written] = 2.5
+    teacher.lm_head = head
+    cfg = GenerateConfig(num_sequences=6, top_k=8, batch_size=4, cache_dir=str(tmp_path))
+    ids = generated_sequences(teacher, tok, cfg, 40, None, seed=1)
+    ended = ids[:, :-1] == tok.eos_token_id
+    after = ids[:, 1:][ended]
+    assert ended.sum() >= 10  # the teacher does end its texts
+    # a new random first token follows each end, never what the teacher would write there
+    assert bool((after != tok.eos_token_id).all()) and float(torch.isin(after, torch.tensor(written)).float().mean()) < 0.1
+    # elsewhere every token is the teacher's
+    assert bool(torch.isin(ids[:, 1:][~ended], torch.tensor([tok.eos_token_id, *written])).all())
+    # one row at a time gives the same rows
+    assert torch.equal(ids, generated_sequences(teacher, tok, cfg.model_copy(update={"batch_size": 1}), 40, None, seed=1))
+
+
 def test_shuffled_training_windows_come_from_every_corpus(tmp_path):
     """With corpora concatenated, the first windows all come from the first one; shuffle: true
     draws them (seeded) from the whole text."""
