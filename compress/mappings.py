@@ -38,7 +38,7 @@ class Mapping(BaseModel):
 
     smooth: str = Field(..., description="module inside the block whose output is divided by the scales")
     balance: list[str] = Field(..., min_length=1, description="layers inside the block whose input columns are multiplied")
-    inspect: Optional[str] = Field(None, description="AWQ: module inside the block whose output its scale search scores (default: the whole block); SmoothQuant does not use it")
+    inspect: Optional[str] = Field(None, description="AWQ: module inside the block whose output its scale search scores (default: the whole block); both stages check that a fold leaves its output, and the block's, unchanged")
     # Made by in_block from a `*` in `smooth`: one of several parallel branches (an expert's own
     # up -> down), whose fold cannot change another branch's inspected output (see fold_branches).
     _branch: bool = PrivateAttr(False)
@@ -257,8 +257,9 @@ def require_exact(mapping: Mapping, where: str, before: list[torch.Tensor], afte
     if not change <= max(1e-3, 4 * torch.finfo(dtype).eps):
         raise CompressError(f"{where}: moving scales from {mapping.smooth} into {', '.join(mapping.balance)} changes "
                             f"the float model's output by {change:.1e} (relative, median over tokens), so this mapping "
-                            "is not exact here", "fix or remove it in the stage's `mappings`: between the two there "
-                            "may be only linear operations (no activation other than ReLU, no norm with an unknown kind of weight)")
+                            "is not exact here", "fix or remove it in the stage's `mappings`: every module reading the smoothed op "
+                            "must be in balance, with only linear operations between (no activation other than ReLU, "
+                            "no norm with an unknown kind of weight)")
 
 
 def fold(mapping: Mapping, block: torch.nn.Module, scales: torch.Tensor, runner, where: str, batches: int = 1,
@@ -266,12 +267,21 @@ def fold(mapping: Mapping, block: torch.nn.Module, scales: torch.Tensor, runner,
     """Move `scales` from the mapping's smoothed op into every module of its balance list in `block`
     (quantized later or not: a router too), then require_exact on the inspected module's outputs
     over `batches` calibration batches of `runner` (an engine BlockRunner; they are spread over the
-    calibration set); `before`: those outputs already taken on the unfolded block."""
+    calibration set); `before`: those outputs already taken on the unfolded block.
+
+    The block's own output is checked too (one batch): an inspected module that is itself a balance
+    layer reads the smoothed op's output unchanged whatever the map, so a reader the map leaves
+    out (up_proj beside gate_proj), or a residual stream the smoothed norm's output also is, would
+    pass unseen."""
     if before is None:
         before = runner.outputs(batches, mapping.inspect)
+    block_before = runner.outputs(1) if mapping.inspect is not None else None
     readers = [block.get_submodule(b) for b in mapping.balance]
     apply_scales(block.get_submodule(mapping.smooth), readers, scales)
-    require_exact(mapping, where, before, runner.outputs(batches, mapping.inspect), readers[0].weight.dtype)
+    dtype = readers[0].weight.dtype
+    require_exact(mapping, where, before, runner.outputs(batches, mapping.inspect), dtype)
+    if block_before is not None:
+        require_exact(mapping, where, block_before, runner.outputs(1), dtype)
 
 
 def fold_branches(folds: list[tuple[Mapping, torch.Tensor]], block: torch.nn.Module, runner, where: str,

@@ -101,6 +101,23 @@ def test_a_mapping_that_is_not_exact_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_mapping_leaving_a_reader_out_is_refused_whatever_it_inspects(tmp_path):
+    """A map balancing gate_proj alone, inspecting gate_proj: the inspected output cannot change
+    (gate_proj reads x / s with its columns times s), while up_proj, which reads the same norm and
+    was left out, does. Both stages passed it and wrote a broken model (SmoothQuant: KL 0.72 to the
+    original on ref-llama). The block's output is checked as well now."""
+    from compress.errors import CompressError
+
+    torch.manual_seed(0)
+    save(SMOOTHING_FAMILIES["llama"]().eval(), tmp_path / "in")
+    mapping = "mappings: [{smooth: post_attention_layernorm, balance: [mlp.gate_proj], inspect: mlp.gate_proj}]"
+    for stage in (f"smoothquant: {{{mapping}}}", f"awq: {{scheme: W4A16, weights: {{group_size: 32}}, quantize: false, {mapping}}}"):
+        with pytest.raises(CompressError, match=r"block 0: moving scales from post_attention_layernorm into mlp.gate_proj "
+                                                r"changes .* not exact.*every module reading the smoothed op"):
+            run_recipe(recipe_on(tmp_path / "in", stage, samples=4), output=str(tmp_path / "out"), device="cpu")
+        assert not (tmp_path / "out").exists()
+
+
 def test_a_fold_that_is_not_exact_is_refused_in_bfloat16_too(tmp_path):
     """Half precision allows for its rounding (exact folds measure about 3e-3 in bfloat16), but a
     limit of 8 of its steps (6e-2) let a post-LN OPT norm fold that moved every token 5 % through."""
