@@ -824,8 +824,10 @@ def analyze(
     scheme: str = typer.Option("W3", help="weight width each layer is rounded to, alone: W2 ... W8."),
     group_size: int = typer.Option(64, min=0, max=2**17, help="columns per scale; 0 for one scale per output channel."),
     data: list[str] = typer.Option([], "--data", "-d", help="text the analysis windows are cut from (default: calibration/default.txt); repeat to concatenate."),
-    windows: int = typer.Option(16, min=1, help="windows of --seq-len tokens (the first ones of --data)."),
+    windows: int = typer.Option(16, min=1, help="windows of --seq-len tokens (the first ones of --data, or with --shuffle drawn at random)."),
     seq_len: int = typer.Option(256, min=2, help="tokens per window."),
+    shuffle: bool = typer.Option(False, "--shuffle", help="draw the windows at random (with --seed) from all of --data, "
+                                 "rather than the first ones, which may all come from the first file."),
     metric: str = typer.Option("kl", help="rank by kl (KL divergence from the unquantized model) or ppl (perplexity increase)."),
     emit_recipe: Optional[Path] = typer.Option(None, "--emit-recipe", help="also measure one bit more and one less, and write a mixed-precision recipe here."),
     budget_bits: Optional[float] = typer.Option(None, help="with --emit-recipe: average weight bits to hold (default: the --scheme width), scales counted as the scheme stores them."),
@@ -861,7 +863,8 @@ def analyze(
     if emit_recipe is not None and not min(widths) <= budget <= max(widths):
         raise CompressError(f"--budget-bits {budget:g} is outside the widths measured ({min(widths)} to {max(widths)})",
                             "choose a --scheme next to the budget")
-    calibration = {"dataset": list(data) or ["calibration/default.txt"], "num_samples": windows, "seq_len": seq_len}
+    calibration = {"dataset": list(data) or ["calibration/default.txt"], "num_samples": windows, "seq_len": seq_len,
+                   "shuffle": shuffle}
     with progress_bar() as progress:
         progress("loading model", 0, 1)
         net, tokenizer, config = modeling.load_model(model, dtype="float32", device="cpu")
@@ -889,7 +892,8 @@ def analyze(
         scale_bits = scale_bits_of(modeling.saved_dtype(config))
         result = run_analysis(net, ids, widths, group_size or None, targets=list(targets) or ["Linear"], progress=progress,
                               scale_bits=scale_bits, fused=emit_recipe is not None)
-    result.update({"model": model, "metric": metric, "scheme_bits": bits, "data": calibration["dataset"], "warnings": warnings})
+    result.update({"model": model, "metric": metric, "scheme_bits": bits, "data": calibration["dataset"], "shuffled": shuffle,
+                   "warnings": warnings})
     result["ranking"] = [{"layer": n, "cost": c} for n, c in ranking(result, bits, metric)]
     if emit_recipe is not None:
         alloc = allocate_bits(result, budget, metric)

@@ -111,6 +111,33 @@ def test_analyze_ranks_layers_and_emits_a_recipe_that_runs(ref_llama, repo, tmp_
     assert rc == 0 and "is already quantized" in " ".join(capsys.readouterr().err.split())
 
 
+def test_analyze_can_draw_its_windows_from_all_of_its_data(ref_llama, shared, monkeypatch, capsys):
+    """With two --data files the first windows all came from the first one (Tiny Shakespeare holds
+    1,400 windows of 256 tokens before WikiText-2 starts); --shuffle draws them from both."""
+    import compress.sensitivity
+    from compress.modeling import load_tokenizer
+
+    seen = {}
+
+    def fake_analysis(net, ids, *args, **kwargs):
+        seen["ids"] = ids
+        return {"layers": {}, "windows": len(ids), "wall_s": 0.0}
+
+    monkeypatch.setattr(compress.sensitivity, "analyze", fake_analysis)
+    monkeypatch.setattr(compress.sensitivity, "ranking", lambda *a: [])
+    files = [shared / "data/tinyshakespeare/train.txt", shared / "data/wikitext-2/train.txt"]
+    assert not any(c in "@=" for c in files[0].read_text())  # WikiText's @-@ and = headings mark its windows
+    tok = load_tokenizer(str(ref_llama))
+    from_wikitext = {}
+    for shuffle in (False, True):
+        rc = main(["--json", "analyze", "--model", str(ref_llama), "--windows", "64", "--seq-len", "64",
+                   *["--shuffle"] * shuffle, "--data", str(files[0]), "--data", str(files[1])])
+        assert rc == 0 and json.loads(capsys.readouterr().out)["shuffled"] == shuffle
+        texts = tok.batch_decode(seen["ids"])
+        from_wikitext[shuffle] = sum(any(c in "@=" for c in t) for t in texts)
+    assert from_wikitext[False] == 0 and from_wikitext[True] >= 8
+
+
 @pytest.mark.parametrize("args, message", [
     (["--scheme", "W9"], "is not an integer weight width"),
     (["--metric", "mse"], "is not a sensitivity metric"),
