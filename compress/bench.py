@@ -489,7 +489,7 @@ def run_row(row: Row, setup: Setup, cache_file: Path) -> dict:
         "stage_name": row.stage_name,
         "label": row.label,
         "recipe": text,
-        "scheme": stage["summary"].get("scheme", row.stage_name),
+        "scheme": _row_scheme(report, row),
         "stage_summary": stage["summary"],
         "mean_relative_error": sum(errors) / len(errors) if errors else None,
         "forward": forward,
@@ -507,6 +507,14 @@ def run_row(row: Row, setup: Setup, cache_file: Path) -> dict:
         "eval_wall_s": t_eval,
         "job_wall_s": time.perf_counter() - t0,
     }
+
+
+def _row_scheme(report: dict, row: Row) -> str:
+    """The schemes of the row's own stages (the mixed row runs one rtn stage per width), each once,
+    in order; a stage without a scheme is named."""
+    own = [st for st in report["stages"] if st["name"] == row.stage_name] or report["stages"][-1:]
+    schemes = [st["summary"].get("scheme", row.stage_name) for st in own]
+    return " + ".join(dict.fromkeys(schemes))
 
 
 def _time_forward(model, tokenizer, recipe, device: str = "cpu") -> dict:

@@ -164,3 +164,18 @@ def test_word_perplexity_counts_only_the_words_it_scored(ref_llama, repo):
     out = causal_metrics(base, windows, tok, None, 16)
     assert out["words"] == sum(len(tok.decode(w[1:].tolist()).split()) for w in windows) <= out["tokens_predicted"]
     assert out["word_perplexity"] >= out["token_perplexity"]
+
+
+def test_a_benchmark_row_names_the_scheme_of_each_of_its_stages():
+    """The mixed-precision row runs one rtn stage per width; its table cell named only the last
+    (W2), as if the whole model were 2-bit."""
+    from compress.bench import MIXED_LABEL, Row, _row_scheme
+
+    def stage(name, scheme):
+        return {"name": name, "summary": {"scheme": scheme}}
+
+    mixed = Row("ref-llama", MIXED_LABEL, {}, method="mixed")
+    report = {"stages": [stage("rtn", "W4"), stage("rtn", "W3"), stage("rtn", "W3"), stage("rtn", "W2")]}
+    assert _row_scheme(report, mixed) == "W4 + W3 + W2"
+    smoothed = Row("ref-llama", "W8A8", {}, stage_name="rtn", before=({"smoothquant": {}},))
+    assert _row_scheme({"stages": [stage("smoothquant", "alpha 0.5"), stage("rtn", "W8A8")]}, smoothed) == "W8A8"
