@@ -176,6 +176,11 @@ def test_quantized_experts_are_packed_one_matrix_each_and_reload_alike(moe_model
     size = {d: sum(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in ("packed", "dense")}
     assert size["packed"] < size["dense"]  # the embeddings, float32 in both, are most of a model this small
     assert 0.25 < packed["output"]["quantized_layers_ratio_to_float16"] < 0.4  # int4 + a scale per 16 weights
+    # the size summary counts the experts as quantized (it counted only the attention layers, and
+    # gave 30 bits/parameter packed for a 15-bit file)
+    out = packed["output"]
+    assert out["quantized_parameters"] == sum(r["shape"][0] * r["shape"][1] for r in packed["layers"].values() if "weights" in r)
+    assert abs(out["bits_per_parameter_packed"] / out["bits_per_parameter_on_disk"] - 1) < 0.02, out
 
     ids = torch.randint(5, V, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
