@@ -834,13 +834,23 @@ def test_a_layer_quantized_again_keeps_its_activation_quantization_and_its_zeros
 
 def test_plan_warns_when_a_pruning_stage_would_change_nothing(tmp_path, capsys, repo):
     """magnitude 0.5 then magnitude 0.3 ran without a word, and the second removed nothing: the
-    weights it would remove are zeros already. Pruning further, or to a pattern the earlier stage
-    did not leave, is not warned about; nor is the bundled 2:4 SparseGPT then GPTQ recipe."""
+    weights it would remove are zeros already. Pruning further, to a pattern the earlier stage did
+    not leave, within groups a layer-wide pruning does not fill (rows, column blocks), or
+    quantizing as well, is not warned about; nor is the bundled 2:4 SparseGPT then GPTQ recipe."""
     recipe = tmp_path / "r.yaml"
     cases = [("magnitude: {sparsity: 0.5}", "magnitude: {sparsity: 0.3, targets: ['re:.*mlp.*']}",
               "stage 2 (magnitude) prunes 12 layers to 0.3 unstructured that an earlier stage already pruned as far"),
              ("wanda: {pattern: '2:4'}", "sparsegpt: {sparsity: 0.5}", "stage 2 (sparsegpt) prunes 28 layers to 0.5"),
              ("magnitude: {sparsity: 0.5}", "magnitude: {sparsity: 0.6}", None),
+             # Wanda compares within rows and SparseGPT within column blocks, which a layer-wide
+             # pruning leaves short of their share: both change the layers (a reviewer's run of
+             # Wanda took q_proj from 50.00 % to 51.85 %), so no warning
+             ("magnitude: {sparsity: 0.5}", "wanda: {sparsity: 0.5}", None),
+             ("magnitude: {sparsity: 0.5}", "sparsegpt: {sparsity: 0.5}", None),
+             ("magnitude: {sparsity: 0.5, per_row: true}", "magnitude: {sparsity: 0.5}", "stage 2 (magnitude) prunes 28"),
+             ("magnitude: {sparsity: 0.5}", "magnitude: {sparsity: 0.5, per_row: true}", None),
+             # quantizing as it prunes, it changes the layers whatever it prunes
+             ("wanda: {pattern: '2:4'}", "sparsegpt: {pattern: '2:4', quantize: {scheme: W4A16}}", None),
              ("magnitude: {sparsity: 0.5}", "magnitude: {pattern: '2:4'}", None)]
     for first, second, expected in cases:
         recipe.write_text(f"calibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 32}}\n"
