@@ -423,6 +423,17 @@ def _check_contradictions(recipe: Recipe, path: str) -> None:
             raise CompressError(f"{path}: stages.{i}.{name}.data.seq_len is {data.seq_len}, but the stage trains on the "
                                 f"calibration windows, of calibration.seq_len {recipe.calibration.seq_len} tokens",
                                 "give the stage its own text (data.dataset), or drop data.seq_len")
+        if data is not None and data.dataset is None and data.generate is None and recipe.calibration is not None \
+                and recipe.calibration.packing:
+            windows = recipe.calibration.num_samples
+            need = (data.num_samples or 0) + data.eval_samples + (0 if data.num_samples else 1)  # at least one to train on
+            if windows < need:
+                asked = (f"data.num_samples {data.num_samples} + data.eval_samples {data.eval_samples}" if data.num_samples
+                         else f"data.eval_samples {data.eval_samples} held out and one to train on")
+                raise CompressError(f"{path}: stages.{i}.{name} trains on the calibration windows, "
+                                    f"calibration.num_samples {windows}, but {asked} need {need}",
+                                    "raise calibration.num_samples, lower data.num_samples or data.eval_samples, "
+                                    "or give the stage its own text (data.dataset)")
         if getattr(cfg, "needs_calibration", False) and recipe.calibration is None:
             if hasattr(cfg, "train"):  # qat, distill: text to train on
                 raise CompressError(f"{path}: stage '{name}' has no text to train on: neither its 'data' nor a 'calibration' section",

@@ -820,6 +820,12 @@ CASES = [
     Case("generate-cache-dir-is-a-file", _cache_dir_is_a_file, ["data.generate.cache_dir", "a-file", "cannot keep generated sequences"]),
     Case("training-seq-len-unlike-the-calibration-windows", _stages("  - distill: {data: {seq_len: 1024}, train: {steps: 1}}\n"),
          ["stages.0.distill.data.seq_len is 1024", "calibration.seq_len 32"]),
+    # refused by plan and by the parse, as by the run after the stages before it (a reviewer's qat)
+    Case("training-more-windows-than-the-calibration-gives",
+         _stages("  - qat: {scheme: W8A16, data: {num_samples: 12, eval_samples: 4}, train: {steps: 1}}\n"),
+         ["stages.0.qat trains on the calibration windows, calibration.num_samples 4", "12 + data.eval_samples 4 need 16"]),
+    Case("training-on-calibration-windows-all-held-out", _stages("  - distill: {train: {steps: 1}}\n"),
+         ["stages.0.distill trains on the calibration windows", "eval_samples 16 held out and one to train on need 17"]),
     Case("weights-per-token", _weights_per_token, ["r.yaml:3", "stages.0.rtn", "weights have no tokens", "channel, group or tensor"]),
     Case("weights-dynamic", _weights_dynamic, ["r.yaml:3", "stages.0.rtn", "dynamic is for input_activations"]),
     Case("unknown-preset", _unknown_preset, ["r.yaml:3", "W3A77", "W8A16"]),
