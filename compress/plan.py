@@ -110,7 +110,9 @@ def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable:
     (packing.decide, on the recipe's `format`), on the model as it will be saved. `unpackable`:
     layers the stages will leave off any grid the format holds. `refusal`: `format: packed` that
     cannot be. Not `exact`: the shapes saved depend on what calibration keeps; the run decides."""
-    planned = {n: {"weights": a["weights"].model_dump(mode="json")} for n, a in assignments.items() if a["weights"]}
+    planned = {n: {"weights": a["weights"].model_dump(mode="json"),  # the records a run writes, as the format reads them
+                   **({"input_activations": a["activations"].model_dump(mode="json")} if a["activations"] else {})}
+               for n, a in assignments.items() if a["weights"]}
     if not exact and not unpackable and planned and recipe.format != "dense" and recipe.offload != "disk":
         return "packed", "if every quantized layer can be packed once the model is reshaped (decided when saving)", None
     kv_cache = any(name == "kv_cache" for name, _ in recipe.stages)

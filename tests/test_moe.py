@@ -202,6 +202,10 @@ def test_the_run_says_when_plain_transformers_cannot_load_its_experts(moe_model,
     written = run_recipe(recipe, output=str(out), device="cpu")["format"]
     run_recipe(recipe, output=str(tmp_path / "dense"), device="cpu", format="dense")
     assert written["format"] == "packed" and "plain transformers (compressed-tensors 0.20) cannot load experts" in written["reason"]
+    from compress.plan import make_plan
+
+    planned = make_plan(recipe, str(path))  # says the same before the run (it left out int8 activations' reason)
+    assert (planned["format"], planned["format_reason"]) == (written["format"], written["reason"])
     with pytest.raises(RuntimeError, match="automatic conversion of the weights"):  # transformers 5.24's fusing
         AutoModelForCausalLM.from_pretrained(out)
     packed, dense = (modeling.load_model(str(tmp_path / d), dtype="float32")[0] for d in ("packed", "dense"))
