@@ -250,9 +250,13 @@ def require_exact(mapping: Mapping, where: str, before: list[torch.Tensor], afte
     steps of the dtype: 8 let a post-LN fold that moved every token 5 % through in bfloat16)."""
     a = torch.cat([t.float().reshape(-1, t.shape[-1]) for t in after]) if after else torch.zeros(0, 1)
     b = torch.cat([t.float().reshape(-1, t.shape[-1]) for t in before]) if before else torch.zeros(0, 1)
+    # Tokens already non-finite before the fold cannot tell (the block's output where a later layer
+    # overflows: that layer's own check names it); a fold making a finite token non-finite counts.
+    finite = torch.isfinite(b).all(-1)
+    a, b = a[finite], b[finite]
     if b.shape[0] == 0:
         return  # nothing ran through the inspected module (an expert these batches did not reach)
-    per_token = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp(min=1e-12)
+    per_token = ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp(min=1e-12)).nan_to_num(nan=float("inf"))
     change = float(per_token.median())
     if not change <= max(1e-3, 4 * torch.finfo(dtype).eps):
         raise CompressError(f"{where}: moving scales from {mapping.smooth} into {', '.join(mapping.balance)} changes "
