@@ -27,15 +27,22 @@ def build_meta_model(model_ref: str):
     return net, config
 
 
-def _prunes_only_zeros(name: str, stage, target, before: dict | None) -> bool:
+def _prunes_only_zeros(name: str, stage, target, before: dict | None, earlier: tuple[str, int] | None, cuts: int) -> bool:
     """Whether pruning to `target` can only remove weights an earlier pruning already zeroed: where
     every group the method compares within holds its share of zeros (a zero scores lowest in every
-    method, and SparseGPT's updates for removing zeros are zero). An earlier N:M pattern gives every
+    method, and SparseGPT's updates for removing zeros are zero). `earlier`: what that pruning
+    compared within ("N:M", "layer", or "part": rows or column blocks) and how many structured cuts
+    came before it; `cuts`: how many came before this stage. An earlier N:M pattern gives every
     group of M its N, so every row, every block of whole groups and the layer have their share; a
-    layer-wide pruning gives only the layer its share, which is what magnitude compares within, not
-    Wanda's rows nor SparseGPT's column blocks (magnitude 0.5 then Wanda 0.5 leaves ref-llama's
-    layers at up to 52 %)."""
+    layer-wide magnitude pruning gives only the layer its count, which is what layer-wide magnitude
+    compares within, not Wanda's rows nor SparseGPT's column blocks (magnitude 0.5 then Wanda 0.5
+    leaves ref-llama's layers at up to 52 %); rows pruned to their share each round it per row,
+    which a layer-wide count can exceed. A structured cut in between takes zeros away with the
+    channels it removes."""
     if (before or {}).get("sparsity") is None:
+        return False
+    within, cuts_then = earlier or ("N:M" if before.get("pattern") else None, 0)  # an input model's own zeros
+    if cuts_then != cuts:
         return False
     if before.get("pattern"):
         n, m = (int(v) for v in before["pattern"].split(":"))
@@ -45,7 +52,8 @@ def _prunes_only_zeros(name: str, stage, target, before: dict | None) -> bool:
         return target.sparsity <= n / m + 1e-9 and whole_groups
     if target.pattern is not None:
         return False
-    return name == "magnitude" and not getattr(stage, "per_row", False) and before["sparsity"] >= target.sparsity - 1e-9
+    return (name == "magnitude" and not getattr(stage, "per_row", False) and within == "layer"
+            and before["sparsity"] >= target.sparsity - 1e-9)
 
 
 def _describe(name: str, stage, target=None, alpha: float | None = None) -> str:
@@ -196,6 +204,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     partial: dict[tuple[int, str, int], list[str]] = {}  # (stage, name, group size) -> layers with a partial last group
     requantized: dict[tuple[int, str, str], list[str]] = {}  # (stage, name, earlier scheme) -> layers quantized twice
     repruned: dict[tuple[int, str, str], list[str]] = {}  # (stage, name, what it prunes to) -> layers already as sparse
+    pruned_within: dict[str, tuple[str, int]] = {}  # layer -> what its last pruning compared within, cuts before it
     unpackable: dict[str, str] = {}  # layer -> why the format cannot hold what its stages leave
     guessed = False
     with StageShapes(recipe, net, assignments) as walk:
@@ -209,6 +218,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                                   "weights": weights, "activations": None,
                                   "sparsity": rec.get("sparsity"), "pattern": rec.get("pattern")}
         for i, (name, stage, model) in enumerate(walk):
+            cuts = sum(1 for earlier, _ in recipe.stages[:i] if earlier == "structured")
             if not walk.exact and not guessed:
                 guessed = True
                 warnings.append(f"stage {i + 1} ({name}) and later ones are planned on a guess: the blocks an earlier "
@@ -273,9 +283,11 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                     requantized.setdefault((i, name, f"{before['stage']}: {before['scheme']}"), []).append(n)
                 if target is not None:
                     entry.update(sparsity=target.sparsity, pattern=target.pattern)
-                    if _prunes_only_zeros(name, stage, target, before) and entry["weights"] is None:
+                    if _prunes_only_zeros(name, stage, target, before, pruned_within.get(n), cuts) and entry["weights"] is None:
                         repruned.setdefault((i, name, target.describe()), []).append(
                             f"{n} ({before.get('pattern') or format(before['sparsity'], 'g')})")
+                    layer_wide = name == "magnitude" and not getattr(stage, "per_row", False)
+                    pruned_within[n] = ("N:M" if target.pattern else "layer" if layer_wide else "part", cuts)
                 if before is not None and "scheme" in before:  # stages chain on a layer: pruned, then quantized, ...
                     entry["stage"] = f"{before['stage']} → {name}"
                     entry["scheme"] = f"{before['scheme']} → {entry['scheme']}"
