@@ -329,7 +329,8 @@ def distill(
     if report.get("skipped"):
         return  # a process other than the main one under `accelerate launch`: the main one reports
     s = report["stages"][-1]["summary"]
-    details = [f"held-out KD loss {s['held_out_kd_before']:.4g} -> {s['held_out_kd_after']:.4g}"] if "held_out_kd_after" in s else []
+    details = [f"held-out KD loss {s['held_out_kd_before']:.4g} -> {s['held_out_kd_after']:.4g}"
+               + (" (worse: the starting weights are kept)" if "kept_start" in s else "")] if "held_out_kd_after" in s else []
     _show_run(report, output, details=details)
 
 

@@ -167,11 +167,11 @@ class Distill(DistillLoss, Stage):
             before, after = summary.get(f"{label}_before"), summary.get(f"{label}_after")
             if before is None or after is None:
                 continue
-            what = f"the held-out {label.removeprefix('held_out_')} is {after:.4g} after training, {before:.4g} before"
-            if start is not None and not after < before:
-                start.restore()
-                summary["kept_start"] = f"{what}: the starting weights are kept (keep_start_if_worse)"
             if after > before * (1 + 1e-4) + 1e-9:  # beyond float noise in a loss that did not move
+                what = f"the held-out {label.removeprefix('held_out_')} is {after:.4g} after training, {before:.4g} before"
+                if start is not None:
+                    start.restore()
+                    summary["kept_start"] = f"{what}: the starting weights are kept (keep_start_if_worse)"
                 kept = "the starting weights are kept" if start is not None else "the model got worse"
                 summary["warnings"] = [f"stage {ctx.stage_index + 1} (distill): {what}: {kept}; "
                                        "train longer or with a lower lr"]
