@@ -443,7 +443,7 @@ def test_stages_after_a_structured_one_are_planned_and_checked_on_the_shapes_it_
                                                              "whose 480 input features"),
                         ("stages:\n  - rtn: {scheme: W4A16, weights: {group_size: 64}}\n  - structured: {structure: mlp-channels, ratio: 0.25}\n",
                          "layer model.layers.0.mlp.down_proj was quantized in groups of 64 input columns by an earlier stage"),
-                        ("stages:\n  - rtn: {scheme: W8A16}\n  - distill: {train: {steps: 1}}\n",
+                        ("stages:\n  - rtn: {scheme: W8A16}\n  - distill: {data: {eval_samples: 1}, train: {steps: 1}}\n",
                          "stage distill: an earlier stage quantized (28 layers)")):
         recipe.write_text(calibration + text)
         rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", ref_llama)

@@ -374,7 +374,7 @@ def test_what_an_encoder_cannot_train_or_keep_is_refused_before_the_first_stage(
     FAMILIES["bert"]().save_pretrained(bert)
     AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(bert)
     monkeypatch.setattr(Magnitude, "apply", lambda *a: pytest.fail("the first stage ran"))
-    head = ("calibration: {dataset: calibration/default.txt, num_samples: 4, seq_len: 32}\n"
+    head = ("calibration: {dataset: calibration/default.txt, num_samples: 20, seq_len: 32}\n"
             "stages:\n  - magnitude: {sparsity: 0.5}\n")
     train = "train: {steps: 1}, hidden: [{student: -1, teacher: -1}]"
     for stage, words in (

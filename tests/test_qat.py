@@ -176,7 +176,7 @@ def test_fixed_scales_do_not_move(tiny, repo, tmp_path):
 def test_bad_qat_stages(stage, words, tiny, repo, tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model: {tiny}\nstages:\n  - qat: {stage}\n"
-                      f"calibration: {{dataset: {repo}/calibration/default.txt, num_samples: 4, seq_len: 32}}\n")
+                      f"calibration: {{dataset: {repo}/calibration/default.txt, num_samples: 20, seq_len: 32}}\n")
     code = main(["quantize", "--recipe", str(recipe), "--output", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and words in err and "Traceback" not in err, err
