@@ -151,7 +151,7 @@ def _show_run(report: dict, out, header: list[str] = (), details: list[str] = ()
 
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
 # The recipe keys `compress prune` sets, as its options (a window length has none: a recipe sets it).
-PRUNE_OPTIONS = {"num_samples": "--num-samples", "seq_len": "calibration.seq_len (in a recipe: --recipe)"}
+PRUNE_OPTIONS = {"num_samples": "--num-samples", "multiple_of": "--multiple-of", "seq_len": "calibration.seq_len (in a recipe: --recipe)"}
 
 
 @app.command()

@@ -921,6 +921,8 @@ CASES = [
     Case("prune-multiple-of-heads", _prune("--structured", "heads", "--ratio", "0.5", "--multiple-of", "16"),
          ["--multiple-of", "--structured heads", "mlp-channels"]),
     Case("prune-multiple-of-without-structured", _prune("--multiple-of", "64"), ["--multiple-of goes with --structured"]),
+    Case("prune-multiple-of-above-the-width", _prune("--structured", "mlp-channels", "--ratio", "0.25", "--multiple-of", "1024"),
+         ["--multiple-of 1024 is not below the 640 MLP channels", "lower --multiple-of"]),
     Case("prune-multiple-of-zero", _prune("--structured", "mlp-channels", "--ratio", "0.25", "--multiple-of", "0"),
          ["compress prune --multiple-of", "greater than or equal to 1"]),
     Case("prune-unknown-structure", _prune("--structured", "mlp", "--ratio", "0.25"), ["compress prune --structured", "mlp-channels"]),

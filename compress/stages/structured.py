@@ -354,6 +354,10 @@ class Structured(Stage):
         if n_remove == 0 or n_remove >= total:
             what = "nothing" if n_remove == 0 else "all of them"
             keeps = f" keeping a multiple of {self.multiple_of}" if self.multiple_of else ""
+            if self.multiple_of and self.multiple_of >= total:  # no ratio keeps a multiple of it below the whole
+                raise CompressError(f"stage structured: multiple_of {self.multiple_of} is not below the {total} {unit}: "
+                                    f"the only multiple to keep would be {'none' if self.multiple_of > total else 'all'}",
+                                    f"lower multiple_of, e.g. to a later stage's group size that divides {total}")
             raise CompressError(f"stage structured: ratio {self.ratio:g} of {total} {unit}{keeps} removes {what}",
                                 f"it removes round(ratio · {total}); choose a ratio that removes 1 to {total - 1}, "
                                 f"e.g. {1 / total:.3g} to {(total - 1) / total:.3g}")
