@@ -563,7 +563,9 @@ def test_mlp_channels_kept_can_be_a_multiple_of_a_later_group_size(tmp_path):
     assert summary["kept_per_block"] == "80 of 96 MLP channels" and model.config.intermediate_size == 80
     assert Structured(structure="mlp-channels", ratio=0.3, multiple_of=16).apply(tiny_llama(), calib_ctx())["kept_per_block"] \
         == "64 of 96 MLP channels"  # 67.2 kept: 64 is nearer
-    with pytest.raises(CompressError, match="keeping a multiple of 96 removes nothing"):  # 72 rounds to 96
+    with pytest.raises(CompressError, match="keeping a multiple of 48 removes nothing"):  # 77 kept rounds to 96
+        Structured(structure="mlp-channels", ratio=0.2, multiple_of=48).apply(tiny_llama(), calib_ctx())
+    with pytest.raises(CompressError, match="multiple_of 96 is not below the 96 MLP channels"):  # 72 rounds to 96
         Structured(structure="mlp-channels", ratio=0.25, multiple_of=96).apply(tiny_llama(), calib_ctx())
     with pytest.raises(ValueError, match="multiple_of rounds the MLP channels kept; it does not apply to heads"):
         Structured(structure="heads", ratio=0.5, multiple_of=16)
