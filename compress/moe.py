@@ -207,6 +207,16 @@ def expert_keys_on_disk(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def fused_experts_of(net: nn.Module, name: str) -> nn.Module | None:
+    """The fused experts module holding the unfused expert layer `name` (`<experts>.e.up_proj`), or None."""
+    experts = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+    try:
+        module = net.get_submodule(experts)
+    except AttributeError:
+        return None
+    return module if is_fused_experts(module) else None
+
+
 def expert_weight_shape(model: nn.Module, name: str) -> tuple[int, int]:
     """[out, in] of the unfused expert layer `name` (`<experts>.e.gate_proj`) of a fused model."""
     experts, _, layer = name.rsplit(".", 2)

@@ -88,7 +88,7 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
             continue
         module = modules.get(name)
         w = rec["weights"]
-        if module is None and _experts_of(net, name) is not None:
+        if module is None and moe.fused_experts_of(net, name) is not None:
             in_features = moe.expert_weight_shape(net, name)[1]
             if w["strategy"] in ("group", "tensor_group") and in_features % w["group_size"]:
                 problems.append(f"{name}, whose {in_features} input features are not a whole number of groups of {w['group_size']}")
@@ -105,23 +105,13 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
     return problems
 
 
-def _experts_of(net: torch.nn.Module, name: str) -> torch.nn.Module | None:
-    """The fused experts module holding the unfused expert layer `name` (`<experts>.e.up_proj`), or None."""
-    experts = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
-    try:
-        module = net.get_submodule(experts)
-    except AttributeError:
-        return None
-    return module if moe.is_fused_experts(module) else None
-
-
 def _expert_problems(net: torch.nn.Module, layers: dict) -> list[str]:
     """Fused experts are written one matrix per expert layer, under the keys transformers saves
     them as: every expert of a block quantized, under one scheme for the whole model (the config's
     targets then name no layer, which neither transformers nor vLLM could match in fused form)."""
     quantized = {n for n, r in layers.items() if "weights" in r}
     modules = dict(net.named_modules())
-    expert_layers = sorted(n for n in quantized if n not in modules and _experts_of(net, n) is not None)
+    expert_layers = sorted(n for n in quantized if n not in modules and moe.fused_experts_of(net, n) is not None)
     if not expert_layers:
         return []
     try:
@@ -213,7 +203,7 @@ def _experts_plain_transformers_cannot_load(net: torch.nn.Module, layers: dict) 
     quantized layers. compress reads all of them; the note says so where the run ends."""
     if not any(moe.is_fused_experts(m) for m in net.modules()):
         return ""
-    experts = [n for n, r in layers.items() if "weights" in r and _experts_of(net, n) is not None]
+    experts = [n for n, r in layers.items() if "weights" in r and moe.fused_experts_of(net, n) is not None]
     if experts:  # one scheme for every expert (_expert_problems)
         rec = layers[experts[0]]
         _, fmt = _compressor(ct_scheme(rec, [experts[0]]))

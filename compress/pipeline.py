@@ -24,7 +24,7 @@ from compress.calibration import build_calibration, draw_seed, is_local_spec, re
 from compress.checkpoint import INCOMPLETE_MARKER, AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
 from compress.evaluate import evaluate, gate, task_gate, threshold_problem
-from compress.moe import fuse_experts, is_fused_experts, unfuse_experts
+from compress.moe import fuse_experts, fused_experts_of, unfuse_experts
 from compress.quant import scales_stored_as
 from compress.recipe import EvaluationConfig, Recipe
 from compress.report import versions, write_json, write_reports
@@ -526,15 +526,10 @@ def size_summary(net: torch.nn.Module, layers: dict, checkpoint_dir: Path | None
     params = modeling.count_parameters(net)
     stored_bits = stored_bits or next(net.parameters()).element_size() * 8  # scales are stored at it too
     modules = dict(net.named_modules())
-
-    def present(name: str) -> bool:  # a layer of the model, or one expert's layer of a fused experts module
-        experts = name.rsplit(".", 2)[0]
-        return name in modules or (experts in modules and is_fused_experts(modules[experts]))
-
     packed_bits = 0
     quantized_params = 0
-    for name, rec in layers.items():
-        if "weights" in rec and present(name):
+    for name, rec in layers.items():  # a layer of the model, or one expert's layer of fused experts
+        if "weights" in rec and (name in modules or fused_experts_of(net, name) is not None):
             out_f, in_f = rec["shape"]
             packed_bits += packed_weight_bits(out_f, in_f, QuantArgs(**rec["weights"]), 16 if stored_bits == 16 else 32)
             quantized_params += out_f * in_f

@@ -17,6 +17,7 @@ from compress.pipeline import (StageShapes, check_data_files, check_offloadable,
                                preflight, requantized_warning, stage_weights, tied_layers)
 from compress.recipe import Recipe
 from compress.schemes import QuantArgs, QuantScheme, packed_weight_bits, scale_bits_of
+from compress.sparsity import parse_pattern
 from compress.targets import LINEAR_TYPES, mixed_fused_groups, mixed_fused_warning, select_modules, unused_patterns
 
 
@@ -45,7 +46,7 @@ def _prunes_only_zeros(name: str, stage, target, before: dict | None, earlier: t
     if cuts_then != cuts:
         return False
     if before.get("pattern"):
-        n, m = (int(v) for v in before["pattern"].split(":"))
+        n, m = parse_pattern(before["pattern"])
         if target.pattern is not None:
             return target.pattern == before["pattern"]
         whole_groups = getattr(stage, "block_size", m) % m == 0  # SparseGPT's column blocks

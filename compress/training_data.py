@@ -219,10 +219,7 @@ def generated_sequences(teacher, tokenizer, cfg: GenerateConfig, seq_len: int, t
             probs, idx = top.softmax(-1).cpu(), idx.cpu()
             chosen = []
             for r, g in enumerate(gens):
-                if int(ids[r, -1]) in ends:
-                    # The teacher ended its text: what it writes after an end of sequence is not text
-                    # (LLM-QAT stops there). The row goes on with a new text from a random first
-                    # token, as documents are packed into a pretraining window.
+                if int(ids[r, -1]) in ends:  # the teacher ended its text: a new one (module docstring)
                     chosen.append(_random_start(starts, g)[0])
                     since_start[r] = 0
                 elif since_start[r] <= cfg.greedy_tokens:  # a confident start from a random first token, then variety
