@@ -135,13 +135,23 @@ def in_float32(model: torch.nn.Module):
     """Train in float32 whatever the model's dtype, each tensor back in its own dtype after.
     AdamW on float16 weights breaks at once (eps and g² underflow to 0: one step turns weights
     into inf and NaN), and bfloat16 weights drop every update below their 8-bit mantissa; on the
-    GPU, `mixed_precision` autocasts the computation over these float32 weights."""
+    GPU, `mixed_precision` autocasts the computation over these float32 weights.
+
+    Yields `as_stored()`: round every such tensor to the values its dtype holds (staying float32),
+    so that what is measured after training is the model that will be saved, not a float32 one
+    that no checkpoint holds."""
     tensors = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point() and t.dtype != torch.float32]
     dtypes = [t.dtype for t in tensors]
     for t in tensors:
         t.data = t.data.float()
+
+    def as_stored() -> None:
+        with torch.no_grad():
+            for t, dtype in zip(tensors, dtypes):
+                t.copy_(t.to(dtype))
+
     try:
-        yield
+        yield as_stored
     finally:
         for t, dtype in zip(tensors, dtypes):
             t.data = t.data.to(dtype)
@@ -184,13 +194,16 @@ def run_fingerprint(*parts) -> str:
 def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.Tensor, cfg: TrainingConfig, *,
           param_groups: list[dict], device: torch.device, seed: int = 0, masks: list[tuple] = (),
           checkpoint_dir: Optional[Path] = None, resume: bool = False, fingerprint: str = "",
-          progress: Progress = lambda *_: None, name: str = "train", stop_after: Optional[int] = None) -> dict:
+          progress: Progress = lambda *_: None, name: str = "train", stop_after: Optional[int] = None,
+          settle: Callable[[], None] = lambda: None) -> dict:
     """Train `objective`'s parameters in `param_groups` (AdamW groups, each with its peak `lr`) on
     `train_ids` [n, seq_len]; returns the history and final held-out figures.
 
     masks: (parameter, 0/1 tensor) pairs: pruned weights get no gradient and stay exactly zero.
     checkpoint_dir/resume: where checkpoints go, and whether to continue from the newest one.
-    stop_after: stop (as if killed) after this many steps; for resume tests."""
+    stop_after: stop (as if killed) after this many steps; for resume tests.
+    settle: called after the last step, before the final held-out evaluation: brings the weights
+    to what will be saved (their dtype's values, QAT's grid), so that figure is the saved model's."""
     accelerator = make_accelerator(cfg, device)
     world, rank = accelerator.num_processes, accelerator.process_index
     if cfg.batch_size % world:
@@ -288,6 +301,8 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
         for k, v in sums.items():
             state.interval[k] = state.interval.get(k, 0.0) + v
         state.interval_steps += 1
+        if step == cfg.steps:
+            settle()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             last.update({f"eval_{k}": v for k, v in evaluate().items()})
             # the curve's training losses: the mean over the steps since the previous point, not

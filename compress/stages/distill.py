@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -359,8 +359,11 @@ def keep_blocks(model: torch.nn.Module, keep: list[int], records: dict[str, dict
 
 def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: Optional[torch.nn.Module],
                  teacher_ref: Optional[str], ctx: StageContext, data: TrainingData, cfg: TrainingConfig,
-                 trainable: list[torch.nn.Parameter], extra_groups: list[dict] = (), masks: Optional[list] = None) -> dict:
-    """Data, objective, loop, and the summary both training stages report."""
+                 trainable: list[torch.nn.Parameter], extra_groups: list[dict] = (), masks: Optional[list] = None,
+                 settle: Callable[[], None] = lambda: None) -> dict:
+    """Data, objective, loop, and the summary both training stages report. `settle`: the stage's
+    own step from trained float32 values to saved ones (QAT's grid), before they are rounded to
+    the model's dtype and the final held-out figures measured."""
     causal = modeling.is_causal_lm(model.config)
     loss_cfg = DistillLoss(**{k: getattr(stage, k) for k in DistillLoss.model_fields})
     if loss_cfg.hidden_loss == "auto":
@@ -371,7 +374,7 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
     train_ids, eval_ids, source = training_sequences(data, ctx.tokenizer, ctx.calibration, teacher, teacher_hash,
                                                      ctx.seed, name, ctx.progress, encoder=not causal)
     # back in the CPU memory it had (unfused experts stay views), and in its dtype, trained in float32
-    with on_device(model, ctx.device), in_float32(model):
+    with on_device(model, ctx.device), in_float32(model) as as_stored:
         objective = DistillationObjective(model, teacher, loss_cfg, causal)
         masks = pruning_masks(model, ctx) if masks is None else masks
         groups = [{"params": trainable, "lr": cfg.lr}]
@@ -386,7 +389,8 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
         checkpoint_dir = ctx.work_dir / f"{ctx.stage_index}-{name}" if ctx.work_dir is not None else None
         result = train(objective, train_ids, eval_ids, cfg, param_groups=groups, device=ctx.device, seed=ctx.seed,
                        masks=masks, checkpoint_dir=checkpoint_dir, resume=ctx.resume, fingerprint=fingerprint,
-                       progress=ctx.progress, name=name, stop_after=ctx.stop_after_steps)
+                       progress=ctx.progress, name=name, stop_after=ctx.stop_after_steps,
+                       settle=lambda: (settle(), as_stored()))
     model.eval()
     if teacher is not None:
         teacher.to("cpu")

@@ -54,6 +54,10 @@ class FakeQuantWeight(torch.nn.Module):
         self.group_size = args.group_size if args.strategy == "group" else None
         self.qmin, self.qmax = qparams.qmin, qparams.qmax
         self.transposed = transposed  # GPT-2's Conv1D stores [in, out]
+        # Training runs on float32 copies (training.in_float32); the forward computes with what a
+        # checkpoint in the model's own dtype holds: scales rounded up to it (storable_scale, as
+        # every stage stores them) and the dequantized weights rounded to it.
+        self.stored_dtype = weight.dtype
         self.register_buffer("scale", qparams.scale.clone())  # the starting step sizes (the fixed ones)
         self.register_buffer("zero_point", qparams.zero_point.clone())
         # Learned, a step size is its start times exp(log_scale): AdamW moves every parameter by
@@ -76,7 +80,8 @@ class FakeQuantWeight(torch.nn.Module):
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         w = weight.t() if self.transposed else weight
         scale = self.scale if self.log_scale is None else scale_gradient(self.current_scale(), self.grad_factor)
-        q = fake_quantize_ste(w.float(), scale, self.zero_point, self.qmin, self.qmax, self.group_size).to(weight.dtype)
+        q = fake_quantize_ste(w.float(), storable_scale(scale), self.zero_point, self.qmin, self.qmax, self.group_size)
+        q = q.to(self.stored_dtype).to(weight.dtype)  # (gradients pass the casts unchanged)
         return q.t() if self.transposed else q
 
 
@@ -185,9 +190,19 @@ class QAT(DistillLoss, QuantizationStage):
         # (an 8-bit grid barely loses anything, and AdamW's steps of about lr move weights by
         # more than its step size) gives the start back rather than a worse model.
         start = StartingValues(trainable + scales) if self.keep_start_if_worse else None
+
+        def onto_grid() -> None:
+            """After the last step: each float32 weight becomes its quantized value, so the codes
+            saved are those training reached (rounding the float32 weights to a half-precision
+            dtype first would move some across a rounding boundary), and the held-out figure
+            measured next is the saved model's."""
+            with torch.no_grad():
+                for module in modules.values():
+                    module.parametrizations.weight.original.copy_(module.weight)
+
         try:
             summary = run_training(self, "qat", model, teacher, teacher_ref, ctx, self.data, self.train,
-                                   trainable=trainable, extra_groups=extra, masks=masks)
+                                   trainable=trainable, extra_groups=extra, masks=masks, settle=onto_grid)
         finally:
             for h in hooks:
                 h.remove()
