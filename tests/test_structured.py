@@ -3,6 +3,7 @@ plain transformers and computes what the pruned model computed in memory; import
 should; heads keep GQA consistent; blocks go with their cache indices renumbered."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -410,6 +411,20 @@ def test_math():
 def test_ratio_rounding_to_nothing_or_everything(structure, ratio, words):
     with pytest.raises(CompressError, match=words):
         Structured(structure=structure, ratio=ratio).apply(tiny_llama(), calib_ctx())
+
+
+@pytest.mark.parametrize("multiple_of,ratio,kept", [(None, 0.001, ("95", "1")), (16, 0.05, ("80", "16")),
+                                                    (16, 0.95, ("80", "16"))])
+def test_the_ratios_a_refusal_suggests_work(multiple_of, ratio, kept):
+    """With multiple_of 64 on 640 channels, ratio 0.04 was refused with 'e.g. 0.00156 to 0.998',
+    two ratios that keep a multiple of 64 by removing nothing and everything: refused again."""
+    with pytest.raises(CompressError) as refused:
+        Structured(structure="mlp-channels", ratio=ratio, multiple_of=multiple_of).apply(tiny_llama(), calib_ctx())
+    low, high = re.search(r"([0-9.]+) to ([0-9.]+)$", refused.value.hint).groups()
+    for suggested, keeps in zip((low, high), kept):
+        summary = Structured(structure="mlp-channels", ratio=float(suggested), multiple_of=multiple_of).apply(
+            tiny_llama(), calib_ctx())
+        assert summary["kept_per_block"] == f"{keeps} of 96 MLP channels", (suggested, refused.value.hint)
 
 
 def test_unsupported_combinations_name_the_architecture():

@@ -358,16 +358,22 @@ class Structured(Stage):
                 raise CompressError(f"stage structured: multiple_of {self.multiple_of} is not below the {total} {unit}: "
                                     f"the only multiple to keep would be {'none' if self.multiple_of > total else 'all'}",
                                     f"lower multiple_of, e.g. to a later stage's group size that divides {total}")
-            raise CompressError(f"stage structured: ratio {self.ratio:g} of {total} {unit}{keeps} removes {what}",
-                                f"it removes round(ratio · {total}); choose a ratio that removes 1 to {total - 1}, "
-                                f"e.g. {1 / total:.3g} to {(total - 1) / total:.3g}")
+            if self.multiple_of:  # it keeps a multiple of m from m up to the largest below the whole
+                m = self.multiple_of
+                most = m * ((total - 1) // m)
+                hint = (f"choose a ratio that keeps {m} to {most} of them (multiples of {m}), "
+                        f"{_ratio_text(total - most, total)} to {_ratio_text(total - m, total)}")
+            else:
+                hint = (f"it removes round(ratio · {total}); choose a ratio that removes 1 to {total - 1}, "
+                        f"{_ratio_text(1, total)} to {_ratio_text(total - 1, total)}")
+            raise CompressError(f"stage structured: ratio {self.ratio:g} of {total} {unit}{keeps} removes {what}", hint)
         changes = lambda n: self._config_changes(config, family, blocks, total, n)  # noqa: E731
         problem = _config_problem(config, changes(n_remove))
         if problem is not None:
             valid = [n for n in range(1, total) if _config_problem(config, changes(n)) is None]
             raise CompressError(f"stage structured: removing {n_remove} of {total} {unit} gives a config that "
                                 f"{type(config).__name__} rejects: {problem}",
-                                f"ratios that give a valid config: {', '.join(f'{n / total:.3g}' for n in valid)}"
+                                f"ratios that give a valid config: {', '.join(_ratio_text(n, total) for n in valid)}"
                                 if valid else f"{self.structure} pruning cannot give a valid config for this model")
         return total, unit, n_remove, changes
 
@@ -554,6 +560,16 @@ def per_layer_config(config, keep: list[int]) -> dict:
 def _head_dim(attention: torch.nn.Module, config) -> int:
     """Written into the config explicitly: once heads go, it is no longer hidden_size / heads."""
     return getattr(attention, "head_dim", None) or getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _ratio_text(n_remove: int, total: int) -> str:
+    """The shortest ratio that removes exactly `n_remove` of `total` (round(ratio · total)): three
+    digits are too few near 1 in a wide layer (14335 of 14336 is 0.99993, not "1")."""
+    for digits in range(3, 10):
+        text = f"{n_remove / total:.{digits}g}"
+        if math.floor(float(text) * total + 0.5) == n_remove:
+            return text
+    return repr(n_remove / total)
 
 
 def _config_problem(config, changes: dict) -> Optional[str]:
