@@ -347,7 +347,7 @@ def test_training_that_ends_worse_than_it_started_keeps_the_start(tiny, repo, tm
     """On an 8-bit grid the start loses almost nothing, and AdamW's steps of about lr move weights
     farther than a step of the grid: ref-llama's held-out KD went from 5.5e-6 to 5.2e-4 in 20
     steps at the default lr. Such a run gives back its starting weights and grid, and says so;
-    `keep_start_if_worse: false` keeps what training reached."""
+    `keep_start_if_worse: false` keeps what training reached, and warns (it once said nothing)."""
     data = f"{{dataset: {repo}/calibration/default.txt, seq_len: 32, num_samples: 16, eval_samples: 4}}"
     source = LlamaForCausalLM.from_pretrained(tiny)
     errors = {}
@@ -355,9 +355,14 @@ def test_training_that_ends_worse_than_it_started_keeps_the_start(tiny, repo, tm
         r = parse_recipe(f"stages:\n  - qat: {{scheme: W8A16, keep_start_if_worse: {str(keep).lower()}, data: {data}, "
                          f"train: {TRAIN % (3, 1e-2)}}}\n", "test")
         out = tmp_path / f"out-{keep}"
-        summary = run_recipe(r, model=str(tiny), output=str(out), format="dense")["stages"][0]["summary"]
-        assert summary["held_out_loss_after"] > summary["held_out_loss_before"]  # lr 1e-2: training made it worse
+        report = run_recipe(r, model=str(tiny), output=str(out), format="dense")
+        summary = report["stages"][0]["summary"]
+        assert summary["held_out_kd_after"] > summary["held_out_kd_before"]  # lr 1e-2: training made it worse
         assert ("kept_start" in summary) == keep
+        [warning] = report["warnings"]  # said either way, as distill says it
+        assert warning.startswith("stage 1 (qat): the held-out kd is") and warning.endswith(
+            "the starting weights and grid are kept; train longer or with a lower lr" if keep else
+            "the model got worse; train longer or with a lower lr"), warning
         saved = load_file(out / "model.safetensors")
         name = "model.layers.0.mlp.up_proj"
         w0 = getattr(source.get_submodule(name), "weight").detach()

@@ -161,22 +161,27 @@ class Distill(DistillLoss, Stage):
         trainable = trainable_parameters(model, self.freeze, "distill")
         start = StartingValues(trainable) if self.keep_start_if_worse else None
         summary = run_training(self, "distill", model, teacher, teacher_ref, ctx, self.data, self.train, trainable=trainable)
-        # A run too short (or an lr too high) can end worse than it started: the start is given
-        # back (or, with keep_start_if_worse: false, the worse model kept), and either is said.
-        for label in ("held_out_kd", "held_out_loss"):  # the objective, where there is a teacher's
-            before, after = summary.get(f"{label}_before"), summary.get(f"{label}_after")
-            if before is None or after is None:
-                continue
-            if after > before * (1 + 1e-4) + 1e-9:  # beyond float noise in a loss that did not move
-                what = f"the held-out {label.removeprefix('held_out_')} is {after:.4g} after training, {before:.4g} before"
-                if start is not None:
-                    start.restore()
-                    summary["kept_start"] = f"{what}: the starting weights are kept (keep_start_if_worse)"
-                kept = "the starting weights are kept" if start is not None else "the model got worse"
-                summary["warnings"] = [f"stage {ctx.stage_index + 1} (distill): {what}: {kept}; "
-                                       "train longer or with a lower lr"]
-            break
+        keep_start_if_worse(summary, start, "distill", ctx.stage_index, "the starting weights")
         return summary
+
+
+def keep_start_if_worse(summary: dict, start: Optional[StartingValues], stage: str, index: int, starting: str) -> None:
+    """A run too short (or an lr too high) can end worse than it started: the start is given back
+    (`start`; None: keep_start_if_worse: false, the worse model is kept), and either is said.
+    Worse is judged on the held-out KD where there is a teacher (the fidelity the stage is for),
+    else the held-out loss, beyond the float noise of a loss that did not move."""
+    for label in ("held_out_kd", "held_out_loss"):
+        before, after = summary.get(f"{label}_before"), summary.get(f"{label}_after")
+        if before is None or after is None:
+            continue
+        if after > before * (1 + 1e-4) + 1e-9:
+            what = f"the held-out {label.removeprefix('held_out_')} is {after:.4g} after training, {before:.4g} before"
+            if start is not None:
+                start.restore()
+                summary["kept_start"] = f"{what}: {starting} are kept (keep_start_if_worse)"
+            kept = f"{starting} are kept" if start is not None else "the model got worse"
+            summary["warnings"] = [f"stage {index + 1} ({stage}): {what}: {kept}; train longer or with a lower lr"]
+        return
 
 
 def refuse_quantized_student(layers: dict[str, dict], source_model: Optional[str] = None) -> None:

@@ -15,7 +15,7 @@ the step sizes learn too, by LSQ's gradient (through their logarithm: see FakeQu
 they arrive: an earlier PTQ stage at the same scheme (GPTQ, AWQ, RTN) hands over its grid
 exactly, so QAT starts from the PTQ result; otherwise round-to-nearest's. After training each
 weight is set to its final quantized values, recorded like any quantization stage's, and saved
-in the same packed format. A run whose held-out loss ends above its start gives the start back
+in the same packed format. A run whose held-out KD (or loss) ends above its start gives the start back
 (`keep_start_if_worse`).
 
 Dynamic per-token activation quantization can be trained through too (the inputs are rounded in
@@ -37,8 +37,8 @@ from compress.quant import (QParams, compute_qparams, fake_quantize, fake_quanti
                             recover_qparams, relative_error, scale_gradient, storable_scale)
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext, check_weight
-from compress.stages.distill import (DistillLoss, check_training, input_is_quantized, load_teacher, pruning_masks, run_training,
-                                     trainable_parameters, uses_teacher)
+from compress.stages.distill import (DistillLoss, check_training, input_is_quantized, keep_start_if_worse, load_teacher,
+                                     pruning_masks, run_training, trainable_parameters, uses_teacher)
 from compress.stages.structured import input_layer_name
 from compress.targets import Pattern
 from compress.training import StartingValues, TrainingConfig
@@ -125,8 +125,8 @@ class QAT(DistillLoss, QuantizationStage):
     scale_lr: Optional[float] = Field(None, gt=0, description="peak learning rate of the scales' logarithm: about the share by which a "
                                     "step size changes per step (default: train.lr)")
     freeze: list[Pattern] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
-    keep_start_if_worse: bool = Field(True, description="when training ends with a higher held-out loss than it started "
-                                      "with, keep the starting grid (the earlier stage's, or round-to-nearest's)")
+    keep_start_if_worse: bool = Field(True, description="when training ends with a higher held-out KD (or loss, without "
+                                      "a teacher) than it started with, keep the starting grid (the earlier stage's, or round-to-nearest's)")
     data: TrainingData = Field(default_factory=TrainingData)
     train: TrainingConfig = Field(default_factory=TrainingConfig)
 
@@ -206,11 +206,7 @@ class QAT(DistillLoss, QuantizationStage):
         finally:
             for h in hooks:
                 h.remove()
-        loss_start, loss_end = summary.get("held_out_loss_before"), summary.get("held_out_loss_after")
-        if start is not None and loss_start is not None and loss_end is not None and not loss_end < loss_start:
-            start.restore()
-            summary["kept_start"] = (f"held-out loss {loss_end:.4g} after training, {loss_start:.4g} before: the starting "
-                                     "weights and grid are kept (keep_start_if_worse)")
+        keep_start_if_worse(summary, start, "qat", ctx.stage_index, "the starting weights and grid")
         del start
         errors = []
         # The float weights a layer's error is measured against: what QAT received, unless an
