@@ -306,6 +306,7 @@ def distill(
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint of an interrupted run with the same settings."),
     eval_data: list[str] = typer.Option([], "--eval-data", help="evaluation text(s) after training (default: the bundled held-out text)."),
     no_eval: bool = typer.Option(False, "--no-eval", help="skip the evaluation against the teacher."),
+    keep_worse: bool = typer.Option(False, "--keep-worse", help="save what training reached even when its held-out KD ends above where it started (by default the starting weights are saved, with a warning)."),
     force: bool = typer.Option(False, "--force", help="replace an existing output directory."),
 ):
     """Distill a teacher into a student (logit KD, optional hidden-state KD) and save the student.
@@ -317,7 +318,8 @@ def distill(
     from compress.pipeline import run_recipe
 
     doc = _distill_recipe(teacher, student, student_layers, output, data, generate, steps, lr, batch_size, seq_len,
-                          num_samples, eval_samples, temperature, divergence, ce_weight, hidden, hidden_loss, save_every, eval_data, no_eval)
+                          num_samples, eval_samples, temperature, divergence, ce_weight, hidden, hidden_loss, save_every, eval_data, no_eval,
+                          keep_worse)
     r = _parse_built_recipe(doc, "compress distill")
     modeling.check_context(modeling.load_config(r.model), seq_len, "--seq-len")  # named as the user typed it
     try:
@@ -371,7 +373,8 @@ def _parse_built_recipe(doc: str, command: str, renamed: dict[str, str] = {}) ->
 
 
 def _distill_recipe(teacher, student, student_layers, output, data, generate, steps, lr, batch_size, seq_len,
-                    num_samples, eval_samples, temperature, divergence, ce_weight, hidden, hidden_loss, save_every, eval_data, no_eval) -> str:
+                    num_samples, eval_samples, temperature, divergence, ce_weight, hidden, hidden_loss, save_every, eval_data, no_eval,
+                    keep_worse=False) -> str:
     """The recipe `compress distill` runs, as YAML text, after checking the options agree."""
     import yaml
 
@@ -386,6 +389,8 @@ def _distill_recipe(teacher, student, student_layers, output, data, generate, st
     if not data and generate is None:
         raise CompressError("no training data given", "pass --data FILE (or a hub dataset), or --generate N")
     body: dict = {"teacher": teacher, "temperature": temperature, "divergence": divergence, "ce_weight": ce_weight}
+    if keep_worse:
+        body["keep_start_if_worse"] = False
     if student_layers is not None:
         try:
             body["keep_layers"] = [int(x) for x in student_layers.replace(" ", "").split(",") if x != ""]

@@ -424,3 +424,13 @@ def test_a_distillation_that_ends_worse_than_it_started_gives_the_start_back(ref
             assert "the model got worse" in warning and "kept_start" not in summary and not same
     unmoved = distilled(1e-12, "out2")  # float noise in an unchanged loss is not "worse": nothing said, nothing restored
     assert "warnings" not in unmoved and "kept_start" not in unmoved["stages"][1]["summary"]
+    # `compress distill` says the same, and --keep-worse keeps what training reached
+    for flag in ([], ["--keep-worse"]):
+        out = tmp_path / f"cli{len(flag)}"
+        assert main(["--quiet", "distill", "--teacher", str(ref_llama), "--student", str(tmp_path / "pruned"), "--data",
+                     "calibration/default.txt", "--seq-len", "32", "--num-samples", "6", "--eval-samples", "2", "--steps", "2",
+                     "--lr", "0.05", "--batch-size", "2", "--no-eval", "--output", str(out), *flag]) == 0
+        summary = json.loads((out / "report.json").read_text())["stages"][0]["summary"]
+        saved = load_file(out / "model.safetensors")
+        assert ("kept_start" in summary) == (not flag)
+        assert all(torch.equal(saved[k], start[k]) for k in start) == (not flag)
