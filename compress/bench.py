@@ -524,12 +524,11 @@ def _time_forward(model, tokenizer, recipe, device: str = "cpu") -> dict:
 
     from compress import modeling
     from compress.calibration import build_calibration
-    from compress.engine import calibration_batches, resolve_batch_size
-    from compress.moe import routes_tokens
+    from compress.engine import calibration_batches, padding_changes_results, resolve_batch_size
 
     cal = build_calibration(recipe.calibration, tokenizer, encoder=not modeling.is_causal_lm(model.config))
     setting = next((cfg.batch_size for _, cfg in recipe.stages if hasattr(cfg, "batch_size")), "auto")
-    batch_size = resolve_batch_size(setting, torch.device(device), cal.samples, routes_tokens(model))
+    batch_size = resolve_batch_size(setting, torch.device(device), cal.samples, padding_changes_results(model) is not None)
     batches = calibration_batches(cal.samples, batch_size)
     model.eval().to(device)
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)

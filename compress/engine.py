@@ -341,16 +341,37 @@ class ActivationStore:
 AUTO_BATCH_TOKENS = {"cpu": 1024, "cuda": 4096}
 
 
-def resolve_batch_size(batch_size: int | str, device: torch.device, samples: list[dict], routes_tokens: bool = False) -> int:
+# rotary embeddings whose tables depend on the length of the batch (the padded one): LongRoPE
+# (Phi-3 128k) switches to its long factors past original_max_position_embeddings, dynamic NTK
+# rescales past max_position_embeddings
+_LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
+
+
+def padding_changes_results(model: torch.nn.Module) -> str | None:
+    """Why padding a sample to a longer batch would change what the model computes for it (None
+    where the mask makes padding harmless): then samples of different lengths run one per forward."""
+    if routes_tokens(model):
+        return "in a mixture-of-experts model the padding would reach the experts as if it were text"
+    config = getattr(model, "config", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    for params in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]):
+        kind = params.get("rope_type", params.get("type")) if isinstance(params, dict) else None
+        if kind in _LENGTH_DEPENDENT_ROPE:
+            return f"the model's rotary embedding ({kind}) depends on the padded length, so padding would change a sample's positions"
+    return None
+
+
+def resolve_batch_size(batch_size: int | str, device: torch.device, samples: list[dict], no_padding: bool = False) -> int:
     """A stage's `batch_size`; `auto` fills the device's token budget (the CPU's for other device
     types) with as many samples as fit at the longest one's length, at least one. Samples of
-    different lengths are padded, and every observer drops the padding (`token_rows`), except in a
-    model that `routes_tokens` to experts: an expert sees a gathered subset of tokens that no mask
-    lines up with, so there `auto` pads nothing and runs such samples one per forward."""
+    different lengths are padded, and every observer drops the padding (`token_rows`), except
+    where padding would change the results (`no_padding`: padding_changes_results, e.g. an expert
+    sees a gathered subset of tokens that no mask lines up with): there `auto` pads nothing and
+    runs such samples one per forward."""
     if batch_size != "auto":
         return int(batch_size)
     lengths = {s["input_ids"].shape[1] for s in samples}
-    if not lengths or (routes_tokens and len(lengths) > 1):
+    if not lengths or (no_padding and len(lengths) > 1):
         return 1
     return max(1, AUTO_BATCH_TOKENS.get(device.type, AUTO_BATCH_TOKENS["cpu"]) // max(lengths))
 
@@ -489,6 +510,17 @@ def capture_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches:
 
     def record(index: int, hidden, *args, **kwargs):
         kwargs = bound(blocks[index], args, kwargs)
+        passed = current["passed"]
+        # The engine feeds each block the previous one's output: a loop that changes it in between
+        # (DeBERTa-v2's convolution after its first layer) would be calibrated wrong. (A loop that
+        # takes item 0 of a block's tuple gets the first row of a recorder's bare tensor.)
+        if index > 0 and not (_same_value(hidden, passed) or (isinstance(passed, torch.Tensor) and passed.dim() > 1
+                                                               and _same_value(hidden, passed[0]))):
+            raise CompressError(f"the model changes the hidden states between {path}.{index - 1} and {path}.{index}, and "
+                                "the calibration engine feeds each block the previous block's output",
+                                "calibrate it with a stage that needs no activations (rtn, magnitude), or declare "
+                                "blocks: a list whose blocks each take the one before's output")
+        current["passed"] = hidden
         if index == 0:
             raw_first.clear()
             raw_first.update(kwargs)
@@ -508,7 +540,7 @@ def capture_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches:
             shared[id(value)] = (value, value if value is _ABSENT else _move(value, "cpu"))
         return shared[id(value)][1]
 
-    current: dict = {"mask": None}
+    current: dict = {"mask": None, "passed": None}
     untraced: str | None = None
     recorders = torch.nn.ModuleList([BlockStandIn(blocks, i, record) for i in range(len(blocks))])
     with blocks_swapped(model, path, recorders), on_device(model, device):
@@ -522,6 +554,8 @@ def capture_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches:
                 model(**{k: v.to(device) for k, v in batch.items()})
             except _StopForward:
                 pass
+            except CompressError:
+                raise
             except Exception as error:
                 # A layer loop that needs more of a block's output than its hidden states (a
                 # tuple with cache entries, in older transformers) fails past the first block:
@@ -744,11 +778,11 @@ class Engine:
     def run(self, model: torch.nn.Module, samples: list[dict], stage: BlockwiseStage,
             selected: dict[str, torch.nn.Module], ctx: Any) -> dict:
         path, blocks = find_blocks(model, self.blocks_path)
-        routed = routes_tokens(model)
-        batch_size = resolve_batch_size(self.batch_size, self.device, samples, routed)
-        if routed and batch_size > 1 and len({s["input_ids"].shape[1] for s in samples}) > 1:
-            raise CompressError(f"batch_size {batch_size} would pad calibration samples of different lengths, and in a "
-                                "mixture-of-experts model the padding would reach the experts as if it were text",
+        padding_harms = padding_changes_results(model)
+        batch_size = resolve_batch_size(self.batch_size, self.device, samples, padding_harms is not None)
+        if padding_harms and batch_size > 1 and len({s["input_ids"].shape[1] for s in samples}) > 1:
+            raise CompressError(f"batch_size {batch_size} would pad calibration samples of different lengths, and "
+                                f"{padding_harms}",
                                 "set batch_size: auto or 1, or calibrate on equal windows (calibration.packing: true)")
         batches = calibration_batches(samples, batch_size)
         keep_on_device = self.activations_on == "device" or (self.activations_on == "auto" and self.device.type != "cpu"
@@ -818,6 +852,10 @@ class Engine:
             summary["outside_blocks"] = list(outside)
         if untraced is not None:
             summary["untraced_layer_loop"] = f"every block was given the first block's keywords ({untraced})"
+            summary["warnings"] = [f"the model's layer loop could not be traced past its first block ({untraced}): each "
+                                   "block was calibrated on the previous block's output with the first block's keywords, "
+                                   "unchecked; a model that changes the hidden states between blocks, or gives blocks "
+                                   "their own masks, was calibrated on wrong inputs: check the evaluation"]
         if first_groups is not None:  # true_sequential: the order layers were solved in (first block)
             summary["sequential_groups"] = first_groups
         return summary

@@ -308,7 +308,8 @@ def _run_stages(recipe: Recipe, net: torch.nn.Module, ctx: StageContext, cache=N
             tied = tied_weights(name, stage, net)
             with PeakMemory() as mem, scales_stored_as(saved_dtype):
                 summary = stage.apply(net, ctx)
-            warnings += tied_warnings(index, name, net, tied) + summary.pop("warnings", [])  # the stage's own
+            warnings += tied_warnings(index, name, net, tied) + [  # the stage's own, named as its stage where they are not
+                w if w.startswith("stage ") else f"stage {index + 1} ({name}): {w}" for w in summary.pop("warnings", [])]
             reports.append({"name": name, "wall_s": mem.wall_s, "peak_rss_mib": mem.peak_rss / 2**20,
                             "peak_cuda_mib": mem.peak_cuda / 2**20, "summary": summary,
                             **({"warnings": warnings} if warnings else {})})  # stored with it in the stage cache

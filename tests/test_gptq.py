@@ -309,8 +309,8 @@ def test_auto_batch_size_fills_the_device_token_budget():
     lines = [{"input_ids": torch.zeros(1, n, dtype=torch.long), "attention_mask": torch.ones(1, n, dtype=torch.long)}
              for n in (12, 30, 7)]
     assert resolve_batch_size("auto", torch.device("cuda", 0), lines) == 4096 // 30
-    assert resolve_batch_size("auto", torch.device("cuda", 0), lines, routes_tokens=True) == 1
-    assert resolve_batch_size("auto", torch.device("cpu"), windows, routes_tokens=True) == 4  # equal windows need no padding
+    assert resolve_batch_size("auto", torch.device("cuda", 0), lines, no_padding=True) == 1
+    assert resolve_batch_size("auto", torch.device("cpu"), windows, no_padding=True) == 4  # equal windows need no padding
     assert resolve_batch_size("auto", torch.device("cpu"), []) == 1
     padded = calibration_batches(lines, 3)
     assert len(padded) == 1 and padded[0]["input_ids"].shape == (3, 30)

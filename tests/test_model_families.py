@@ -14,6 +14,7 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoTokenizer, BertCo
                           Qwen2ForCausalLM)
 
 from compress import activations, modeling, parse_recipe, run_recipe
+from compress.errors import CompressError
 from compress.quant import fake_quantize
 from compress.stages.base import StageContext
 from compress.targets import select_modules
@@ -159,7 +160,7 @@ def test_static_activation_ranges_survive_reload(tmp_path, repo):
     assert (q - p).abs().max() < 0.5 * p.abs().max()
 
 
-def assert_engine_feeds_what_the_model_does(model, samples, targets, blocks_path=None):
+def assert_engine_feeds_what_the_model_does(model, samples, targets, blocks_path=None, batch_size=1):
     """Every target layer's input as the engine hands it to observers, block by block, equals the
     input the model itself gives that layer on the same samples."""
     from compress.engine import Engine
@@ -185,7 +186,7 @@ def assert_engine_feeds_what_the_model_does(model, samples, targets, blocks_path
         def compress_block(self, *args):
             pass
 
-    summary = Engine(torch.device("cpu"), batch_size=1, blocks_path=blocks_path).run(model, samples, Record(), targets, None)
+    summary = Engine(torch.device("cpu"), batch_size=batch_size, blocks_path=blocks_path).run(model, samples, Record(), targets, None)
     for name in targets:
         for got, want in zip(seen[name], expected[name], strict=True):
             assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), name
@@ -256,6 +257,52 @@ def test_engine_replays_the_first_blocks_keywords_where_the_layer_loop_cannot_be
 
     summary = _engine_on_toy(unpacking, returns_tuple=True)
     assert "first block's keywords (ValueError" in summary["untraced_layer_loop"]
+    # and the run says so (the summary alone once did): nothing checked what the later blocks got
+    [warning] = summary["warnings"]
+    assert warning.startswith("the model's layer loop could not be traced past its first block (ValueError") and \
+        "unchecked" in warning
+
+
+def test_a_layer_loop_that_changes_the_hidden_states_between_blocks_is_refused():
+    """DeBERTa-v2 runs a convolution on the hidden states after its first layer: with its layers
+    declared as blocks, the engine fed blocks 1 and 2 the bare block outputs (80 % off) and wrote
+    a model calibrated on them without a word."""
+    def changing(i, layer, hidden):
+        hidden = layer(hidden)
+        return hidden * 2 if i == 0 else hidden
+
+    with pytest.raises(CompressError, match=r"changes the hidden states between layers\.0 and layers\.1"):
+        _engine_on_toy(changing)
+
+
+def test_padding_that_would_change_the_rotary_tables_is_not_done():
+    """Phi-3's LongRoPE switches to its long factors when the (padded) batch passes
+    original_max_position_embeddings: a 10-token sample padded to 64 beside a longer one was
+    calibrated on other positions than it has (block inputs 17 % off). Such samples run one per
+    forward (`auto`), and a batch_size that would pad them is refused, as for mixture-of-experts."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from compress.engine import Engine, padding_changes_results
+
+    torch.manual_seed(0)
+    config = Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=V, max_position_embeddings=128, pad_token_id=0,
+                        original_max_position_embeddings=16,
+                        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
+    model = Phi3ForCausalLM(config).eval()
+    short, long = torch.randint(5, V, (1, 10)), torch.randint(5, V, (1, 40))
+    padded = {"input_ids": torch.cat([torch.nn.functional.pad(short, (0, 30)), long]),
+              "attention_mask": torch.cat([torch.nn.functional.pad(torch.ones_like(short), (0, 30)), torch.ones_like(long)])}
+    with torch.no_grad():  # the premise: padding alone changes the short sample's logits
+        assert not torch.allclose(model(input_ids=short).logits[0], model(**padded).logits[0, :10], atol=1e-4)
+    assert "longrope" in padding_changes_results(model)
+    assert padding_changes_results(FAMILIES["llama"]()) is None
+    samples = [{"input_ids": x, "attention_mask": torch.ones_like(x)} for x in (long, short)]  # the engine's order
+    targets = {n: m for n, m in model.named_modules() if n.endswith("o_proj")}
+    summary = assert_engine_feeds_what_the_model_does(model, samples, targets, batch_size="auto")
+    assert summary["batch_size"] == 1
+    with pytest.raises(CompressError, match=r"batch_size 2 would pad .* rotary embedding \(longrope\) depends on the padded"):
+        Engine(torch.device("cpu"), batch_size=2).run(model, samples, None, targets, None)
 
 
 def test_engine_gives_each_block_only_the_keywords_the_model_gives_it():

@@ -47,7 +47,7 @@ from typing import Any, Optional
 import torch
 from pydantic import Field, PrivateAttr, model_validator
 
-from compress.engine import calibration_batches, resolve_batch_size, token_rows
+from compress.engine import calibration_batches, padding_changes_results, resolve_batch_size, token_rows
 from compress.mappings import Mapping, apply_scales, fold, fold_branches, in_block, mappings_for, scale_inputs
 from compress.moe import routes_tokens
 from compress.modeling import get_weight, set_weight
@@ -368,7 +368,7 @@ class AWQ(EngineOptions, QuantizationStage):
         self._in_blocks = set()
         samples = ctx.calibration.samples
         self._forwards = max(1, len(calibration_batches(samples, resolve_batch_size(self.batch_size, ctx.device, samples,
-                                                                                   routes_tokens(model)))))
+                                                                                   padding_changes_results(model) is not None))))
         summary = self.engine(ctx).run(model, ctx.calibration.samples, self, selected, ctx)
         outside = [n for n in selected if n not in self._in_blocks]
         if self.quantize:
