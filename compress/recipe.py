@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
@@ -217,6 +218,27 @@ def _model_at(loc: tuple, stage_classes: dict[str, type[BaseModel]]) -> Any:
     return cls
 
 
+# how pydantic names the member of a union in an error's location ('str', 'list[str]', a model's class)
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
+
+
+def _merged_union_errors(errors: list[dict]) -> list[dict]:
+    """pydantic refuses a value that fits no member of a union once per member, under a location
+    ending in the member ('calibration.dataset.str', '... .list[str]'): one error at the key,
+    naming every form it may take."""
+    merged: list[dict] = []
+    for err in errors:
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and _UNION_MEMBER.match(p)))
+        err = {**err, "loc": loc}
+        last = merged[-1] if merged else None
+        if (last is not None and last["loc"] == loc and last["msg"].startswith("Input should be ")
+                and err["msg"].startswith("Input should be ")):
+            last["msg"] += " or " + err["msg"].removeprefix("Input should be ")
+            continue
+        merged.append(err)
+    return merged
+
+
 def _format_error(path: str, root: yaml.Node | None, err: dict, stage_classes: dict) -> tuple[str, str | None]:
     """(message, hint) for one validation error: file, line and key, and what to do."""
     loc = tuple(err["loc"])
@@ -394,6 +416,9 @@ def parse_recipe(text: Union[str, dict], path: str = "<recipe>", default_calibra
     reported = {b["loc"] for b in booleans}  # pydantic may also refuse the 1 or 0 it read there
     errors = booleans + [e for e in errors if tuple(e["loc"]) not in reported]
     if errors:
+        errors = _merged_union_errors(errors)
+        # an unknown key first: a misspelt one (`stagez:`) is why the required key is missing
+        errors.sort(key=lambda e: e["type"] != "extra_forbidden")
         first, hint = _format_error(path, root, errors[0], stage_classes)
         more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
         raise CompressError(first + more, hint)

@@ -113,6 +113,14 @@ def _top_key_typo(tmp):
     return quantize(tmp, "model: default\ncalibraton:\n  dataset: calibration/default.txt\n" + GOOD_STAGE)
 
 
+def _stages_key_typo(tmp):  # the only stage list misspelt: it was "missing required key 'stages'"
+    return quantize(tmp, "model: default\nstagez:\n  - rtn: {scheme: W8A16}\n")
+
+
+def _dataset_of_wrong_type(tmp):  # was reported as key calibration.dataset.str
+    return quantize(tmp, "calibration: {dataset: 5}\n" + GOOD_STAGE)
+
+
 def _stage_key_typo(tmp):
     return quantize(tmp, "stages:\n  - rtn:\n      shceme: W8A16\n")
 
@@ -795,6 +803,9 @@ CASES = [
     Case("stage-name-upper-case", _stage_name_upper_case, ["r.yaml:2", "'RTN'", "did you mean 'rtn'"]),
     Case("stage-key-unknown", _stage_key_unknown, ["r.yaml:4", "bogus", "valid keys here: scheme, weights, input_activations, targets, ignore"]),
     Case("top-key-typo", _top_key_typo, ["r.yaml:2", "calibraton", "did you mean 'calibration'"]),
+    Case("stages-key-typo", _stages_key_typo, ["r.yaml:2", "unknown key 'stagez'; did you mean 'stages'"]),
+    Case("dataset-of-wrong-type", _dataset_of_wrong_type,
+         ["r.yaml:1", "calibration.dataset: Input should be a valid string or a valid list, got 5"]),
     Case("stage-key-typo", _stage_key_typo, ["r.yaml:3", "shceme", "did you mean 'scheme'"]),
     Case("weights-key-typo", _weights_key_typo, ["r.yaml:5", "num_bit", "did you mean 'num_bits'"]),
     Case("calibration-key-typo", _calibration_key_typo, ["r.yaml:3", "num_sample", "did you mean 'num_samples'"]),
