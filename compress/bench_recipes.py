@@ -126,7 +126,6 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
     from compress import modeling
     from compress.bench import _fork_context, _machine, write_outputs
     from compress.evaluate import BaselineStore, eval_sentences, eval_windows
-    from compress.modeling import local_dir
 
     if not recipes:
         raise CompressError("no recipe given", "pass one or more recipe files: --recipes a.yaml b.yaml")
@@ -144,8 +143,6 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
     t_start = time.perf_counter()
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    for earlier in ("rows", "against"):  # an earlier bench's rows, which this report would not list
-        shutil.rmtree(output / earlier, ignore_errors=True)
     progress("loading the baseline", 0, 1)
     base, tok, config = modeling.load_model(model, dtype="float32", device="cpu")
     if not datasets:
@@ -169,11 +166,63 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
                 "bytes_on_disk": _bytes(model), "evaluation": base_eval}
     del base
 
-    import yaml
-
     fork = _fork_context()
     if fork is None:
         raise CompressError("compress bench needs multiprocessing's forkserver (Linux or macOS)", "run each recipe with compress quantize")
+    earlier = _set_aside(output)
+    try:
+        rows = _run_rows(parsed, model, output, eval_kwargs, datasets, store, cache, fork, against, against_python,
+                         causal, tok, progress)
+        progress("writing the report", len(parsed), len(parsed))
+        total = time.perf_counter() - t_start
+        from compress import __version__
+
+        meta = {"command": command or ("compress " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "compress bench (Python API)"),
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(), "compress": __version__,
+                "total_wall_s": total, "model": model, "datasets": datasets, "loadavg_before": None,
+                "output": str(output / "report.md")}
+        results = [baseline] + rows
+        write_outputs(results, meta, output / "report.md", title=f"compress bench: {model}", render_fn=render_markdown)
+    except BaseException:  # failed or interrupted: the earlier bench's rows go back beside its report
+        for name, kept in earlier:
+            shutil.rmtree(output / name, ignore_errors=True)
+            kept.rename(output / name)
+        raise
+    for _, kept in earlier:
+        shutil.rmtree(kept, ignore_errors=True)
+    return {"meta": meta, "baseline": baseline, "rows": rows, "paths": {k: str(output / f"report.{k}") for k in ("md", "json", "html")}}
+
+
+def _set_aside(output: Path) -> list[tuple[str, Path]]:
+    """An earlier bench's rows/ and against/ (which the new report would not list) moved aside
+    until this one has written its report: a bench that fails or is interrupted leaves the earlier
+    one whole. Those a killed bench left aside are dropped (their report was being replaced)."""
+    import os
+
+    from compress.checkpoint import pid_alive
+
+    for stale in output.glob(".*.earlier-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or not pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    earlier = []
+    for name in ("rows", "against"):
+        if (output / name).exists():
+            kept = output / f".{name}.earlier-{os.getpid()}"
+            (output / name).rename(kept)
+            earlier.append((name, kept))
+    return earlier
+
+
+def _run_rows(parsed, model, output, eval_kwargs, datasets, store, cache, fork, against, against_python, causal, tok,
+              progress) -> list[dict]:
+    """Each recipe in its own process (and by `against`, when given): the rows of the report."""
+    import yaml
+
+    from compress.modeling import local_dir
+
+    if against:
+        from compress import against as side
     rows = []
     for i, ((path, doc), name) in enumerate(zip(parsed, row_names([path for path, _ in parsed]))):
         progress(f"{path.name} ({i + 1}/{len(parsed)})", i, len(parsed))
@@ -189,16 +238,7 @@ def bench_recipes(model: str, recipes: list[Path], output: Path, datasets: list[
             row["against"] = _run_against(side, against_python, fork, str(local_dir(model).resolve()), causal, recipe_text, str(path), tok,
                                           output / "against" / name, job)
         rows.append(row)
-    progress("writing the report", len(parsed), len(parsed))
-    total = time.perf_counter() - t_start
-    from compress import __version__
-
-    meta = {"command": command or ("compress " + shlex.join(sys.argv[1:]) if sys.argv[1:] else "compress bench (Python API)"),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(), "compress": __version__,
-            "total_wall_s": total, "model": model, "datasets": datasets, "loadavg_before": None, "output": str(output / "report.md")}
-    results = [baseline] + rows
-    write_outputs(results, meta, output / "report.md", title=f"compress bench: {model}", render_fn=render_markdown)
-    return {"meta": meta, "baseline": baseline, "rows": rows, "paths": {k: str(output / f"report.{k}") for k in ("md", "json", "html")}}
+    return rows
 
 
 def _with_calibration(path: Path, cal_section: dict | None) -> tuple[Path, dict]:

@@ -48,7 +48,7 @@ def watch_progress(progress):
     return update
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -247,7 +247,7 @@ class AtomicOutput:
         found = []
         for p in self.dest.parent.glob(f".{self.dest.name}.{kind}-*"):
             pid = p.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)) and p.is_dir():
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)) and p.is_dir():
                 found.append(p)
         return found
 

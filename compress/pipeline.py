@@ -117,7 +117,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     if resume or cache_dir:
         from compress import stagecache
 
-        cache_root = stagecache.prepare(cache_dir, recipe)
+        cache_root = stagecache.prepare(cache_dir, recipe, inputs=protect, output=dest)
     if recipe.offload == "disk":
         check_offloadable(recipe)
         if Path(model_path).is_dir() and packing.is_packed(model_path):

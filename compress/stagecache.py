@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from compress import moe
-from compress.checkpoint import kill_point
+from compress.checkpoint import kill_point, pid_alive
 from compress.errors import CompressError
 
 ENTRY_FORMAT = 1
@@ -200,19 +200,42 @@ def _st_dtype(dtype: torch.dtype) -> str:
     return _ST_DTYPES.get(dtype, str(dtype))
 
 
-def prepare(cache_dir: str | Path | None, recipe) -> Path:
-    """The cache directory, created; checked before the model is loaded, so a bad one costs nothing."""
+def prepare(cache_dir: str | Path | None, recipe, inputs: list[str | Path] = (), output: str | Path | None = None) -> Path:
+    """The cache directory, created; checked before the model is loaded, so a bad one costs
+    nothing: not inside an input model (compress never writes there), nor inside the output
+    (which this run replaces, and whose directory the cache would make appear)."""
     if recipe.offload == "disk":
         raise CompressError(f"{recipe.source}: --resume does not work with offload: disk",
                             "drop --resume: an offloaded run streams one stage straight into its output")
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    where = root.resolve()
+    for model in inputs:
+        model = Path(model).expanduser().resolve()
+        if model.is_dir() and (where == model or model in where.parents):
+            raise CompressError(f"cache directory {root} lies inside the input model {model}",
+                                "pass a --cache-dir outside the model's directory")
+    if output is not None:
+        out = Path(output).expanduser().resolve()
+        if where == out or out in where.parents:
+            raise CompressError(f"cache directory {root} lies inside the output directory {output}, which the run replaces",
+                                "pass a --cache-dir outside the output")
     if root.exists() and not root.is_dir():
         raise CompressError(f"cache directory {root} is a file", "pass --cache-dir DIR, a directory (or unset COMPRESS_CACHE)")
     try:
         (root / "stages").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CompressError(f"cannot create the cache directory {root}: {exc.strerror}", "pass another --cache-dir") from None
+    _remove_stale_entries(root / "stages")
     return root
+
+
+def _remove_stale_entries(stages: Path) -> None:
+    """Entries a killed run was writing (`.KEY.tmp-PID`, a whole model each) go once their process
+    is gone; a running one's are left alone."""
+    for tmp in stages.glob(".*.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def open_cache(root: Path, recipe, model_dir: str, source: dict, calibration, seed: int,

@@ -36,7 +36,7 @@ def test_saved_baseline_gives_the_same_kl_as_running_it(ref_llama, repo, tmp_pat
     assert saved["prefix"]["kl_divergence"] == pytest.approx(first4["kl_divergence"], rel=1e-12)
 
 
-def test_bench_compares_recipes(ref_llama, repo, tmp_path, capsys):
+def test_bench_compares_recipes(ref_llama, repo, tmp_path, capsys, monkeypatch):
     # two recipes of one file name (from two directories): each row keeps its own checkpoint and log
     w8, w4 = tmp_path / "w8.yaml", tmp_path / "other" / "w8.yaml"
     w4.parent.mkdir()
@@ -73,6 +73,25 @@ def test_bench_compares_recipes(ref_llama, repo, tmp_path, capsys):
     assert main(["-q", "bench", "--model", str(ref_llama), "--recipes", str(w8), "--data", str(repo / HELDOUT),
                  "--max-windows", "4", "--output", str(out)]) == 0
     assert sorted(p.name for p in (out / "rows").iterdir()) == ["w8", "w8.json", "w8.log"]
+    # a rerun that fails on its input, or is interrupted, leaves that bench whole: its rows were
+    # deleted before the baseline and data were read, beside a report that still named them
+    report = (out / "report.md").read_text()
+    short = tmp_path / "short.txt"
+    short.write_text("too short to give a window\n")
+    assert main(["-q", "bench", "--model", str(ref_llama), "--recipes", str(w4), "--data", str(short),
+                 "--output", str(out)]) == 2
+    import compress.bench_recipes
+
+    def interrupted(*args):
+        (out / "rows" / "w8").mkdir(parents=True)  # a row half written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compress.bench_recipes, "_run_rows", interrupted)
+    assert main(["-q", "bench", "--model", str(ref_llama), "--recipes", str(w4), "--data", str(repo / HELDOUT),
+                 "--max-windows", "4", "--output", str(out)]) == 130
+    assert sorted(p.name for p in (out / "rows").iterdir()) == ["w8", "w8.json", "w8.log"]
+    assert (out / "rows" / "w8" / "config.json").is_file() and (out / "report.md").read_text() == report
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".baseline"]
 
 
 def test_bench_refuses_a_checkpoint_as_its_output(ref_llama, tmp_path, capsys):

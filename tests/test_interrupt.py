@@ -142,6 +142,23 @@ def test_resume_with_everything_cached_matches_and_runs_nothing(runs, tmp_path):
     assert checkpoint_digest(tmp_path / "out") == runs["reference"]
 
 
+def test_a_cache_inside_the_output_or_an_input_model_is_refused_before_any_work(runs, tmp_path, capsys):
+    """--cache-dir inside the output made the output directory appear during the run (which then
+    refused to replace it, and every rerun after); inside the input model it wrote a 15 MB entry
+    there. Both are refused first, and nothing is created."""
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    before = tree_digest(model)
+    for cache, words in ((tmp_path / "out" / "cache", "lies inside the output directory"),
+                         (model / "cache", "lies inside the input model")):
+        argv = argv_for(runs["recipe"], tmp_path / "out", "--cache-dir", str(cache))
+        argv[argv.index("default")] = str(model)
+        assert main(argv) == 2
+        assert words in capsys.readouterr().err
+        assert not (tmp_path / "out").exists() and not cache.exists()
+    assert tree_digest(model) == before
+
+
 def test_damaged_cache_entry_is_a_miss_not_a_failure(runs, tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(runs["cache"], cache)
@@ -193,6 +210,8 @@ def test_killed_run_leaves_nothing_partial_and_resumes_to_the_same_checkpoint(ru
     assert report_of(out)["cache"]["restored_stages"] == cached
     assert checkpoint_digest(out) == runs["reference"]
     assert list(tmp_path.glob(".out.*")) == [], "the resumed run did not clear the killed run's temporary directory"
+    # nor the half-written cache entry (a whole model each, left by every kill at cache-storing)
+    assert [e.name for e in (cache / "stages").iterdir() if e.name.startswith(".")] == []
     assert tree_digest(DEFAULT_MODEL_DIR) == model_before
 
 
