@@ -68,6 +68,19 @@ def _usual_file_modes(directory: Path) -> None:
             f.chmod(0o666 & ~umask)
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file beside it: a write that fails part way (a full
+    disk) leaves the earlier file, or none, never a truncated one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def check_side_output(path: str | Path, option: str, inputs: list[str | Path] = (), directory: bool = False,
                       replaces: str | None = None) -> Path:
     """Before any work: a report, recipe or benchmark directory named by `option` may not lie in

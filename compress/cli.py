@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from compress.checkpoint import check_side_output
+from compress.checkpoint import check_side_output, write_whole
 from compress.errors import WRITING_COMMANDS, CompressError
 from compress.schemes import weights_label
 
@@ -497,6 +497,9 @@ def eval_cmd(
     for option, f, start in (("--report", report, EVAL_MARKDOWN_START), ("--junit", junit, JUNIT_START)):
         if f is not None:  # a rerun replaces its own report, never another file
             check_side_output(f, option, _local_models(model, baseline), replaces=start)
+    if report is not None and junit is not None and report.expanduser().resolve() == junit.expanduser().resolve():
+        raise CompressError(f"--report and --junit both name {report}: the second would replace the first",
+                            "give each its own path")
     request = TaskRequest(names=names, include_path=str(include_path) if include_path else None, num_fewshot=num_fewshot, limit=limit, metric=task_metric,
                           chat_template=chat_template) if names else None
     with progress_bar() as progress:
@@ -506,11 +509,9 @@ def eval_cmd(
     md = f"{EVAL_MARKDOWN_START}`{model}`" + (f" against `{baseline}`" if baseline else "") + "\n\n"
     md += evaluation_markdown(result["results"], result["size"], result["checks"], result["tasks"])
     if report:
-        report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(md)
+        write_whole(report, md)
     if junit:
-        junit.parent.mkdir(parents=True, exist_ok=True)
-        junit.write_text(junit_xml(result["checks"]))
+        write_whole(junit, junit_xml(result["checks"]))
     if S.json:
         emit_json(result)
     elif not S.quiet:
@@ -1120,11 +1121,24 @@ def _caused_by_interrupt(exc: BaseException) -> bool:
     return False
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def _refused_path(exc: BaseException) -> tuple[str, str] | None:
     """(message, hint) when `exc` is the operating system refusing a named path (too long a name,
-    no permission, a read-only or full disk), else None."""
+    no permission, a read-only or full disk), or a full disk anywhere, else None. A full disk
+    reaches here without a file name (a failed write), or inside a library's own error
+    (safetensors' SafetensorError says "No space left on device"): the environment, not a fault."""
     if isinstance(exc, OSError) and exc.filename is not None and exc.errno in _PATH_HINTS:
         return f"{exc.filename}: {exc.strerror}", _PATH_HINTS[exc.errno]
+    seen = 0
+    while exc is not None and seen < 32:
+        full = (isinstance(exc, OSError) and exc.errno in _DISK_FULL) or any(
+            os.strerror(code) in str(exc) for code in _DISK_FULL)
+        if full:
+            where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
+            return f"{where}no space left on the disk while writing", _PATH_HINTS[errno.ENOSPC]
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return None
 
 

@@ -312,7 +312,13 @@ class ActivationStore:
             if self._dir is None:
                 self._dir = tempfile.TemporaryDirectory(prefix="compress-activations-")
             path = Path(self._dir.name) / f"{len(self.items)}.pt"
-            torch.save(hidden.detach().cpu(), path)
+            try:
+                torch.save(hidden.detach().cpu(), path)
+            except (OSError, RuntimeError) as exc:  # torch reports a full disk as "unexpected pos"
+                raise CompressError(f"spilling calibration activations to {self._dir.name} failed "
+                                    f"({str(exc).splitlines()[0][:120]})",
+                                    "free disk space there (or set TMPDIR to a disk with room), or raise "
+                                    "activation_budget") from exc
             self.items.append(path)
             self.spilled += 1
             return

@@ -23,7 +23,7 @@ from compress import activations, modeling, packing, tasks as lm_tasks
 from compress.calibration import build_calibration, draw_seed, is_local_spec, read_texts, resolve_data_path
 from compress.checkpoint import INCOMPLETE_MARKER, AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
-from compress.evaluate import evaluate, gate, task_gate, threshold_problem
+from compress.evaluate import eval_sentences, eval_windows, evaluate, gate, task_gate, threshold_problem
 from compress.moe import fuse_experts, fused_experts_of, unfuse_experts
 from compress.quant import scales_stored_as
 from compress.recipe import EvaluationConfig, Recipe
@@ -161,11 +161,15 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
         progress("tokenizing calibration data", 0, 1)
         calibration = build_calibration(recipe.calibration, tokenizer, run_seed=seed, encoder=not modeling.is_causal_lm(config))
         kill_point("calibrated")
-    # What evaluation will need of the tokenizer is checked now, not after the stages: local
-    # evaluation files are read (a conversation needs a chat template), and lm-eval's chat_template.
+    # What evaluation will need is checked now, not after the stages have run for hours: local
+    # evaluation files give the windows (or sentences) it scores (a conversation needs a chat
+    # template; a file too short gives none), and lm-eval's chat_template.
     for spec in recipe.evaluation.datasets if recipe.evaluation else []:
         if resolve_data_path(spec) is not None:
-            read_texts(spec, tokenizer=tokenizer)
+            if modeling.is_causal_lm(config):
+                eval_windows(tokenizer, spec, recipe.evaluation.seq_len, recipe.evaluation.max_windows)
+            else:
+                eval_sentences(spec, recipe.evaluation.max_sentences, tokenizer=tokenizer)
     if task_request is not None:
         lm_tasks.check_tokenizer(task_request.chat_template, tokenizer)
 

@@ -608,6 +608,51 @@ def test_eval_replaces_its_own_report_but_no_other_file(ref_llama, tmp_path, cap
     for start, text in ((EVAL_MARKDOWN_START, EVAL_MARKDOWN_START + "`old`\n"), (JUNIT_START, junit_xml([])), (JUNIT_START, "")):
         (tmp_path / "earlier").write_text(text)
         assert check_side_output(tmp_path / "earlier", "--report", replaces=start) == (tmp_path / "earlier").resolve()
+    # one path for both: the XML replaced the report without a word
+    rc, _, err = run(capsys, "eval", "--model", ref_llama, "--data", HELDOUT, "--report", tmp_path / "r", "--junit",
+                     tmp_path / "r")
+    assert rc == 2 and "--report and --junit both name" in err and not (tmp_path / "r").exists()
+
+
+def test_a_full_disk_is_the_environment_not_an_internal_error(ref_llama, tmp_path, capsys, monkeypatch):
+    """A full disk gave exit 3, "internal error ... please report it", whether the write failed
+    without a file name (OSError 28), inside safetensors (its own error, saying so in words) or in
+    torch.save while spilling activations ("unexpected pos 576 vs 534"); and --report was left
+    truncated. Each is exit 2 with what to do, and a report is written whole or not at all."""
+    import errno
+    import os
+    from pathlib import Path
+
+    from compress import cli, engine
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert "no space left" in cli._refused_path(full)[0]
+    assert "no space left" in cli._refused_path(RuntimeError("Error while serializing: IoError(Os { code: 28, kind: "
+                                                              "StorageFull, message: \"No space left on device\" })"))[0]
+    assert cli._refused_path(RuntimeError("some other failure")) is None
+
+    report = tmp_path / "eval.md"
+    real = Path.write_text
+
+    def half_then_full(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    rc, _, err = run(capsys, "eval", "--model", ref_llama, "--data", HELDOUT, "--max-windows", 2, "--report", report)
+    monkeypatch.undo()
+    assert rc == 2 and "no space left on the disk" in err and "free some disk space" in err
+    assert list(tmp_path.iterdir()) == []  # neither the report cut in half nor its temporary file
+
+    def spill_fails(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 576 vs 534")
+
+    monkeypatch.setattr(engine.torch, "save", spill_fails)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("calibration: {dataset: calibration/default.txt, num_samples: 2, seq_len: 32}\n"
+                      "stages:\n  - gptq: {scheme: W4A16, activation_budget: 0}\n")
+    rc, _, err = run(capsys, "quantize", "--recipe", recipe, "--model", ref_llama, "--output", tmp_path / "out", "--no-eval")
+    assert rc == 2 and "spilling calibration activations to" in err and "activation_budget" in err, err
 
 
 def test_ctrl_c_while_libraries_load_is_an_interruption(capsys, monkeypatch):
@@ -935,3 +980,21 @@ def test_plan_estimates_the_bytes_the_run_writes(tmp_path, capsys, scheme):
                              "--output", str(tmp_path / "out")]) == 0
     written = json.loads((tmp_path / "out" / "report.json").read_text())["output"]["bytes_on_disk"]
     assert abs(estimate - written) < 0.01 * written, (estimate, written)
+
+
+def test_an_evaluation_text_too_short_to_score_is_refused_before_the_first_stage(tmp_path, capsys, ref_llama, minilm,
+                                                                                  monkeypatch):
+    """A one-line evaluation file was found only after every stage had run (a GPTQ run's work
+    thrown away at the end, exit 2). The windows (or sentences) it must give are checked first."""
+    from compress.stages.rtn import RoundToNearest
+
+    monkeypatch.setattr(RoundToNearest, "apply", lambda *a: pytest.fail("the first stage ran"))
+    short = tmp_path / "short.txt"
+    short.write_text("One line of text, shorter than a window and the only sentence.\n")
+    recipe = tmp_path / "r.yaml"
+    for model, words in ((ref_llama, "shorter than one 256-token window"),
+                         (minilm, "fewer than 2 lines longer than 40 characters")):
+        recipe.write_text(f"stages:\n  - rtn: {{scheme: W8A16}}\nevaluation: {{datasets: [{short}]}}\n")
+        rc, _, err = run(capsys, "quantize", "--recipe", recipe, "--model", model, "--output", tmp_path / "out")
+        assert rc == 2 and f"evaluation text {short} " in err and words in err, err
+        assert not (tmp_path / "out").exists()
