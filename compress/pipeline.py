@@ -805,9 +805,19 @@ def inspect_checkpoint(path: str | Path) -> dict:
         recipe = yaml.safe_load((path / "recipe.yaml").read_text())
     layers = meta.get("layers", {})
     tensor_sizes = packing.tensor_bytes(path)
+    prefixes = {k.rsplit(".", 1)[0] for k in tensor_sizes}
+    saved_as = {}  # layer -> its key on disk, where that differs: experts saved in the family's own
+    if any(name not in prefixes for name in layers):  # layout (Mixtral's block_sparse_moe.experts.3.w1)
+        from compress.plan import build_meta_model
+
+        try:
+            saved_as = packing.expert_keys(build_meta_model(str(path))[0])
+        except Exception:  # a config this transformers cannot build: the layers are counted by their names
+            saved_as = {}
     rows = {}
     for name, rec in layers.items():
-        stored = {k[len(name) + 1:]: v for k, v in tensor_sizes.items() if k.startswith(name + ".") and "." not in k[len(name) + 1:]}
+        key = saved_as.get(name, name)
+        stored = {k[len(key) + 1:]: v for k, v in tensor_sizes.items() if k.startswith(key + ".") and "." not in k[len(key) + 1:]}
         shape = rec.get("shape") or []
         params = shape[0] * shape[1] if len(shape) == 2 else None
         rows[name] = {"shape": shape, "stage": rec.get("stage"), "weights": rec.get("weights"),

@@ -272,6 +272,23 @@ def test_experts_saved_other_than_one_matrix_each_stay_dense(moe_model, tmp_path
     assert report["output"]["quantized_layers_bytes_on_disk"] > 0
 
 
+def test_inspect_counts_experts_saved_in_their_familys_layout(moe_model, tmp_path):
+    """Mixtral saves its experts as block_sparse_moe.experts.E.w1/w2/w3: `compress inspect` looked
+    them up by their names in memory, showed 0 bytes for each and a quantized-layer total of a
+    fifth of what report.json (and the files) say."""
+    from compress.pipeline import inspect_checkpoint
+
+    family, path, _ = moe_model
+    for fmt in ("packed", "dense"):
+        out = tmp_path / fmt
+        report = run_recipe(recipe_on(path, "rtn: {scheme: W4A16, weights: {group_size: 16}}", samples=2),
+                            output=str(out), device="cpu", format=fmt)
+        summary = inspect_checkpoint(out)["summary"]
+        experts = {n: r for n, r in summary["layers"].items() if ".experts." in n}
+        assert experts and all(r["bytes_on_disk"] > 0 and r["tensors"] for r in experts.values()), family
+        assert summary["sizes"]["quantized_layers_bytes_on_disk"] == report["output"]["quantized_layers_bytes_on_disk"]
+
+
 def test_experts_quantized_unevenly_are_written_dense_saying_why(moe_model, tmp_path):
     family, path, _ = moe_model
     recipe = recipe_on(path, "rtn: {scheme: W4A16, weights: {group_size: 16}, ignore: [lm_head, 're:.*experts\\.3\\..*']}", samples=2)
