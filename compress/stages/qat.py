@@ -34,7 +34,7 @@ from compress import activations
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.quant import (QParams, compute_qparams, fake_quantize, fake_quantize_ste, int_range, lsq_gradient_factor,
-                            recover_qparams, relative_error, scale_gradient, storable_scale)
+                            recover_qparams, relative_error, scale_gradient, scales_stored_as, storable_scale)
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext, check_weight
 from compress.stages.distill import (DistillLoss, check_training, input_is_quantized, keep_start_if_worse, load_teacher,
@@ -113,8 +113,11 @@ class _ActivationSTE:
     def __call__(self, module, inputs):
         x = inputs[0]
         flat = x.reshape(-1, x.shape[-1])
-        q = fake_quantize(flat.detach(), self.args.num_bits, self.args.symmetric, self.args.strategy,
-                          full_range=self.args.full_range).to(x.dtype)
+        # float32 per-token scales, as the saved model's activation quantizer computes them (the
+        # stage runs where weight scales are held in the model's dtype: scales_stored_as)
+        with scales_stored_as(torch.float32):
+            q = fake_quantize(flat.detach(), self.args.num_bits, self.args.symmetric, self.args.strategy,
+                              full_range=self.args.full_range).to(x.dtype)
         return (x + (q.reshape(x.shape) - x).detach(), *inputs[1:])
 
 
