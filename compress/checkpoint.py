@@ -70,8 +70,9 @@ def _usual_file_modes(directory: Path) -> None:
 
 def write_whole(path: Path, text: str) -> None:
     """`text` into `path` through a temporary file beside it: a write that fails part way (a full
-    disk) leaves the earlier file, or none, never a truncated one."""
-    path = Path(path)
+    disk) leaves the earlier file, or none, never a truncated one. A symbolic link is written
+    through (its target replaced), as a plain write would."""
+    path = Path(path).expanduser().resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:

@@ -328,6 +328,14 @@ class ActivationStore:
     def __len__(self) -> int:
         return len(self.items)
 
+    def drop_last(self) -> None:
+        item = self.items.pop()
+        if isinstance(item, Path):
+            item.unlink(missing_ok=True)
+            self.spilled -= 1
+        else:
+            self.in_memory -= item.numel() * item.element_size()
+
     def get(self, i: int) -> torch.Tensor:
         item = self.items[i]
         if isinstance(item, Path):
@@ -539,18 +547,23 @@ def capture_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches:
                 records[-1].per_block[index] = {k: cpu_copy(v) for k, v in own.items()}
         if index == len(blocks) - 1:
             raise _StopForward
-        return hidden
+        return hidden if current["form"] == "bare" else (hidden, None)
 
     def cpu_copy(value: Any) -> Any:  # one copy of an object handed to several blocks
         if id(value) not in shared:
             shared[id(value)] = (value, value if value is _ABSENT else _move(value, "cpu"))
         return shared[id(value)][1]
 
-    current: dict = {"mask": None, "passed": None}
+    # what a recorder returns: the hidden states, or (a loop that unpacks a block's output into
+    # two, as DeBERTa-v2's and older transformers' do) the hidden states and None
+    current: dict = {"mask": None, "passed": None, "form": "bare"}
     untraced: str | None = None
     recorders = torch.nn.ModuleList([BlockStandIn(blocks, i, record) for i in range(len(blocks))])
     with blocks_swapped(model, path, recorders), on_device(model, device):
-        for n, batch in enumerate(batches, 1):
+        n = 0
+        while n < len(batches):
+            batch = batches[n]
+            n += 1
             mask = batch.get("attention_mask")
             # a batch without padding needs no mask (every token counts), and observers skip
             # selecting its rows: a boolean gather per hooked layer per batch
@@ -563,13 +576,18 @@ def capture_block_inputs(model, path: str, blocks: torch.nn.ModuleList, batches:
             except CompressError:
                 raise
             except Exception as error:
-                # A layer loop that needs more of a block's output than its hidden states (a
-                # tuple with cache entries, in older transformers) fails past the first block:
-                # every block then gets the first block's keywords, as the engine gave them
-                # before it traced the loop, and the stage summary says so. A loop that did
-                # trace, or a failure before the first block, is a real error.
+                # A layer loop that needs more of a block's output than its hidden states fails
+                # past the first block: tried once more with (hidden, None); failing that, every
+                # block gets the first block's keywords, as the engine gave them before it traced
+                # the loop, and the run warns. A loop that did trace, or a failure before the
+                # first block, is a real error.
                 if len(records) < n or any(r.per_block for r in records):
                     raise
+                if n == 1 and current["form"] == "bare":
+                    records.clear()
+                    store.drop_last()
+                    current["form"], n = "tuple", 0
+                    continue
                 untraced = f"{type(error).__name__}: {error}"[:200]
     return records, untraced
 

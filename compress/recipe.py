@@ -226,10 +226,16 @@ def _merged_union_errors(errors: list[dict]) -> list[dict]:
     """pydantic refuses a value that fits no member of a union once per member, under a location
     ending in the member ('calibration.dataset.str', '... .list[str]'): one error at the key,
     naming every form it may take."""
-    merged: list[dict] = []
+    stripped = []
     for err in errors:
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and _UNION_MEMBER.match(p)))
-        err = {**err, "loc": loc}
+        stripped.append({**err, "loc": loc, "member": loc != tuple(err["loc"])})
+    # a member refused inside the value (item 1 of a list) says more than another member refusing it whole
+    deeper = {e["loc"][:k] for e in stripped if e["member"] for k in range(len(e["loc"]))}
+    merged: list[dict] = []
+    for err in stripped:
+        if err["member"] and err["loc"] in deeper:
+            continue
         last = merged[-1] if merged else None
         if (last is not None and last["loc"] == loc and last["msg"].startswith("Input should be ")
                 and err["msg"].startswith("Input should be ")):

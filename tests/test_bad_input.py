@@ -121,6 +121,10 @@ def _dataset_of_wrong_type(tmp):  # was reported as key calibration.dataset.str
     return quantize(tmp, "calibration: {dataset: 5}\n" + GOOD_STAGE)
 
 
+def _dataset_list_item_of_wrong_type(tmp):  # was "calibration.dataset: Input should be a valid string"
+    return quantize(tmp, "calibration: {dataset: [calibration/default.txt, 5]}\n" + GOOD_STAGE)
+
+
 def _stage_key_typo(tmp):
     return quantize(tmp, "stages:\n  - rtn:\n      shceme: W8A16\n")
 
@@ -806,6 +810,8 @@ CASES = [
     Case("stages-key-typo", _stages_key_typo, ["r.yaml:2", "unknown key 'stagez'; did you mean 'stages'"]),
     Case("dataset-of-wrong-type", _dataset_of_wrong_type,
          ["r.yaml:1", "calibration.dataset: Input should be a valid string or a valid list, got 5"]),
+    Case("dataset-list-item-of-wrong-type", _dataset_list_item_of_wrong_type,
+         ["r.yaml:1", "calibration.dataset.1: Input should be a valid string, got 5"]),
     Case("stage-key-typo", _stage_key_typo, ["r.yaml:3", "shceme", "did you mean 'scheme'"]),
     Case("weights-key-typo", _weights_key_typo, ["r.yaml:5", "num_bit", "did you mean 'num_bits'"]),
     Case("calibration-key-typo", _calibration_key_typo, ["r.yaml:3", "num_sample", "did you mean 'num_samples'"]),

@@ -3,6 +3,7 @@ inspect, plan, recipes, --json."""
 
 import json
 import re
+import shutil
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -643,6 +644,15 @@ def test_a_full_disk_is_the_environment_not_an_internal_error(ref_llama, tmp_pat
     monkeypatch.undo()
     assert rc == 2 and "no space left on the disk" in err and "free some disk space" in err
     assert list(tmp_path.iterdir()) == []  # neither the report cut in half nor its temporary file
+    # written whole, and through a link as a plain write is (the link once became a file)
+    from compress.checkpoint import write_whole
+
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "latest.md").symlink_to(tmp_path / "reports" / "eval.md")
+    write_whole(tmp_path / "latest.md", "# report\n")
+    assert (tmp_path / "latest.md").is_symlink() and (tmp_path / "reports" / "eval.md").read_text() == "# report\n"
+    (tmp_path / "latest.md").unlink()
+    shutil.rmtree(tmp_path / "reports")
 
     def spill_fails(*args, **kwargs):
         raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 576 vs 534")

@@ -210,14 +210,14 @@ def test_engine_feeds_every_block_what_the_model_feeds_it(build):
 
 
 class ToyBlock(torch.nn.Module):
-    def __init__(self, returns_tuple: bool):
+    def __init__(self, returns_tuple: bool | int):
         super().__init__()
         self.proj = torch.nn.Linear(8, 8)
-        self.returns_tuple = returns_tuple
+        self.extra = int(returns_tuple)  # Nones returned after the hidden states
 
     def forward(self, hidden, scale=1.0, shift=0.0):
         out = hidden + self.proj(hidden) * scale + shift
-        return (out, None) if self.returns_tuple else out
+        return (out, *[None] * self.extra) if self.extra else out
 
 
 class Toy(torch.nn.Module):
@@ -248,14 +248,21 @@ def _engine_on_toy(loop, returns_tuple=False) -> dict:
 
 
 def test_engine_replays_the_first_blocks_keywords_where_the_layer_loop_cannot_be_traced():
-    """A layer loop that unpacks a tuple from each block (older transformers) cannot run on
-    pass-through recorders; the engine then gives every block the first block's keywords, says
-    so, and still feeds each block what the model does when those are all the same."""
+    """A layer loop that unpacks a longer tuple from each block cannot run on recorders (which
+    return the hidden states, or those and None); the engine then gives every block the first
+    block's keywords, says so, and still feeds each block what the model does when those are all
+    the same. A loop that unpacks two (older transformers, DeBERTa-v2) is traced."""
     def unpacking(i, layer, hidden):
-        hidden, _ = layer(hidden, scale=torch.tensor(0.5))  # a recorder's tensor of batch 1 does not unpack
+        hidden, _ = layer(hidden, scale=torch.tensor(0.5))
         return hidden
 
-    summary = _engine_on_toy(unpacking, returns_tuple=True)
+    assert "untraced_layer_loop" not in _engine_on_toy(unpacking, returns_tuple=True)
+
+    def unpacking_three(i, layer, hidden):
+        hidden, _, _ = layer(hidden, scale=torch.tensor(0.5))  # neither a tensor of batch 1 nor a pair unpacks
+        return hidden
+
+    summary = _engine_on_toy(unpacking_three, returns_tuple=2)
     assert "first block's keywords (ValueError" in summary["untraced_layer_loop"]
     # and the run says so (the summary alone once did): nothing checked what the later blocks got
     [warning] = summary["warnings"]
@@ -271,8 +278,13 @@ def test_a_layer_loop_that_changes_the_hidden_states_between_blocks_is_refused()
         hidden = layer(hidden)
         return hidden * 2 if i == 0 else hidden
 
-    with pytest.raises(CompressError, match=r"changes the hidden states between layers\.0 and layers\.1"):
-        _engine_on_toy(changing)
+    def unpacking_and_changing(i, layer, hidden):  # DeBERTa-v2's loop: `output_states, attn_weights = layer(...)`
+        hidden, _ = layer(hidden)
+        return hidden * 2 if i == 0 else hidden
+
+    for loop, returns_tuple in ((changing, False), (unpacking_and_changing, True)):
+        with pytest.raises(CompressError, match=r"changes the hidden states between layers\.0 and layers\.1"):
+            _engine_on_toy(loop, returns_tuple)
 
 
 def test_padding_that_would_change_the_rotary_tables_is_not_done():
