@@ -1059,6 +1059,8 @@ def _main(argv: list[str] | None) -> int:
             return _interrupted(argv)
         return rc if isinstance(rc, int) else 0
     except CompressError as exc:
+        if _other_process() and not debug:  # under a launcher every process refuses the same input: the main one says it
+            return 2
         if debug:  # the traceback, and still the exit code a script tells bad input by
             traceback.print_exc()
         console.print(f"[red]error:[/red] {escape(exc.message)}" + (f" [dim]({escape(exc.hint)})[/dim]" if exc.hint else ""),
@@ -1077,7 +1079,7 @@ def _main(argv: list[str] | None) -> int:
         console.print("aborted")
         return 130
     except KeyboardInterrupt:
-        return _interrupted(argv)
+        return 130 if _other_process() else _interrupted(argv)
     except Exception as exc:  # click usage errors come here too
         if _caused_by_interrupt(exc):
             return _interrupted(argv)
@@ -1108,6 +1110,14 @@ _PATH_HINTS = {errno.ENAMETOOLONG: "use a shorter name (compress adds a prefix a
                errno.EROFS: "write somewhere writable", errno.ENOSPC: "free some disk space, or write elsewhere",
                errno.EDQUOT: "free some disk space, or write elsewhere",
                errno.ENOTDIR: "a part of the path is a file, not a directory"}
+
+
+def _other_process() -> bool:
+    """Whether this is a process other than the main one of several a launcher started
+    (`accelerate launch`, torchrun): those stay silent about what the main one reports."""
+    from compress.training import process_rank
+
+    return process_rank() != 0
 
 
 def _caused_by_interrupt(exc: BaseException) -> bool:

@@ -157,12 +157,37 @@ def in_float32(model: torch.nn.Module):
             t.data = t.data.to(dtype)
 
 
+# Where a launcher says which process this is: torchrun (and `accelerate launch` on GPUs) set
+# RANK and WORLD_SIZE; MPI launchers (`accelerate launch --cpu` over mpirun) their own, which
+# accelerate reads only once an Accelerator exists: too late for who writes the output.
+_RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+_WORLD_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _first_int(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.strip().lstrip("-").isdigit():
+            return int(value)
+    return default
+
+
+def process_rank() -> int:
+    """This process's rank among those a launcher started (0 when run alone)."""
+    return _first_int(_RANK_VARIABLES, 0)
+
+
+def process_count() -> int:
+    """How many processes a launcher started (1 when run alone)."""
+    return max(1, _first_int(_WORLD_VARIABLES, 1))
+
+
 def make_accelerator(cfg: TrainingConfig, device: torch.device):
     """An Accelerator for `device` (CPU, or the GPU of this process under `accelerate launch`)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if process_count() == 1:
         # accelerate keeps one process-wide state and refuses an Accelerator with another device or
         # precision. In a single process every training stage (QAT on the GPU, then a CPU run in the
         # same Python session) may ask for its own, so each starts from a fresh state; under
@@ -277,12 +302,21 @@ def train(objective: torch.nn.Module, train_ids: torch.Tensor, eval_ids: torch.T
             sync = micro == cfg.gradient_accumulation - 1
             with (accelerator.no_sync(objective) if not sync and world > 1 else nullcontext()):
                 loss, parts = objective(batch)
-                if not math.isfinite(float(loss.detach())):  # saving what follows would save NaN weights
-                    raise CompressError(f"stage {name}: the training loss is {float(loss.detach())} at step {step}",
+                finite = math.isfinite(float(loss.detach()))
+                if world > 1:  # agreed: a process stopping alone would leave the others waiting in backward
+                    finite = float(accelerator.reduce(torch.tensor(float(finite), device=accelerator.device),
+                                                      reduction="sum")) == world
+                if not finite:  # saving what follows would save NaN weights
+                    value = float(loss.detach())
+                    raise CompressError(f"stage {name}: the training loss is "
+                                        f"{value if not math.isfinite(value) else 'not finite (on another process)'} at step {step}",
                                         "lower the learning rate (lr), or clip the gradients harder (a lower max_grad_norm)")
                 accelerator.backward(loss / cfg.gradient_accumulation)
             for k, v in parts.items():
                 sums[k] = sums.get(k, 0.0) + v / cfg.gradient_accumulation
+        if world > 1 and sums:  # each process saw its share of the batch: the step's loss is their mean
+            sums = dict(zip(sums, accelerator.reduce(torch.tensor(list(sums.values()), device=accelerator.device),
+                                                     reduction="mean").tolist()))
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None and id(p) in mask_of:

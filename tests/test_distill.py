@@ -341,6 +341,7 @@ def test_two_processes_with_ddp_match_one(tmp_path, repo):
     two = subprocess.run([*torchrun, "-m", "compress", *common, "--output", str(tmp_path / "two")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-2000:]
+    assert json.loads(two.stdout)["output_dir"]  # one document: the main process's
     report = json.loads((tmp_path / "two" / "report.json").read_text())
     training = report["stages"][0]["summary"]["training"]
     assert training["processes"] == 2 and training["distributed"] == "MULTI_CPU"
@@ -348,6 +349,33 @@ def test_two_processes_with_ddp_match_one(tmp_path, repo):
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
     t = load_file(teacher / "model.safetensors")
     assert float((a["model.layers.0.mlp.up_proj.weight"] - t["model.layers.1.mlp.up_proj.weight"]).abs().max()) > 1e-5  # it trained
+    # the training loss of each step is the whole batch's (it was the main process's half alone)
+    single = json.loads((tmp_path / "one" / "report.json").read_text())["stages"][0]["summary"]["training"]["history"]
+    assert [round(h["train_kd"], 4) for h in training["history"][1:]] == [round(h["train_kd"], 4) for h in single[1:]]
+    # what the processes cannot split is refused before any work, once, in one JSON document; held
+    # out fewer than the processes, the evaluation waited for ever
+    for option, words in ((["--batch-size", "3"], "batch_size 3 does not split over 2 processes"),
+                          (["--eval-samples", "1"], "--eval-samples 1 is fewer than the 2 processes")):
+        argv = [*common, *option, "--output", str(tmp_path / "bad")]
+        bad = subprocess.run([*torchrun, "-m", "compress", *argv], env=env, capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and words in json.loads(bad.stdout)["error"] and bad.stderr.count(words) == 1, bad.stderr[-2000:]
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_main_process_is_known_under_an_mpi_launcher(monkeypatch, ref_llama, tmp_path):
+    """`accelerate launch --cpu` runs several processes through mpirun, which sets OMPI_COMM_WORLD_*
+    and not RANK: every process took itself for the main one, and two raced to write the output
+    (one left it without weights, exit 0)."""
+    from compress.training import process_count, process_rank
+
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert (process_rank(), process_count()) == (1, 2)
+    report = run_recipe(parse_recipe("stages:\n  - rtn: {scheme: W8A16}\n", "t"), model=str(ref_llama),
+                        output=str(tmp_path / "out"), device="cpu")
+    assert report == {"skipped": True, "rank": 1} and not (tmp_path / "out").exists()
 
 
 def test_data_free_distillation_on_teacher_samples(tmp_path, capsys, monkeypatch):

@@ -32,7 +32,7 @@ from compress.sparsity import pruned_zeros
 from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext, from_input
 from compress.targets import LINEAR_TYPES, Pattern, matches
-from compress.training import StartingValues, TrainingConfig, in_float32, run_fingerprint, train
+from compress.training import StartingValues, TrainingConfig, in_float32, process_count, run_fingerprint, train
 from compress.training_data import TrainingData, check_generated_count, training_sequences
 
 
@@ -316,6 +316,13 @@ def check_training(stage, name: str, model: torch.nn.Module, student_layers: int
     causal = modeling.is_causal_lm(model.config)
     check_loss(name, stage, causal, student_layers, teacher_layers)
     frozen_parameters(model, stage.freeze, name)
+    processes = process_count()  # under a launcher: each step's batch and the held-out set are split over them
+    if stage.train.batch_size % processes:
+        raise CompressError(f"stage {name}: batch_size {stage.train.batch_size} does not split over {processes} processes",
+                            f"use a multiple of {processes}")
+    if stage.data.eval_samples < processes:  # a process with no held-out sequence would wait for the others for ever
+        raise CompressError(f"stage {name}: eval_samples {stage.data.eval_samples} is fewer than the {processes} processes "
+                            "the held-out sequences are split over", f"hold out at least {processes}")
     if stage.data.generate is not None and not causal:
         raise CompressError(f"stage {name}: data.generate samples text from a causal language model's next-token "
                             f"distribution; {type(model).__name__} is an encoder", "train on text instead: set data.dataset")
