@@ -199,12 +199,10 @@ def _set_aside(output: Path) -> list[tuple[str, Path]]:
     one whole. Those a killed bench left aside are dropped (their report was being replaced)."""
     import os
 
-    from compress.checkpoint import pid_alive
+    from compress.checkpoint import left_by_dead_runs
 
-    for stale in output.glob(".*.earlier-*"):
-        pid = stale.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or not pid_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
+    for stale in left_by_dead_runs(output, ".*.earlier-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     earlier = []
     for name in ("rows", "against"):
         if (output / name).exists():

@@ -48,7 +48,18 @@ def watch_progress(progress):
     return update
 
 
-def pid_alive(pid: int) -> bool:
+def left_by_dead_runs(directory: Path, pattern: str) -> list[Path]:
+    """Entries of `directory` matching `pattern` and named `...-<pid>` by a run that is gone
+    (killed: SIGKILL, power loss, no chance to clean up), recognised by their dead process id."""
+    found = []
+    for p in Path(directory).glob(pattern):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            found.append(p)
+    return found
+
+
+def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -256,14 +267,8 @@ class AtomicOutput:
         return False
 
     def _left_by_dead_runs(self, kind: str) -> list[Path]:
-        """`.<dest>.<kind>-<pid>` directories of earlier runs into the same destination that were
-        killed (SIGKILL, power loss: no chance to clean up), recognised by their dead process id."""
-        found = []
-        for p in self.dest.parent.glob(f".{self.dest.name}.{kind}-*"):
-            pid = p.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)) and p.is_dir():
-                found.append(p)
-        return found
+        """`.<dest>.<kind>-<pid>` directories of killed earlier runs into the same destination."""
+        return [p for p in left_by_dead_runs(self.dest.parent, f".{self.dest.name}.{kind}-*") if p.is_dir()]
 
     def _remove_stale(self) -> None:
         for p in self._left_by_dead_runs("tmp"):

@@ -237,7 +237,7 @@ def _merged_union_errors(errors: list[dict]) -> list[dict]:
         if err["member"] and err["loc"] in deeper:
             continue
         last = merged[-1] if merged else None
-        if (last is not None and last["loc"] == loc and last["msg"].startswith("Input should be ")
+        if (last is not None and last["loc"] == err["loc"] and last["msg"].startswith("Input should be ")
                 and err["msg"].startswith("Input should be ")):
             last["msg"] += " or " + err["msg"].removeprefix("Input should be ")
             continue

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from compress import moe
-from compress.checkpoint import kill_point, pid_alive
+from compress.checkpoint import kill_point, left_by_dead_runs
 from compress.errors import CompressError
 
 ENTRY_FORMAT = 1
@@ -232,10 +232,8 @@ def prepare(cache_dir: str | Path | None, recipe, inputs: list[str | Path] = (),
 def _remove_stale_entries(stages: Path) -> None:
     """Entries a killed run was writing (`.KEY.tmp-PID`, a whole model each) go once their process
     is gone; a running one's are left alone."""
-    for tmp in stages.glob(".*.tmp-*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)
+    for tmp in left_by_dead_runs(stages, ".*.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def open_cache(root: Path, recipe, model_dir: str, source: dict, calibration, seed: int,
