@@ -159,9 +159,7 @@ class Distill(DistillLoss, Stage):
             keep_blocks(model, self.keep_layers, ctx.layers, "distill")
         teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "distill")
         trainable = trainable_parameters(model, self.freeze, "distill")
-        start = StartingValues(trainable) if self.keep_start_if_worse else None
         summary = run_training(self, "distill", model, teacher, teacher_ref, ctx, self.data, self.train, trainable=trainable)
-        keep_start_if_worse(summary, start, "distill", ctx.stage_index, "the starting weights")
         return summary
 
 
@@ -372,10 +370,13 @@ def keep_blocks(model: torch.nn.Module, keep: list[int], records: dict[str, dict
 def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: Optional[torch.nn.Module],
                  teacher_ref: Optional[str], ctx: StageContext, data: TrainingData, cfg: TrainingConfig,
                  trainable: list[torch.nn.Parameter], extra_groups: list[dict] = (), masks: Optional[list] = None,
-                 settle: Callable[[], None] = lambda: None) -> dict:
+                 settle: Callable[[], None] = lambda: None, starting: str = "the starting weights") -> dict:
     """Data, objective, loop, and the summary both training stages report. `settle`: the stage's
     own step from trained float32 values to saved ones (QAT's grid), before they are rounded to
-    the model's dtype and the final held-out figures measured."""
+    the model's dtype and the final held-out figures measured. With the stage's
+    keep_start_if_worse, a CPU copy of every trained parameter (`extra_groups`' too) is kept, and
+    a run that ends worse gives them back; `starting` names them in the warning."""
+    start = StartingValues([*trainable, *(p for g in extra_groups for p in g["params"])]) if stage.keep_start_if_worse else None
     causal = modeling.is_causal_lm(model.config)
     loss_cfg = DistillLoss(**{k: getattr(stage, k) for k in DistillLoss.model_fields})
     if loss_cfg.hidden_loss == "auto":
@@ -425,6 +426,7 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
     if result["resumed_from_step"]:
         summary["resumed_from_step"] = result["resumed_from_step"]
     summary["training"] = {"loss": loss_cfg.model_dump(exclude={"teacher"}), "train": cfg.model_dump(), **result}
+    keep_start_if_worse(summary, start, name, ctx.stage_index, starting)
     return summary
 
 

@@ -37,11 +37,11 @@ from compress.quant import (QParams, compute_qparams, fake_quantize, fake_quanti
                             recover_qparams, relative_error, scale_gradient, scales_stored_as, storable_scale)
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext, check_weight
-from compress.stages.distill import (DistillLoss, check_training, input_is_quantized, keep_start_if_worse, load_teacher,
-                                     pruning_masks, run_training, trainable_parameters, uses_teacher)
+from compress.stages.distill import (DistillLoss, check_training, input_is_quantized, load_teacher, pruning_masks,
+                                     run_training, trainable_parameters, uses_teacher)
 from compress.stages.structured import input_layer_name
 from compress.targets import Pattern
-from compress.training import StartingValues, TrainingConfig
+from compress.training import TrainingConfig
 from compress.training_data import TrainingData
 
 
@@ -189,11 +189,6 @@ class QAT(DistillLoss, QuantizationStage):
         trainable = trainable_parameters(model, self.freeze, "qat")
         trainable = [p for p in trainable if not any(p is s for s in scales)]
         extra = [{"params": scales, "lr": self.scale_lr or self.train.lr, "weight_decay": 0.0}] if scales else []
-        # Every trained value as it starts (on the CPU): training that ends worse than its start
-        # (an 8-bit grid barely loses anything, and AdamW's steps of about lr move weights by
-        # more than its step size) gives the start back rather than a worse model.
-        start = StartingValues(trainable + scales) if self.keep_start_if_worse else None
-
         def onto_grid() -> None:
             """After the last step: each float32 weight becomes its quantized value, so the codes
             saved are those training reached (rounding the float32 weights to a half-precision
@@ -205,12 +200,11 @@ class QAT(DistillLoss, QuantizationStage):
 
         try:
             summary = run_training(self, "qat", model, teacher, teacher_ref, ctx, self.data, self.train,
-                                   trainable=trainable, extra_groups=extra, masks=masks, settle=onto_grid)
+                                   trainable=trainable, extra_groups=extra, masks=masks, settle=onto_grid,
+                                   starting="the starting weights and grid")
         finally:
             for h in hooks:
                 h.remove()
-        keep_start_if_worse(summary, start, "qat", ctx.stage_index, "the starting weights and grid")
-        del start
         errors = []
         # The float weights a layer's error is measured against: what QAT received, unless an
         # earlier stage had already quantized it (GPTQ then QAT): then the input model's own,
