@@ -108,6 +108,8 @@ def _rows() -> list[Row]:
         # the same, then the FP8 KV cache (calibrated key and value scales): what the cache adds
         Row("ref-llama", "FP8_DYNAMIC", {}, method="FP8 KV cache", stage_name="kv_cache",
             before=({"rtn": {"scheme": "FP8_DYNAMIC"}},)),
+        # FP8 with a scale per 128x128 weight tile and per token per 128 input features (DeepSeek-V3's)
+        Row("ref-llama", "FP8_BLOCK", {"scheme": "FP8_BLOCK"}),
         # FP4 weights in the two block formats (E2M1 codes; e4m3 block scales under a global scale,
         # or power-of-two block scales), then the same with GPTQ
         Row("ref-llama", "NVFP4 g16", {"scheme": "NVFP4A16"}),
@@ -163,6 +165,7 @@ def _rows() -> list[Row]:
         Row("minilm", "W3 absmax g64", {"scheme": "W4A16", "weights": {"num_bits": 3, "group_size": 64}}),
         Row("minilm", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}),
         Row("minilm", "W8A8 int8 static per-tensor", W8A8_STATIC),
+        Row("minilm", "FP8_BLOCK", {"scheme": "FP8_BLOCK"}),
         Row("minilm", "NVFP4 g16", {"scheme": "NVFP4A16"}),
         Row("minilm", "NVFP4 g16", {"scheme": "NVFP4A16"}, **GPTQ_ROW),
         Row("minilm", "NVFP4 W4A4", {"scheme": "NVFP4"}),

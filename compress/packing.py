@@ -66,6 +66,8 @@ def ct_args(args: dict, activations: bool = False):
         extra = {"scale_dtype": dtype, "zp_dtype": dtype}
         if activations and nv:
             dynamic = "local"  # block scales from each input, the global scale calibrated (input_global_scale)
+    if args.get("block_structure"):
+        extra["block_structure"] = list(args["block_structure"])
     return QuantizationArgs(num_bits=args["num_bits"], type=args["type"], symmetric=args["symmetric"],
                             strategy=args["strategy"], group_size=args.get("group_size"), dynamic=dynamic, **extra)
 
@@ -98,7 +100,7 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
             problems.append(f"{name}, a {type(module).__name__} layer rather than a Linear one")
         elif w["strategy"] in ("group", "tensor_group") and module.in_features % w["group_size"]:
             problems.append(f"{name}, whose {module.in_features} input features are not a whole number of groups of {w['group_size']}")
-        elif w["strategy"] not in ("tensor", "channel", "group", "tensor_group"):
+        elif w["strategy"] not in ("tensor", "channel", "group", "tensor_group", "block"):
             problems.append(f"{name}, with weight strategy {w['strategy']}")
         elif id(module.weight) in shared:
             problems.append(f"{name}, whose weight is tied to another parameter")
@@ -199,7 +201,7 @@ def _experts_plain_transformers_cannot_load(net: torch.nn.Module, layers: dict) 
     """A note for a packed mixture-of-experts checkpoint that plain transformers cannot open.
     transformers fuses the per-expert matrices as it loads them, and with compressed-tensors
     0.20 that works for symmetric integer weights (W4A16, W8A16) and FP8 only: zero points,
-    int8 activations and FP4 blocks fail (tests/test_moe.py), as do unquantized experts beside
+    int8 activations, FP4 blocks and FP8 tiles fail (tests/test_moe.py), as do unquantized experts beside
     quantized layers. compress reads all of them; the note says so where the run ends."""
     if not any(moe.is_fused_experts(m) for m in net.modules()):
         return ""
@@ -207,9 +209,10 @@ def _experts_plain_transformers_cannot_load(net: torch.nn.Module, layers: dict) 
     if experts:  # one scheme for every expert (_expert_problems)
         rec = layers[experts[0]]
         _, fmt = _compressor(ct_scheme(rec, [experts[0]]))
-        if rec["weights"]["symmetric"] and fmt in ("pack-quantized", "float-quantized"):
+        tiles = rec["weights"]["strategy"] == "block"
+        if rec["weights"]["symmetric"] and fmt in ("pack-quantized", "float-quantized") and not tiles:
             return ""
-        what = f"experts quantized as {fmt}" + ("" if rec["weights"]["symmetric"] else " with zero points")
+        what = f"experts quantized as {fmt}" + (" in tiles" if tiles else "" if rec["weights"]["symmetric"] else " with zero points")
     else:
         what = "unquantized experts beside quantized layers"
     return (f"; plain transformers (compressed-tensors 0.20) cannot load {what} (compress "
@@ -299,7 +302,8 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
         scale, zero_point, failed = _shared_fp8_scale(weight, rec["fp8_absmax"]), None, 0
     else:
         scale, zero_point, failed = recover_qparams(weight, w["num_bits"], w["symmetric"], w["strategy"],
-                                                    w.get("group_size"), float8=w["type"] == "float")
+                                                    w.get("group_size"), float8=w["type"] == "float",
+                                                    block_structure=w.get("block_structure"))
     if failed:
         raise NotPackable(f"layer {name}: {failed} weight group(s) are not on a {w['num_bits']}-bit grid the format can store exactly",
                             "pass --format dense; the layer's weights were changed after quantization, or GPTQ ran with "
@@ -308,7 +312,7 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
         # readers hold scales in the model's dtype: store them so wherever they are exact there
         # (stages round them so: compress.quant.scales_stored_as), so nothing is cast on load
         in_dtype = scales_as(weight, scale, zero_point, w["num_bits"], w["strategy"], w.get("group_size"), weight.dtype,
-                             float8=w["type"] == "float")
+                             float8=w["type"] == "float", block_structure=w.get("block_structure"))
         scale = scale if in_dtype is None else in_dtype
     scales = {"weight_scale": scale}
     if zero_point is not None:
@@ -637,6 +641,8 @@ def _check_against_record(path: Path, name: str, weights, record: dict | None) -
             "strategy": getattr(weights.strategy, "value", weights.strategy), "symmetric": weights.symmetric}
     if said["strategy"] in ("group", "tensor_group"):
         said["group_size"] = weights.group_size
+    if said["strategy"] == "block":
+        said["block_structure"] = list(weights.block_structure or [])
     differ = next((k for k, v in said.items() if k in record and record[k] != v), None)
     if differ is not None:
         raise CompressError(f"{path / 'config.json'}: quantization_config gives layer {name} {differ} {said[differ]}, "
@@ -703,12 +709,13 @@ def attach_activation_quant(model: torch.nn.Module, qconfig, tensors: dict[str, 
         dynamic = getattr(a.dynamic, "value", a.dynamic)
         fp4 = kind == "float" and a.num_bits == 4
         nvfp4 = fp4 and strategy == "tensor_group" and dynamic == "local"
-        if not (strategy in ("tensor", "token") and dynamic in (True, False)) and not nvfp4 \
-                and not (fp4 and strategy == "group" and dynamic is True):
+        grouped = kind == "float" and strategy == "group" and dynamic is True  # MXFP4's blocks, FP8_BLOCK's groups
+        if not (strategy in ("tensor", "token") and dynamic in (True, False)) and not nvfp4 and not grouped:
             raise CompressError(f"{path}: activation strategy {strategy} (dynamic {dynamic}) is not one compress simulates",
-                                "compress evaluates per-tensor static and per-token dynamic activations, and NVFP4 and MXFP4 blocks")
+                                "compress evaluates per-tensor static and per-token dynamic activations, FP8 groups per "
+                                "token, and NVFP4 and MXFP4 blocks")
         args = QuantArgs(num_bits=a.num_bits, type=kind, symmetric=a.symmetric, strategy=strategy, dynamic=not nvfp4 and dynamic,
-                         group_size=a.group_size if fp4 else None)
+                         group_size=a.group_size if fp4 or grouped else None)
         for name, module in match_named_modules(model, scheme.targets, qconfig.ignore):
             if name in done:
                 continue

@@ -262,11 +262,37 @@ def fp8_step(absmax: torch.Tensor, storable: bool = False) -> torch.Tensor:
     return storable_scale(scale) if storable else scale
 
 
+def tile_absmax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """max |x| over each tile of `rows` x `cols` of a 2-D tensor, [ceil(R/rows), ceil(C/cols)]: a
+    partial tile at the edge is as if zero-padded (compressed-tensors' block layout), which leaves
+    its maximum as it is."""
+    R, C = x.shape
+    padded = torch.nn.functional.pad(x.abs(), (0, (-C) % cols, 0, (-R) % rows))
+    return padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols).amax(dim=(1, 3))
+
+
+def as_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A 2-D tensor as one row per tile of `rows` x `cols` (row-major over tiles), zero-padded at
+    the edges: [ceil(R/rows) * ceil(C/cols), rows * cols]."""
+    R, C = x.shape
+    padded = torch.nn.functional.pad(x, (0, (-C) % cols, 0, (-R) % rows))
+    tiles = padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols).transpose(1, 2)
+    return tiles.reshape(-1, rows * cols)
+
+
+def _per_element(tiles: torch.Tensor, rows: int, cols: int, shape: torch.Size) -> torch.Tensor:
+    """Each tile's value at every element it covers (the inverse layout of tile_absmax)."""
+    return tiles.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[: shape[0], : shape[1]]
+
+
 def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | None = None,
-                      storable: bool = False) -> torch.Tensor:
-    """Round x to float8 e4m3 after scaling its range onto the format's [-448, 448]. `storable`
-    (weights): the scale rounded up to a value of the stage's scale dtype (storable_scale), the
-    one a half-precision checkpoint stores and its readers multiply by."""
+                      storable: bool = False, group_size: int | None = None,
+                      block_structure: list[int] | None = None) -> torch.Tensor:
+    """Round x to float8 e4m3 after scaling its range onto the format's [-448, 448], one scale per
+    tensor, row (channel, token), `group_size` columns of a row (group: dynamic activations) or
+    `block_structure` tile of a 2-D weight (block). `storable` (weights): the scale rounded up to a
+    value of the stage's scale dtype (storable_scale), the one a half-precision checkpoint stores
+    and its readers multiply by."""
     if not hasattr(torch, "float8_e4m3fn"):
         raise RuntimeError("this torch build has no float8_e4m3fn dtype; FP8 needs torch >= 2.1")
     x32, finite = _finite_or_zero(x.float())
@@ -275,8 +301,14 @@ def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | Non
             absmax = x32.abs().amax(dim=-1, keepdim=True)
         elif strategy == "tensor":
             absmax = x32.abs().amax()
+        elif strategy == "group" and group_size:
+            flat = x32.reshape(-1, x32.shape[-1])
+            absmax = _per_element(tile_absmax(flat, 1, group_size), 1, group_size, flat.shape).reshape(x32.shape)
+        elif strategy == "block" and block_structure and x32.dim() == 2:
+            absmax = _per_element(tile_absmax(x32, *block_structure), *block_structure, x32.shape)
         else:
-            raise ValueError(f"FP8 supports tensor, channel and token strategies, not {strategy!r}")
+            raise ValueError(f"FP8 supports tensor, channel, token, group (with group_size) and block (2-D, with "
+                             f"block_structure) strategies, not {strategy!r}")
     scale = fp8_step(absmax, storable)
     out = (x32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
     raw = absmax.float() / FP8_E4M3_MAX
@@ -302,7 +334,7 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
 
 
 def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: str, group_size: int | None = None,
-                    float8: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+                    float8: bool = False, block_structure: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """Scales (and zero points) that reproduce an already-quantized weight bit for bit.
 
     Why recovered rather than recorded: stages leave each weight as dequantized values
@@ -327,7 +359,8 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
     float32 neighbours are tried. The zero point is the lowest (or highest) code's offset.
 
     weight: [rows, cols] in its own dtype. Returns (scale [rows, n_groups] float32, zero_point
-    [rows, n_groups] int8 or None when symmetric, number of groups that failed to verify).
+    [rows, n_groups] int8 or None when symmetric, number of groups that failed to verify); for
+    FP8 tiles (strategy block) a group is a tile, and the scales are [row tiles, column tiles].
     """
     rows, cols = weight.shape
     if strategy == "group":
@@ -338,9 +371,13 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
         shape = (rows, 1, cols)
     elif strategy == "tensor":
         shape = (1, 1, rows * cols)
+    elif strategy == "block" and float8 and block_structure:
+        br, bc = block_structure
+        shape = (-(-rows // br), -(-cols // bc), br * bc)
     else:
         raise ValueError(f"weights cannot be packed with strategy {strategy!r}")
-    w = weight.detach().reshape(-1, shape[-1])  # one row per group
+    # one row per group (the zeros padding a partial tile verify at any scale)
+    w = as_tiles(weight.detach(), *block_structure) if strategy == "block" else weight.detach().reshape(-1, shape[-1])
     if float8:
         qmin, qmax, top = -FP8_E4M3_MAX, FP8_E4M3_MAX, [FP8_E4M3_MAX]
     else:
@@ -589,7 +626,8 @@ def _solve_groups(w: torch.Tensor, top: float, start: int, qmin: float, qmax: fl
 
 
 def scales_as(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int, strategy: str,
-              group_size: int | None, dtype: torch.dtype, float8: bool = False) -> torch.Tensor | None:
+              group_size: int | None, dtype: torch.dtype, float8: bool = False,
+              block_structure: list[int] | None = None) -> torch.Tensor | None:
     """recover_qparams' float32 scales as values of `dtype` that give back `weight` just as
     exactly, or None when some group has none (its scale is then kept in float32).
 
@@ -597,8 +635,11 @@ def scales_as(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     every recovered scale comes from, within one step of `dtype` of the recovered one: the nearest
     value and its two neighbours are tried, each group verified as recover_qparams verifies."""
     rows, cols = weight.shape
-    per_group = group_size if strategy == "group" else (cols if strategy == "channel" else rows * cols)
-    w = weight.detach().reshape(-1, per_group)
+    if strategy == "block":
+        w = as_tiles(weight.detach(), *block_structure)
+    else:
+        per_group = group_size if strategy == "group" else (cols if strategy == "channel" else rows * cols)
+        w = weight.detach().reshape(-1, per_group)
     x = w.float()
     z = torch.zeros(w.shape[0], 1) if zero_point is None else zero_point.reshape(-1, 1).float()
     qmin, qmax = (-FP8_E4M3_MAX, FP8_E4M3_MAX) if float8 else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)

@@ -44,8 +44,8 @@ def keys(name: str) -> list[dict]:
 
 # QuantArgs serves weights and activations alike; what only one side takes is left out of the other
 # side's rows (the scheme refuses it there): weights have no tokens and no run-time ranges, and
-# activations are per token or per tensor (or FP4 blocks), never per output channel.
-_NOT_ON = {"weights": ({"dynamic"}, {"token"}), "input_activations": (set(), {"channel"})}
+# activations are per token or per tensor (or FP4 blocks, FP8 groups), never per output channel or tile.
+_NOT_ON = {"weights": ({"dynamic"}, {"token"}), "input_activations": ({"block_structure"}, {"channel", "block"})}
 
 
 def _rows(cls: type[BaseModel], prefix: str):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from compress.quant import MXFP4_GROUP, NVFP4_GROUP
 
@@ -29,11 +29,14 @@ class QuantArgs(BaseModel):
     num_bits: int = Field(8, strict=True, description="bit width: 2..8 for int; for float 8 (FP8 e4m3) or 4 (FP4 e2m1: NVFP4, MXFP4)")
     type: Literal["int", "float"] = "int"
     symmetric: bool = Field(True, description="true: absmax; false: zero-point (asymmetric)")
-    strategy: Literal["tensor", "channel", "group", "tensor_group", "token"] = Field(
-        "channel", description="tensor_group: NVFP4's blocks of 16 with e4m3 scales under one per-tensor scale")
+    strategy: Literal["tensor", "channel", "group", "tensor_group", "block", "token"] = Field(
+        "channel", description="tensor_group: NVFP4's blocks of 16 with e4m3 scales under one per-tensor scale; "
+                               "block: FP8 weights with one scale per tile of block_structure (rows, columns)")
     # A group wider than any layer is one group per row (strategy channel); the bound keeps an
     # absurd value from padding every row to it (1e9 columns) or overflowing torch's pad.
     group_size: Optional[int] = Field(None, strict=True, le=MAX_GROUP_SIZE, description="columns per scale when strategy is group")
+    block_structure: Optional[list[StrictInt]] = Field(None, description="strategy block: [rows, columns] of a weight tile "
+                                                 "sharing one scale ([128, 128] in FP8_BLOCK)")
     dynamic: bool = Field(False, description="activations: ranges from each input (true) or from calibration (false)")
     full_range: bool = Field(False, description="symmetric int: all 2^b codes, [-2^(b-1), 2^(b-1)-1], step max|x|/(2^(b-1)-0.5) "
                              "(compressed-tensors' grid); false: absmax, codes symmetric about 0")
@@ -47,8 +50,9 @@ class QuantArgs(BaseModel):
                 raise ValueError("float quantization is FP8 (e4m3, num_bits 8) or FP4 (e2m1, num_bits 4)")
             if not self.symmetric:
                 raise ValueError(f"FP{self.num_bits} quantization is symmetric: set symmetric: true")
-            if self.num_bits == 8 and self.strategy in ("group", "tensor_group"):
-                raise ValueError("FP8 supports tensor, channel and token strategies, not group")
+            if self.num_bits == 8 and self.strategy == "tensor_group":
+                raise ValueError("FP8 supports tensor, channel, block and token strategies (and group for dynamic "
+                                 "activations), not tensor_group")
             if self.num_bits == 4 and self.strategy == "tensor_group" and self.group_size != NVFP4_GROUP:
                 raise ValueError(f"NVFP4 (strategy tensor_group) has blocks of {NVFP4_GROUP}: set group_size: {NVFP4_GROUP}")
             if self.num_bits == 4 and self.strategy == "group" and self.group_size != MXFP4_GROUP:
@@ -58,6 +62,17 @@ class QuantArgs(BaseModel):
                 raise ValueError("FP4 quantizes in blocks: strategy tensor_group (NVFP4, group_size 16) or group (MXFP4, group_size 32)")
         elif self.strategy == "tensor_group":
             raise ValueError("strategy tensor_group is NVFP4's: set type: float and num_bits: 4 (or use strategy group)")
+        if self.strategy == "block":
+            if self.type != "float" or self.num_bits != 8:
+                raise ValueError("strategy block is FP8's (type float, num_bits 8): integer grids use strategy group")
+            if self.block_structure is None:
+                raise ValueError("strategy block needs block_structure: [rows, columns] of a tile, e.g. [128, 128]")
+        if self.block_structure is not None:
+            if self.strategy != "block":
+                raise ValueError(f"block_structure is set but strategy is {self.strategy!r}: set strategy: block")
+            if len(self.block_structure) != 2 or any(not 0 < n <= MAX_GROUP_SIZE for n in self.block_structure):
+                raise ValueError(f"block_structure must be two positive integers [rows, columns] of at most "
+                                 f"{MAX_GROUP_SIZE}, got {self.block_structure}")
         if self.full_range and (self.type != "int" or not self.symmetric):
             raise ValueError("full_range is for symmetric int quantization (zero-point already uses all 2^b codes)")
         if self.strategy in ("group", "tensor_group"):
@@ -82,6 +97,8 @@ class QuantArgs(BaseModel):
             return f"{self.fp4_format} g{self.group_size}" + (" dynamic" if self.dynamic else "")
         kind = f"{'fp' if self.type == 'float' else 'int'}{self.num_bits}"
         gran = f"g{self.group_size}" if self.strategy == "group" else f"per-{self.strategy}"
+        if self.strategy == "block":
+            gran = "block {}x{}".format(*self.block_structure)
         sym = symmetry_label(self.symmetric, self.full_range)
         dyn = "" if not self.dynamic else " dynamic"
         return f"{kind} {gran} {sym}{dyn}"
@@ -108,6 +125,8 @@ def weights_label(w: dict | None) -> str:
     if fp4_format(w):
         return f"{fp4_format(w)} g{w.get('group_size')}"
     group = f" g{w['group_size']}" if w.get("group_size") else ""
+    if w.get("block_structure"):
+        group = " {}x{}".format(*w["block_structure"])
     return f"{w.get('type', 'int')}{w.get('num_bits')} {w.get('strategy')}{group} {symmetry_label(w.get('symmetric'), w.get('full_range', False))}"
 
 
@@ -129,6 +148,9 @@ PRESETS: dict[str, dict] = {
     "W4A8": {"weights": _w(4, "group", 128), "input_activations": _a()},
     "FP8": {"weights": _w(8, "tensor", type="float"), "input_activations": _a(8, "tensor", False, "float")},
     "FP8_DYNAMIC": {"weights": _w(8, "channel", type="float"), "input_activations": _a(8, "token", True, "float")},
+    # DeepSeek-V3's FP8: a scale per 128x128 weight tile, and per token per 128 input channels
+    "FP8_BLOCK": {"weights": {**_w(8, "block", type="float"), "block_structure": [128, 128]},
+                  "input_activations": _a(8, "group", True, "float", 128)},
     "NVFP4A16": {"weights": _w(4, "tensor_group", NVFP4_GROUP, type="float")},
     "MXFP4A16": {"weights": _w(4, "group", MXFP4_GROUP, type="float")},
     # W4A4: activations in the same blocks, along each token; NVFP4's block scales are computed
@@ -154,6 +176,9 @@ class QuantScheme(BaseModel):
         # weights are rounded once, from themselves: no tokens and no per-input ranges
         if w is not None and w.strategy == "token":
             raise ValueError("weights have no tokens: strategy token is for input_activations; use channel, group or tensor")
+        if w is not None and w.type == "float" and w.num_bits == 8 and w.strategy == "group":
+            raise ValueError("FP8 weights take one scale per tensor, channel or block (strategy block with "
+                             "block_structure, e.g. [128, 128]), not per group")
         if w is not None and w.dynamic:
             raise ValueError("weights are quantized once, from the weights themselves: dynamic is for input_activations; "
                              "drop weights.dynamic")
@@ -162,9 +187,15 @@ class QuantScheme(BaseModel):
                              "set dynamic: false")
         if a is not None and a.fp4_format == "mxfp4" and not a.dynamic:
             raise ValueError("MXFP4 activations take their block scales from each input: set dynamic: true")
-        if a is not None and not a.fp4_format and a.strategy not in ("token", "tensor"):
-            raise ValueError("input_activations strategy must be token (dynamic) or tensor, or FP4 blocks "
-                             "(type float, num_bits 4)")
+        if a is not None and a.strategy == "block":
+            raise ValueError("input_activations have no weight tiles: strategy block is for weights; FP8 activations "
+                             "take strategy group (dynamic, per token per group_size channels), token or tensor")
+        if a is not None and a.strategy == "group" and not a.fp4_format and not (a.type == "float" and a.dynamic):
+            raise ValueError("input_activations strategy group is for dynamic FP8 (type float, num_bits 8, dynamic: true) "
+                             "or FP4 blocks; integer activations are per token (dynamic) or per tensor")
+        if a is not None and not a.fp4_format and a.strategy not in ("token", "tensor", "group"):
+            raise ValueError("input_activations strategy must be token (dynamic) or tensor, group (dynamic FP8), "
+                             "or FP4 blocks (type float, num_bits 4)")
         if a is not None and a.strategy == "token" and not a.dynamic:
             raise ValueError("per-token activation quantization is dynamic: set dynamic: true")
         if a is not None and a.dynamic and a.full_range and a.type == "int":
@@ -198,6 +229,12 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
             # Switching strategy away from group must drop the preset's group size.
             if override.get("strategy", "group") not in ("group", "tensor_group") and "group_size" not in override:
                 fields.pop("group_size", None)
+            # ... and away from block, its tiles; tiles alone name the strategy
+            if override.get("strategy", "block") != "block" and "block_structure" not in override:
+                fields.pop("block_structure", None)
+            if "block_structure" in override and "strategy" not in override and override["block_structure"] is not None:
+                fields["strategy"] = "block"
+                fields.pop("group_size", None)
             if ("group_size" in override and "strategy" not in override and override["group_size"] is not None
                     and fields.get("strategy") != "tensor_group"):  # NVFP4's blocks stay NVFP4's
                 fields["strategy"] = "group"
@@ -221,6 +258,8 @@ def packed_weight_bits(out_features: int, in_features: int, args: QuantArgs, sca
         n_scales = out_features * -(-in_features // args.group_size)
     elif args.strategy == "channel":
         n_scales = out_features
+    elif args.strategy == "block":
+        n_scales = -(-out_features // args.block_structure[0]) * -(-in_features // args.block_structure[1])
     else:
         n_scales = 1
     zp_bits = 0 if args.symmetric else args.num_bits

@@ -190,15 +190,16 @@ def test_quantized_experts_are_packed_one_matrix_each_and_reload_alike(moe_model
     assert torch.equal(plain, expected) and torch.equal(ours, expected)
 
 
-@pytest.mark.parametrize("scheme", ["W4A16_ASYM", "W8A8"])
+@pytest.mark.parametrize("scheme", ["W4A16_ASYM, weights: {group_size: 16}", "W8A8, weights: {group_size: 16}",
+                                    "FP8_BLOCK, weights: {block_structure: [16, 32]}"])
 def test_the_run_says_when_plain_transformers_cannot_load_its_experts(moe_model, tmp_path, scheme):
-    """Zero points or int8 activations on the experts: written packed, and compress reads them to
+    """Zero points, int8 activations or FP8 tiles on the experts: written packed, and compress reads them to
     the model the dense output holds; the format's reason, which the run prints last, says plain
     transformers cannot load them, as it indeed cannot (its fusing of per-expert matrices does not
     handle them: it refuses the file rather than reading it wrong)."""
     family, path, _ = moe_model
     out = tmp_path / "packed"
-    recipe = recipe_on(path, f"rtn: {{scheme: {scheme}, weights: {{group_size: 16}}}}", samples=2)
+    recipe = recipe_on(path, f"rtn: {{scheme: {scheme}}}", samples=2)
     written = run_recipe(recipe, output=str(out), device="cpu")["format"]
     run_recipe(recipe, output=str(tmp_path / "dense"), device="cpu", format="dense")
     assert written["format"] == "packed" and "plain transformers (compressed-tensors 0.20) cannot load experts" in written["reason"]

@@ -16,7 +16,7 @@ from compress import activations, modeling, packing, parse_recipe, run_recipe
 from compress.schemes import QuantArgs
 from compress.cli import main
 from compress.pipeline import evaluate_model
-from compress.quant import (compute_qparams, fake_quantize, fake_quantize_fp8, recover_qparams, scales_as,
+from compress.quant import (compute_qparams, fake_quantize, fake_quantize_fp8, recover_qparams, scales_as, tile_absmax,
                             scales_stored_as, storable_scale)
 from compress.stages.base import StageContext
 from compress.stages.rtn import RoundToNearest
@@ -663,3 +663,50 @@ def test_per_tensor_fp8_weights_share_one_scale_across_layers_vllm_fuses(tiny, t
                 # vLLM's load: every part to the largest scale of its group, here the one they share
                 again = (weight.float() / scales[0]).to(torch.float8_e4m3fn).float() * scales[0]
                 assert torch.equal(again.to(weight.dtype), weight), n
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_block_tiles_pack_exactly_and_reload(tiny, tmp_path, dtype):
+    """FP8_BLOCK (DeepSeek-V3's FP8): one weight scale per tile, partial tiles at the edges
+    included, stored as compressed-tensors lays them out ([row tiles, column tiles]) with the
+    preset's config; what the library decompresses and what compress reloads are the weights
+    evaluated in memory, and plain transformers computes its logits (float32: bfloat16's
+    activation emulation differs, see README)."""
+    path = tiny(intermediate=96)  # 32x48 tiles: 64 and 96 columns end in partial tiles
+    stage = {"scheme": "FP8_BLOCK", "weights": {"block_structure": [32, 48]}, "input_activations": {"group_size": 32}}
+    out, report = quantize(tmp_path, f"fp8-block-{dtype}", json.dumps(stage), model=path, dtype=dtype)
+    assert report["format"]["format"] == "packed"
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert (group["format"], group["weights"]["strategy"], group["weights"]["block_structure"]) == ("float-quantized", "block", [32, 48])
+    assert {k: group["input_activations"][k] for k in ("type", "strategy", "group_size", "dynamic")} == \
+        {"type": "float", "strategy": "group", "group_size": 32, "dynamic": True}
+    original = dict(modeling.load_model(path, dtype=dtype)[0].named_parameters())
+    net = in_memory(stage, model=path, dtype=dtype)
+    expected = dict(net.named_parameters())
+    reloaded = modeling.load_model(str(out), dtype=dtype)[0]
+    decompressed = ct_decompress(out)
+    assert len(decompressed) == 7 * 2
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        for name, weight in decompressed.items():
+            W = expected[f"{name}.weight"]
+            scale = f.get_tensor(f"{name}.weight_scale").float()
+            assert scale.shape == (-(-W.shape[0] // 32), -(-W.shape[1] // 48)), name
+            # each tile's scale is its own largest weight over 448 (rounded up to the stored dtype)
+            top = tile_absmax(original[f"{name}.weight"].float(), 32, 48)
+            assert torch.allclose(scale, top / 448, rtol=2**-7 if dtype == "bfloat16" else 1e-6), name
+            assert not torch.equal(W, original[f"{name}.weight"])
+            assert torch.equal(weight.to(W.dtype), W), name
+            assert torch.equal(dict(reloaded.named_parameters())[f"{name}.weight"], W), name
+    for model in (net, reloaded):  # inputs rounded per token per 32 features, in memory and reloaded
+        assert activations.attached_inputs(model)["model.layers.1.mlp.down_proj"]["input_activations"]["group_size"] == 32
+    with torch.no_grad():
+        ours = net(input_ids=IDS).logits
+        assert torch.equal(reloaded(input_ids=IDS).logits, ours)
+    if dtype == "float32":
+        assert relative_difference(ours, plain_transformers_logits(out, tmp_path)) <= 1e-4
+        # as another tool's checkpoint (no compress.json): the activation scheme comes from config.json
+        (out / "compress.json").unlink()
+        theirs = modeling.load_model(str(out), dtype=dtype)[0]
+        assert activations.attached_inputs(theirs)["model.layers.1.mlp.down_proj"]["input_activations"]["group_size"] == 32
+        with torch.no_grad():
+            assert torch.equal(theirs(input_ids=IDS).logits, ours)

@@ -14,6 +14,7 @@ from compress.quant import (
     int_range,
     quantize,
     relative_error,
+    tile_absmax,
     zeropoint_qparams,
 )
 
@@ -130,6 +131,52 @@ def test_fp8_rounds_to_e4m3():
     assert 0 < rel < 0.05  # e4m3 has 3 mantissa bits: ~2^-4 relative spacing
     scale = w.abs().amax(-1, keepdim=True) / 448
     assert torch.equal((out / scale).to(torch.float8_e4m3fn).float() * scale, out)
+
+
+def _e4m3_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Half of e4m3's spacing at each x: 3 mantissa bits give |x|/16 for normal values (|x| at
+    least 2^-6 steps), and a subnormal step of 2^-9 below, both in units of the scale."""
+    return torch.maximum(x.abs() / 16, scale * 2.0**-10) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("rows, cols, tile", [(256, 384, (128, 128)), (100, 70, (32, 48)), (7, 9, (1, 4))])
+def test_fp8_tiles_each_have_their_own_scale(rows, cols, tile):
+    """FP8 block weights: within each tile (a partial one at the edges too) the largest |w| maps
+    to 448 and every element is within half an e4m3 step at that tile's scale; a tile whose
+    weights are 10^6 times smaller keeps its own resolution, where one scale per row puts them below
+    e4m3's subnormals (a float format is scale-free only within its exponent range)."""
+    torch.manual_seed(0)
+    w = torch.randn(rows, cols)
+    w[: tile[0], : tile[1]] *= 1e-6
+    out = fake_quantize_fp8(w, "block", block_structure=list(tile))
+    top = tile_absmax(w, *tile)
+    scale = (top / 448).repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)[:rows, :cols]
+    assert torch.allclose(tile_absmax(out, *tile), top, rtol=1e-6)
+    assert ((out - w).abs() <= _e4m3_error_bound(w, scale)).all()
+    assert torch.equal((out / scale).to(torch.float8_e4m3fn).float() * scale, out)  # on the tile's grid
+    small = (slice(0, tile[0]), slice(0, tile[1]))
+    per_channel = fake_quantize_fp8(w, "channel")
+    assert relative_error(w[small], out[small]) < 0.05
+    if cols > tile[1]:  # the row's other tiles set a per-channel scale 10^6 times too coarse for it
+        assert relative_error(w[small], out[small]) < relative_error(w[small], per_channel[small]) / 2
+
+
+def test_fp8_activation_groups_along_each_token():
+    """Dynamic FP8 groups (FP8_BLOCK's activations): one scale per token per group_size features,
+    so an outlier feature coarsens only its own group; the same rounding for any leading shape."""
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 256)
+    x[..., 3] = 1e6  # an outlier in each token's first group, beyond e4m3's exponent range of the rest
+    out = fake_quantize_fp8(x, "group", group_size=128)
+    for g in range(2):
+        part, expect = x[..., g * 128:(g + 1) * 128], out[..., g * 128:(g + 1) * 128]
+        assert torch.equal(fake_quantize_fp8(part.reshape(-1, 128), "token").reshape(part.shape), expect)
+    per_token = fake_quantize_fp8(x, "token")
+    second = (..., slice(128, 256))
+    assert relative_error(x[second], out[second]) < relative_error(x[second], per_token[second]) / 4
+    assert torch.equal(fake_quantize_fp8(x.reshape(15, 256), "group", group_size=128), out.reshape(15, 256))
+    assert torch.equal(fake_quantize_fp8(x[..., :200], "group", group_size=128)[..., 128:],  # a partial last group
+                       fake_quantize_fp8(x[..., 128:200].reshape(-1, 72), "token").reshape(3, 5, 72))
 
 
 def test_bits_out_of_range_refused():

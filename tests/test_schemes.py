@@ -35,7 +35,13 @@ def test_every_field_overridable():
     {"strategy": "group", "group_size": -4},
     {"strategy": "channel", "group_size": 64},
     {"type": "float", "num_bits": 4},
-    {"type": "float", "strategy": "group", "group_size": 64},
+    {"type": "float", "strategy": "tensor_group", "group_size": 16, "num_bits": 8},
+    {"type": "float", "strategy": "block"},  # no tiles
+    {"strategy": "block", "block_structure": [128, 128]},  # int: groups, not tiles
+    {"type": "float", "strategy": "block", "block_structure": [128]},
+    {"type": "float", "strategy": "block", "block_structure": [0, 128]},
+    {"type": "float", "strategy": "block", "block_structure": [128.0, 128]},
+    {"type": "float", "strategy": "channel", "block_structure": [128, 128]},
 ])
 def test_invalid_args_refused(fields):
     with pytest.raises(ValidationError):
@@ -52,3 +58,32 @@ def test_packed_bits():
     assert packed_weight_bits(128, 256, QuantArgs(num_bits=4, strategy="group", group_size=64)) / (128 * 256) == pytest.approx(4.25)
     # asymmetric adds a 4-bit zero-point per group
     assert packed_weight_bits(128, 256, QuantArgs(num_bits=4, strategy="group", group_size=64, symmetric=False)) / (128 * 256) == pytest.approx(4 + 20 / 64)
+
+
+def test_fp8_block_preset_and_its_overrides():
+    """FP8_BLOCK as compressed-tensors defines it: FP8 weights in 128x128 tiles, dynamic FP8
+    activations per token per 128 features; tiles alone select the strategy, and leaving it drops them."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    s = resolve_scheme("FP8_BLOCK", None, None)
+    theirs = preset_name_to_scheme("FP8_BLOCK", ["Linear"])
+    for ours, ref in ((s.weights, theirs.weights), (s.input_activations, theirs.input_activations)):
+        assert (ours.num_bits, ours.type, ours.strategy, ours.group_size, ours.block_structure, ours.dynamic) == \
+            (ref.num_bits, str(getattr(ref.type, "value", ref.type)), str(getattr(ref.strategy, "value", ref.strategy)),
+             ref.group_size, ref.block_structure, ref.dynamic)
+    assert not s.needs_calibration and s.describe() == "W[fp8 block 128x128 sym] A[fp8 g128 sym dynamic]"
+    assert resolve_scheme("FP8_DYNAMIC", {"block_structure": [64, 32]}, None).weights.strategy == "block"
+    assert resolve_scheme("FP8_BLOCK", {"strategy": "channel"}, None).weights.block_structure is None
+    assert packed_weight_bits(300, 256, s.weights, scale_bits=16) == 300 * 256 * 8 + 3 * 2 * 16  # a partial row of tiles
+
+
+@pytest.mark.parametrize("weights, activations, says", [
+    ({"strategy": "group", "group_size": 128}, None, "FP8 weights take one scale per tensor, channel or block"),
+    (None, {"strategy": "block", "block_structure": [1, 128]}, "input_activations have no weight tiles"),
+    (None, {"dynamic": False}, "strategy group is for dynamic FP8"),
+])
+def test_fp8_block_misuse_refused(weights, activations, says):
+    with pytest.raises(ValueError, match=says):
+        resolve_scheme("FP8_BLOCK", weights, activations)
+    with pytest.raises(ValueError, match="strategy group is for dynamic FP8"):
+        resolve_scheme("W8A8", None, {"strategy": "group", "group_size": 128})

@@ -472,6 +472,20 @@ def test_grouped_quantization_before_a_cut_is_refused():
             assert o_proj.shape == (64, 32) and recover_qparams(o_proj.detach(), 4, True, "group", group)[2] == 0
 
 
+def test_fp8_tiles_before_a_cut_are_refused():
+    """An FP8 tile spans rows and columns: removing channels or heads from any layer it covers
+    (gate/up rows, down columns; q/k/v rows, o columns) leaves its scale on other weights.
+    Removing whole blocks keeps every remaining layer's tiles."""
+    from compress.stages.rtn import RoundToNearest
+
+    for structure, ratio, layer in (("mlp-channels", 0.25, "mlp.gate_proj"), ("heads", 0.5, "self_attn.q_proj")):
+        model, ctx = tiny_llama(), calib_ctx()
+        RoundToNearest(scheme="FP8_BLOCK", weights={"block_structure": [16, 16]}).apply(model, ctx)
+        with pytest.raises(CompressError, match=f"model.layers.0.{layer} was quantized in FP8 tiles of 16x16.*cuts through them"):
+            Structured(structure=structure, ratio=ratio).apply(model, ctx)
+    assert len(Structured(structure="blocks", ratio=0.5).apply(model, ctx)["removed_blocks"]) == 1
+
+
 def test_recipe_validation(tmp_path):
     with pytest.raises(CompressError, match="ratio"):
         prune_recipe("default", "mlp-channels", 1.0)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from compress.errors import CompressError
 from compress.schemes import MAX_GROUP_SIZE, PRESETS, QuantScheme, resolve_scheme
@@ -184,11 +184,12 @@ class QuantArgsOverride(BaseModel):
     num_bits: Optional[int] = Field(None, ge=2, le=8, strict=True, description="bits per value (int: 2 to 8; float: 8 is FP8 e4m3, 4 is FP4 e2m1)")
     type: Optional[Literal["int", "float"]] = Field(None, description="integer grid or floating point (FP8, FP4)")
     symmetric: Optional[bool] = Field(None, description="true: absmax, codes symmetric about zero; false: zero-point")
-    strategy: Optional[Literal["tensor", "channel", "group", "tensor_group", "token"]] = Field(
+    strategy: Optional[Literal["tensor", "channel", "group", "tensor_group", "block", "token"]] = Field(
         None, description="one scale per tensor, output channel, group of input columns, group under a tensor-wide "
-                          "scale (NVFP4), or token (activations)")
+                          "scale (NVFP4), weight tile (FP8 block), or token (activations)")
     group_size: Optional[int] = Field(None, gt=0, le=MAX_GROUP_SIZE, strict=True,
                                       description="input columns per scale (strategy group or tensor_group)")
+    block_structure: Optional[list[StrictInt]] = Field(None, description="strategy block: [rows, columns] of a weight tile sharing one scale")
     dynamic: Optional[bool] = Field(None, description="activations: scales computed at run time (true) or from calibration (false)")
     full_range: Optional[bool] = Field(None, description="symmetric int: use all 2^b codes ([-8, 7] at 4 bits), as compressed-tensors does")
 

@@ -409,7 +409,17 @@ class Structured(Stage):
             n_rep = config.num_attention_heads // config.num_key_value_heads
             head_dim = _head_dim(blocks[0].get_submodule(family.attention[0].rsplit(".", 1)[0]), config)
             layer, unit = family.attention[3], n_rep * head_dim
+        cut = (*family.mlp_in, family.mlp_out) if self.structure == "mlp-channels" else family.attention
         for b in range(len(blocks)):
+            for name in dict.fromkeys(f"{path}.{b}.{n}" for n in cut):
+                rec = records.get(name, {})
+                # FP8 tiles span rows and columns: any cut leaves a tile's scale on other weights
+                if (rec.get("weights") or {}).get("strategy") == "block":
+                    raise CompressError(f"stage structured: layer {name} was quantized in FP8 tiles of "
+                                        f"{'x'.join(map(str, rec['weights']['block_structure']))} by {done_by(rec)}; removing "
+                                        f"{self.structure} cuts through them",
+                                        "start from the model before it was compressed, with the structured stage first"
+                                        if from_input(rec) else "put the structured stage before quantization")
             name = f"{path}.{b}.{layer}"
             rec = records.get(name, {})
             group = (rec.get("weights") or {}).get("group_size") if (rec.get("weights") or {}).get("strategy") == "group" else None
