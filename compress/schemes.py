@@ -146,6 +146,12 @@ PRESETS: dict[str, dict] = {
     "W8A8": {"weights": _w(8), "input_activations": _a()},
     "INT8": {"weights": _w(8), "input_activations": _a()},
     "W4A8": {"weights": _w(4, "group", 128), "input_activations": _a()},
+    # the other integer widths, as compressed-tensors names them: weights in groups of 128, and
+    # int8 (A8) or int4 (A4) activations per token, or FP8 ones (W4AFP8)
+    **{f"W{b}A16": {"weights": _w(b, "group", 128)} for b in (2, 3, 5, 6, 7)},
+    **{f"W{b}A8": {"weights": _w(b, "group", 128), "input_activations": _a()} for b in (2, 3, 5, 6, 7)},
+    **{f"W{b}A4": {"weights": _w(b, "group", 128), "input_activations": _a(4)} for b in (2, 3, 4)},
+    "W4AFP8": {"weights": _w(4, "group", 128), "input_activations": _a(8, "token", True, "float")},
     "FP8": {"weights": _w(8, "tensor", type="float"), "input_activations": _a(8, "tensor", False, "float")},
     "FP8_DYNAMIC": {"weights": _w(8, "channel", type="float"), "input_activations": _a(8, "token", True, "float")},
     # DeepSeek-V3's FP8: a scale per 128x128 weight tile, and per token per 128 input channels

@@ -710,3 +710,18 @@ def test_fp8_block_tiles_pack_exactly_and_reload(tiny, tmp_path, dtype):
         assert activations.attached_inputs(theirs)["model.layers.1.mlp.down_proj"]["input_activations"]["group_size"] == 32
         with torch.no_grad():
             assert torch.equal(theirs(input_ids=IDS).logits, ours)
+
+
+@pytest.mark.parametrize("scheme", ["W3A16", "W4A4", "W4AFP8"])
+def test_more_of_the_librarys_presets_pack_and_reload(tiny, tmp_path, scheme):
+    """Presets named after compressed-tensors' (3-bit weights, int4 or FP8 activations per token)
+    are written packed in the format the library infers for them and reload to the logits evaluated."""
+    path = tiny()
+    stage = {"scheme": scheme, "weights": {"group_size": 32}}
+    out, report = quantize(tmp_path, scheme, json.dumps(stage), model=path, dtype="float32")
+    assert report["format"]["format"] == "packed"
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert group["weights"]["num_bits"] == int(scheme[1])
+    net = in_memory(stage, model=path, dtype="float32")
+    with torch.no_grad():
+        assert torch.equal(modeling.load_model(str(out), dtype="float32")[0](input_ids=IDS).logits, net(input_ids=IDS).logits)

@@ -16,6 +16,33 @@ def test_presets_match_compressed_tensors_names():
     assert not s.needs_calibration
 
 
+def test_every_preset_is_the_one_compressed_tensors_names_so():
+    """A recipe written for llm-compressor names compressed-tensors' presets: each one compress
+    has resolves to the library's own fields, but W8A16, per output channel here (README:
+    Recipes) where compressed-tensors 0.20 has groups of 128; those it lacks are the MX formats
+    of 6 and 8 bits (elements compress does not round to) and UNQUANTIZED (nothing quantized)."""
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    def fields(args):
+        if args is None:
+            return None
+        value = lambda v: str(getattr(v, "value", v))  # noqa: E731 (the library's enums)
+        return (args.num_bits, value(args.type), args.symmetric, value(args.strategy), args.group_size,
+                args.block_structure, args.dynamic)
+
+    assert set(PRESET_SCHEMES) - set(PRESETS) == {"MXFP4XFP8", "MXFP6A16", "MXFP6A8", "MXFP8", "MXFP8A16", "UNQUANTIZED"}
+    for name in PRESETS:
+        ours, theirs = resolve_scheme(name, None, None), PRESET_SCHEMES[name]
+        if name == "W8A16":
+            ours = resolve_scheme(name, {"group_size": 128}, None)
+        assert fields(ours.weights) == fields(theirs.get("weights")), name
+        # NVFP4's activations are dynamic 'local' in the library: block scales per input under a calibrated global scale
+        expected = fields(theirs.get("input_activations"))
+        if name == "NVFP4":
+            expected = (*expected[:-1], False)
+        assert fields(ours.input_activations) == expected, name
+
+
 def test_every_field_overridable():
     s = resolve_scheme("W4A16", {"group_size": 64, "symmetric": False}, None)
     assert (s.weights.group_size, s.weights.symmetric) == (64, False)
