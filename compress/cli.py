@@ -27,7 +27,7 @@ from rich.table import Table
 
 from compress.checkpoint import check_side_output, write_whole
 from compress.errors import WRITING_COMMANDS, CompressError
-from compress.schemes import weights_label
+from compress.schemes import activations_label, weights_label
 
 app = typer.Typer(
     name="compress",
@@ -720,7 +720,7 @@ def _layer_table(layers: dict) -> Table:
         err = rec.get("relative_error")
         t.add_row(n, "x".join(map(str, rec.get("shape", []))),
                   weights_label(w),
-                  f"{a['type']}{a['num_bits']} {a['strategy']} {'dynamic' if a['dynamic'] else 'static'}" if a else "-",
+                  activations_label(a),
                   f"{err:.4g}" if err is not None else "-", *sparse, f"{rec['bytes_on_disk']:,}", ratio)
     return t
 

@@ -90,10 +90,17 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
             continue
         module = modules.get(name)
         w = rec["weights"]
+        # activations are rounded in whole groups by compressed-tensors' (and vLLM's) kernels: a
+        # partial last group, which compress simulates, would load and then fail at the first forward
+        a_group = (rec.get("input_activations") or {}).get("group_size")
         if module is None and moe.fused_experts_of(net, name) is not None:
             in_features = moe.expert_weight_shape(net, name)[1]
             if w["strategy"] in ("group", "tensor_group") and in_features % w["group_size"]:
                 problems.append(f"{name}, whose {in_features} input features are not a whole number of groups of {w['group_size']}")
+            elif a_group and in_features % a_group:
+                problems.append(f"{name}, whose {in_features} input features are not a whole number of activation groups of {a_group}")
+        elif type(module) is torch.nn.Linear and a_group and module.in_features % a_group:
+            problems.append(f"{name}, whose {module.in_features} input features are not a whole number of activation groups of {a_group}")
         elif module is None:
             problems.append(f"{name}, which is not a module of the saved model")
         elif type(module) is not torch.nn.Linear:

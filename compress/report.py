@@ -12,7 +12,7 @@ from xml.sax.saxutils import escape, quoteattr
 import torch
 
 from compress.modeling import describe_dtype
-from compress.schemes import weights_label
+from compress.schemes import activations_label, weights_label
 
 
 def versions() -> dict:
@@ -186,7 +186,7 @@ def layer_rows(report: dict) -> tuple[list[str], list[list[str]], str]:
     for name, rec in layers.items():
         a = rec.get("input_activations")
         row = [name, "x".join(map(str, rec.get("shape", []))), weights_label(rec.get("weights") or {}),
-               f"{a['type']}{a['num_bits']} {a['strategy']}{' dynamic' if a.get('dynamic') else ' static'}" if a else "-",
+               activations_label(a),
                _fmt(rec["relative_error"]) if "relative_error" in rec else "-"]
         if both:
             row.append(_fmt(rec["pruning_relative_error"]) if "pruning_relative_error" in rec else "-")

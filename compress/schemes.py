@@ -130,6 +130,15 @@ def weights_label(w: dict | None) -> str:
     return f"{w.get('type', 'int')}{w.get('num_bits')} {w.get('strategy')}{group} {symmetry_label(w.get('symmetric'), w.get('full_range', False))}"
 
 
+def activations_label(a: dict | None) -> str:
+    """A layer record's input activations for report tables: `int8 token dynamic`,
+    `float8 group g128 dynamic`, `int8 tensor static`; `-` for none."""
+    if not a:
+        return "-"
+    group = f" g{a['group_size']}" if a.get("group_size") else ""
+    return f"{a['type']}{a['num_bits']} {a['strategy']}{group} {'dynamic' if a.get('dynamic') else 'static'}"
+
+
 def _w(bits: int, strategy: str = "channel", group_size: int | None = None, symmetric: bool = True, type: str = "int"):
     return dict(num_bits=bits, type=type, symmetric=symmetric, strategy=strategy, group_size=group_size)
 
@@ -244,6 +253,8 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
             if ("group_size" in override and "strategy" not in override and override["group_size"] is not None
                     and fields.get("strategy") != "tensor_group"):  # NVFP4's blocks stay NVFP4's
                 fields["strategy"] = "group"
+                if "block_structure" not in override:
+                    fields.pop("block_structure", None)
             fields.update(override)
         if fields:
             if fields.get("strategy") not in ("group", "tensor_group") and fields.get("group_size") is None:

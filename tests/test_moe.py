@@ -191,7 +191,7 @@ def test_quantized_experts_are_packed_one_matrix_each_and_reload_alike(moe_model
 
 
 @pytest.mark.parametrize("scheme", ["W4A16_ASYM, weights: {group_size: 16}", "W8A8, weights: {group_size: 16}",
-                                    "FP8_BLOCK, weights: {block_structure: [16, 32]}"])
+                                    "FP8_BLOCK, weights: {block_structure: [16, 32]}, input_activations: {group_size: 16}"])
 def test_the_run_says_when_plain_transformers_cannot_load_its_experts(moe_model, tmp_path, scheme):
     """Zero points, int8 activations or FP8 tiles on the experts: written packed, and compress reads them to
     the model the dense output holds; the format's reason, which the run prints last, says plain

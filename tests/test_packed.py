@@ -680,6 +680,7 @@ def test_fp8_block_tiles_pack_exactly_and_reload(tiny, tmp_path, dtype):
     assert (group["format"], group["weights"]["strategy"], group["weights"]["block_structure"]) == ("float-quantized", "block", [32, 48])
     assert {k: group["input_activations"][k] for k in ("type", "strategy", "group_size", "dynamic")} == \
         {"type": "float", "strategy": "group", "group_size": 32, "dynamic": True}
+    assert "| float8 block 32x48 sym | float8 group g32 dynamic |" in (out / "report.md").read_text()
     original = dict(modeling.load_model(path, dtype=dtype)[0].named_parameters())
     net = in_memory(stage, model=path, dtype=dtype)
     expected = dict(net.named_parameters())
@@ -725,3 +726,18 @@ def test_more_of_the_librarys_presets_pack_and_reload(tiny, tmp_path, scheme):
     net = in_memory(stage, model=path, dtype="float32")
     with torch.no_grad():
         assert torch.equal(modeling.load_model(str(out), dtype="float32")[0](input_ids=IDS).logits, net(input_ids=IDS).logits)
+
+
+def test_activation_groups_that_do_not_divide_a_layers_inputs_are_not_packed(tiny, tmp_path):
+    """compressed-tensors (like vLLM's kernels) rounds activations in whole groups: a layer whose
+    input width leaves a partial group would load and then fail at its first forward, so auto
+    writes dense saying why, and `--format packed` is refused before anything is written."""
+    from compress.errors import CompressError
+
+    path = tiny()  # hidden 64: FP8_BLOCK's activation groups of 128 do not fit
+    out, report = quantize(tmp_path, "fp8-block-64", "{scheme: FP8_BLOCK}", model=path)
+    assert report["format"]["format"] == "dense"
+    assert "whose 64 input features are not a whole number of activation groups of 128" in report["format"]["reason"]
+    with pytest.raises(CompressError, match="not a whole number of activation groups of 128"):
+        quantize(tmp_path, "fp8-block-64-packed", "{scheme: FP8_BLOCK}", model=path, fmt="packed")
+    assert not (tmp_path / "fp8-block-64-packed").exists()

@@ -106,6 +106,7 @@ def test_fp8_block_preset_and_its_overrides():
 
 @pytest.mark.parametrize("weights, activations, says", [
     ({"strategy": "group", "group_size": 128}, None, "FP8 weights take one scale per tensor, channel or block"),
+    ({"group_size": 64}, None, "FP8 weights take one scale per tensor, channel or block"),  # the preset's tiles go
     (None, {"strategy": "block", "block_structure": [1, 128]}, "input_activations have no weight tiles"),
     (None, {"dynamic": False}, "strategy group is for dynamic FP8"),
 ])
