@@ -99,14 +99,14 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
                 problems.append(f"{name}, whose {in_features} input features are not a whole number of groups of {w['group_size']}")
             elif a_group and in_features % a_group:
                 problems.append(f"{name}, whose {in_features} input features are not a whole number of activation groups of {a_group}")
-        elif type(module) is torch.nn.Linear and a_group and module.in_features % a_group:
-            problems.append(f"{name}, whose {module.in_features} input features are not a whole number of activation groups of {a_group}")
         elif module is None:
             problems.append(f"{name}, which is not a module of the saved model")
         elif type(module) is not torch.nn.Linear:
             problems.append(f"{name}, a {type(module).__name__} layer rather than a Linear one")
         elif w["strategy"] in ("group", "tensor_group") and module.in_features % w["group_size"]:
             problems.append(f"{name}, whose {module.in_features} input features are not a whole number of groups of {w['group_size']}")
+        elif a_group and module.in_features % a_group:
+            problems.append(f"{name}, whose {module.in_features} input features are not a whole number of activation groups of {a_group}")
         elif w["strategy"] not in ("tensor", "channel", "group", "tensor_group", "block"):
             problems.append(f"{name}, with weight strategy {w['strategy']}")
         elif id(module.weight) in shared:
