@@ -262,15 +262,6 @@ def fp8_step(absmax: torch.Tensor, storable: bool = False) -> torch.Tensor:
     return storable_scale(scale) if storable else scale
 
 
-def tile_absmax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """max |x| over each tile of `rows` x `cols` of a 2-D tensor, [ceil(R/rows), ceil(C/cols)]: a
-    partial tile at the edge is as if zero-padded (compressed-tensors' block layout), which leaves
-    its maximum as it is."""
-    R, C = x.shape
-    padded = torch.nn.functional.pad(x.abs(), (0, (-C) % cols, 0, (-R) % rows))
-    return padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols).amax(dim=(1, 3))
-
-
 def as_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """A 2-D tensor as one row per tile of `rows` x `cols` (row-major over tiles), zero-padded at
     the edges: [ceil(R/rows) * ceil(C/cols), rows * cols]."""
@@ -280,9 +271,12 @@ def as_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return tiles.reshape(-1, rows * cols)
 
 
-def _per_element(tiles: torch.Tensor, rows: int, cols: int, shape: torch.Size) -> torch.Tensor:
-    """Each tile's value at every element it covers (the inverse layout of tile_absmax)."""
-    return tiles.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[: shape[0], : shape[1]]
+def from_tiles(tiles: torch.Tensor, rows: int, cols: int, shape: torch.Size) -> torch.Tensor:
+    """The inverse of as_tiles: a [R, C] tensor of `shape` from its tiles, the padding dropped."""
+    R, C = shape
+    n_rows, n_cols = -(-R // rows), -(-C // cols)
+    whole = tiles.reshape(n_rows, n_cols, rows, cols).transpose(1, 2).reshape(n_rows * rows, n_cols * cols)
+    return whole[:R, :C]
 
 
 def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | None = None,
@@ -295,17 +289,22 @@ def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | Non
     and its readers multiply by."""
     if not hasattr(torch, "float8_e4m3fn"):
         raise RuntimeError("this torch build has no float8_e4m3fn dtype; FP8 needs torch >= 2.1")
+    # groups and tiles: each one a row of its own, rounded as a channel is (zero padding leaves
+    # every range as it is), then laid out again
+    if absmax is None and strategy == "group" and group_size:
+        flat = x.reshape(-1, x.shape[-1])
+        grouped, _ = _grouped(flat, group_size)
+        out = fake_quantize_fp8(grouped, "channel", storable=storable)
+        return out.reshape(flat.shape[0], -1)[:, : flat.shape[1]].reshape(x.shape)
+    if absmax is None and strategy == "block" and block_structure and x.dim() == 2:
+        out = fake_quantize_fp8(as_tiles(x, *block_structure), "channel", storable=storable)
+        return from_tiles(out, *block_structure, x.shape)
     x32, finite = _finite_or_zero(x.float())
     if absmax is None:
         if strategy in ("channel", "token"):
             absmax = x32.abs().amax(dim=-1, keepdim=True)
         elif strategy == "tensor":
             absmax = x32.abs().amax()
-        elif strategy == "group" and group_size:
-            flat = x32.reshape(-1, x32.shape[-1])
-            absmax = _per_element(tile_absmax(flat, 1, group_size), 1, group_size, flat.shape).reshape(x32.shape)
-        elif strategy == "block" and block_structure and x32.dim() == 2:
-            absmax = _per_element(tile_absmax(x32, *block_structure), *block_structure, x32.shape)
         else:
             raise ValueError(f"FP8 supports tensor, channel, token, group (with group_size) and block (2-D, with "
                              f"block_structure) strategies, not {strategy!r}")

@@ -16,10 +16,11 @@ from compress import activations, modeling, packing, parse_recipe, run_recipe
 from compress.schemes import QuantArgs
 from compress.cli import main
 from compress.pipeline import evaluate_model
-from compress.quant import (compute_qparams, fake_quantize, fake_quantize_fp8, recover_qparams, scales_as, tile_absmax,
+from compress.quant import (compute_qparams, fake_quantize, fake_quantize_fp8, recover_qparams, scales_as,
                             scales_stored_as, storable_scale)
 from compress.stages.base import StageContext
 from compress.stages.rtn import RoundToNearest
+from tests.test_quant import tile_absmax
 
 pytest.importorskip("compressed_tensors")
 
@@ -693,7 +694,7 @@ def test_fp8_block_tiles_pack_exactly_and_reload(tiny, tmp_path, dtype):
             scale = f.get_tensor(f"{name}.weight_scale").float()
             assert scale.shape == (-(-W.shape[0] // 32), -(-W.shape[1] // 48)), name
             # each tile's scale is its own largest weight over 448 (rounded up to the stored dtype)
-            top = tile_absmax(original[f"{name}.weight"].float(), 32, 48)
+            top = tile_absmax(original[f"{name}.weight"].float(), 32, 48)  # tests/test_quant.py's loop
             assert torch.allclose(scale, top / 448, rtol=2**-7 if dtype == "bfloat16" else 1e-6), name
             assert not torch.equal(W, original[f"{name}.weight"])
             assert torch.equal(weight.to(W.dtype), W), name

@@ -14,7 +14,6 @@ from compress.quant import (
     int_range,
     quantize,
     relative_error,
-    tile_absmax,
     zeropoint_qparams,
 )
 
@@ -131,6 +130,12 @@ def test_fp8_rounds_to_e4m3():
     assert 0 < rel < 0.05  # e4m3 has 3 mantissa bits: ~2^-4 relative spacing
     scale = w.abs().amax(-1, keepdim=True) / 448
     assert torch.equal((out / scale).to(torch.float8_e4m3fn).float() * scale, out)
+
+
+def tile_absmax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """max |x| of each rows x cols tile, edge tiles partial: [ceil(R/rows), ceil(C/cols)]."""
+    return torch.stack([torch.stack([x[i:i + rows, j:j + cols].abs().max() for j in range(0, x.shape[1], cols)])
+                        for i in range(0, x.shape[0], rows)])
 
 
 def _e4m3_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
