@@ -721,8 +721,11 @@ def attach_activation_quant(model: torch.nn.Module, qconfig, tensors: dict[str, 
             raise CompressError(f"{path}: activation strategy {strategy} (dynamic {dynamic}) is not one compress simulates",
                                 "compress evaluates per-tensor static and per-token dynamic activations, FP8 groups per "
                                 "token, and NVFP4 and MXFP4 blocks")
+        # dynamic integer inputs narrower than 8 bits: the library's grid, all 2^b codes (no vLLM
+        # kernel reads them); int8 ones as vLLM's kernels divide, by 127
+        full = kind == "int" and dynamic is True and a.symmetric and a.num_bits < 8
         args = QuantArgs(num_bits=a.num_bits, type=kind, symmetric=a.symmetric, strategy=strategy, dynamic=not nvfp4 and dynamic,
-                         group_size=a.group_size if fp4 or grouped else None)
+                         group_size=a.group_size if fp4 or grouped else None, full_range=full)
         for name, module in match_named_modules(model, scheme.targets, qconfig.ignore):
             if name in done:
                 continue

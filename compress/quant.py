@@ -198,7 +198,7 @@ def _grouped(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
     pad = (-cols) % group_size
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(rows, -1, group_size), pad
+    return x.reshape(rows, (cols + pad) // group_size, group_size), pad  # sizes given: rows may be 0
 
 
 def compute_qparams(
@@ -248,7 +248,7 @@ def fake_quantize(
         qparams = compute_qparams(x, bits, symmetric, strategy, group_size, full_range)
     if strategy == "group":
         grouped, pad = _grouped(x, group_size)  # type: ignore[arg-type]
-        out = quantize_dequantize(grouped, qparams).reshape(x.shape[0], -1)
+        out = quantize_dequantize(grouped, qparams).reshape(x.shape[0], grouped.shape[1] * grouped.shape[2])
         out = out[:, : x.shape[1]] if pad else out
     else:
         out = quantize_dequantize(x, qparams)
@@ -295,7 +295,7 @@ def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | Non
         flat = x.reshape(-1, x.shape[-1])
         grouped, _ = _grouped(flat, group_size)
         out = fake_quantize_fp8(grouped, "channel", storable=storable)
-        return out.reshape(flat.shape[0], -1)[:, : flat.shape[1]].reshape(x.shape)
+        return out.reshape(flat.shape[0], grouped.shape[1] * group_size)[:, : flat.shape[1]].reshape(x.shape)
     if absmax is None and strategy == "block" and block_structure and x.dim() == 2:
         out = fake_quantize_fp8(as_tiles(x, *block_structure), "channel", storable=storable)
         return from_tiles(out, *block_structure, x.shape)
@@ -759,7 +759,7 @@ def fake_quantize_fp4(x: torch.Tensor, group_size: int, global_scale: float | No
     x, finite = _finite_or_zero(x.float())
     grouped, pad = _grouped(x, group_size)
     step = fp4_steps(grouped.abs().amax(-1, keepdim=True), global_scale, underflow_to_zero=activations)
-    out = _round_to_fp4_(grouped / step).mul_(step).clamp_(-_F32_MAX, _F32_MAX).reshape(x.shape[0], -1)
+    out = _round_to_fp4_(grouped / step).mul_(step).clamp_(-_F32_MAX, _F32_MAX).reshape(x.shape[0], grouped.shape[1] * group_size)
     out = out[:, : x.shape[1]] if pad else out
     return out if finite is None else torch.where(finite, out, original.float())
 

@@ -159,7 +159,9 @@ PRESETS: dict[str, dict] = {
     # int8 (A8) or int4 (A4) activations per token, or FP8 ones (W4AFP8)
     **{f"W{b}A16": {"weights": _w(b, "group", 128)} for b in (2, 3, 5, 6, 7)},
     **{f"W{b}A8": {"weights": _w(b, "group", 128), "input_activations": _a()} for b in (2, 3, 5, 6, 7)},
-    **{f"W{b}A4": {"weights": _w(b, "group", 128), "input_activations": _a(4)} for b in (2, 3, 4)},
+    # int4 inputs have no vLLM kernel: their reader is compressed-tensors' own emulation, which
+    # rounds each token on all 16 codes (step max|x| / 7.5)
+    **{f"W{b}A4": {"weights": _w(b, "group", 128), "input_activations": {**_a(4), "full_range": True}} for b in (2, 3, 4)},
     "W4AFP8": {"weights": _w(4, "group", 128), "input_activations": _a(8, "token", True, "float")},
     "FP8": {"weights": _w(8, "tensor", type="float"), "input_activations": _a(8, "tensor", False, "float")},
     "FP8_DYNAMIC": {"weights": _w(8, "channel", type="float"), "input_activations": _a(8, "token", True, "float")},
@@ -213,7 +215,7 @@ class QuantScheme(BaseModel):
                              "or FP4 blocks (type float, num_bits 4)")
         if a is not None and a.strategy == "token" and not a.dynamic:
             raise ValueError("per-token activation quantization is dynamic: set dynamic: true")
-        if a is not None and a.dynamic and a.full_range and a.type == "int":
+        if a is not None and a.dynamic and a.full_range and a.type == "int" and a.num_bits == 8:
             # nothing in the checkpoint carries it: vLLM's dynamic int8 kernels divide by 127
             raise ValueError("full_range applies to static activation scales (stored as input_scale); dynamic int8 "
                              "scales are absmax / 127 in vLLM: drop input_activations.full_range")

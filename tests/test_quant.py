@@ -182,6 +182,9 @@ def test_fp8_activation_groups_along_each_token():
     assert torch.equal(fake_quantize_fp8(x.reshape(15, 256), "group", group_size=128), out.reshape(15, 256))
     assert torch.equal(fake_quantize_fp8(x[..., :200], "group", group_size=128)[..., 128:],  # a partial last group
                        fake_quantize_fp8(x[..., 128:200].reshape(-1, 72), "token").reshape(3, 5, 72))
+    # a batch without tokens (an expert no token reaches) comes back empty, as per token does
+    assert fake_quantize_fp8(torch.zeros(2, 0, 256), "group", group_size=128).shape == (2, 0, 256)
+    assert fake_quantize(torch.zeros(0, 256), 4, True, "group", 64).shape == (0, 256)
 
 
 def test_bits_out_of_range_refused():

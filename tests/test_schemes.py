@@ -104,6 +104,16 @@ def test_fp8_block_preset_and_its_overrides():
     assert packed_weight_bits(300, 256, s.weights, scale_bits=16) == 300 * 256 * 8 + 3 * 2 * 16  # a partial row of tiles
 
 
+def test_int4_inputs_take_the_librarys_full_grid():
+    """int4 activations have no vLLM kernel; compressed-tensors' emulation rounds them on all 16
+    codes, so the A4 presets do, and full_range is allowed there; int8 ones stay on vLLM's /127."""
+    for name in ("W2A4", "W3A4", "W4A4"):
+        assert resolve_scheme(name, None, None).input_activations.full_range
+    assert not resolve_scheme("W4A4", None, {"full_range": False}).input_activations.full_range
+    with pytest.raises(ValueError, match="dynamic int8 scales are absmax / 127 in vLLM"):
+        resolve_scheme("W8A8", None, {"full_range": True})
+
+
 @pytest.mark.parametrize("weights, activations, says", [
     ({"strategy": "group", "group_size": 128}, None, "FP8 weights take one scale per tensor, channel or block"),
     ({"group_size": 64}, None, "FP8 weights take one scale per tensor, channel or block"),  # the preset's tiles go
