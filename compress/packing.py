@@ -90,8 +90,8 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
             continue
         module = modules.get(name)
         w = rec["weights"]
-        # activations are rounded in whole groups by compressed-tensors' (and vLLM's) kernels: a
-        # partial last group, which compress simulates, would load and then fail at the first forward
+        # compressed-tensors rounds activations in whole groups: a partial last group, which
+        # compress simulates, would load and then fail at the first forward
         a_group = (rec.get("input_activations") or {}).get("group_size")
         if module is None and moe.fused_experts_of(net, name) is not None:
             in_features = moe.expert_weight_shape(net, name)[1]
@@ -721,8 +721,8 @@ def attach_activation_quant(model: torch.nn.Module, qconfig, tensors: dict[str, 
             raise CompressError(f"{path}: activation strategy {strategy} (dynamic {dynamic}) is not one compress simulates",
                                 "compress evaluates per-tensor static and per-token dynamic activations, FP8 groups per "
                                 "token, and NVFP4 and MXFP4 blocks")
-        # dynamic integer inputs narrower than 8 bits: the library's grid, all 2^b codes (no vLLM
-        # kernel reads them); int8 ones as vLLM's kernels divide, by 127
+        # dynamic integer inputs narrower than 8 bits: the library's own grid, all 2^b codes (the
+        # reader compress can check); int8 ones as vLLM's kernels divide, by 127
         full = kind == "int" and dynamic is True and a.symmetric and a.num_bits < 8
         args = QuantArgs(num_bits=a.num_bits, type=kind, symmetric=a.symmetric, strategy=strategy, dynamic=not nvfp4 and dynamic,
                          group_size=a.group_size if fp4 or grouped else None, full_range=full)

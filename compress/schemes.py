@@ -159,8 +159,8 @@ PRESETS: dict[str, dict] = {
     # int8 (A8) or int4 (A4) activations per token, or FP8 ones (W4AFP8)
     **{f"W{b}A16": {"weights": _w(b, "group", 128)} for b in (2, 3, 5, 6, 7)},
     **{f"W{b}A8": {"weights": _w(b, "group", 128), "input_activations": _a()} for b in (2, 3, 5, 6, 7)},
-    # int4 inputs have no vLLM kernel: their reader is compressed-tensors' own emulation, which
-    # rounds each token on all 16 codes (step max|x| / 7.5)
+    # int4 inputs: the reader compress can check is compressed-tensors' own emulation, which
+    # rounds each token on all 16 codes (step max|x| / 7.5); int8 ones follow vLLM's /127
     **{f"W{b}A4": {"weights": _w(b, "group", 128), "input_activations": {**_a(4), "full_range": True}} for b in (2, 3, 4)},
     "W4AFP8": {"weights": _w(4, "group", 128), "input_activations": _a(8, "token", True, "float")},
     "FP8": {"weights": _w(8, "tensor", type="float"), "input_activations": _a(8, "tensor", False, "float")},

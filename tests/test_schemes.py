@@ -105,8 +105,9 @@ def test_fp8_block_preset_and_its_overrides():
 
 
 def test_int4_inputs_take_the_librarys_full_grid():
-    """int4 activations have no vLLM kernel; compressed-tensors' emulation rounds them on all 16
-    codes, so the A4 presets do, and full_range is allowed there; int8 ones stay on vLLM's /127."""
+    """compressed-tensors' emulation, the reader of int4 activations compress can check, rounds
+    them on all 16 codes, so the A4 presets do, and full_range is allowed there; int8 ones stay
+    on vLLM's /127."""
     for name in ("W2A4", "W3A4", "W4A4"):
         assert resolve_scheme(name, None, None).input_activations.full_range
     assert not resolve_scheme("W4A4", None, {"full_range": False}).input_activations.full_range
