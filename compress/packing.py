@@ -99,6 +99,8 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
                 problems.append(f"{name}, whose {in_features} input features are not a whole number of groups of {w['group_size']}")
             elif a_group and in_features % a_group:
                 problems.append(f"{name}, whose {in_features} input features are not a whole number of activation groups of {a_group}")
+            elif _narrow_inputs_off_the_librarys_grid(rec.get("input_activations")):
+                problems.append(_off_grid(name, rec))
         elif module is None:
             problems.append(f"{name}, which is not a module of the saved model")
         elif type(module) is not torch.nn.Linear:
@@ -107,11 +109,26 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
             problems.append(f"{name}, whose {module.in_features} input features are not a whole number of groups of {w['group_size']}")
         elif a_group and module.in_features % a_group:
             problems.append(f"{name}, whose {module.in_features} input features are not a whole number of activation groups of {a_group}")
+        elif _narrow_inputs_off_the_librarys_grid(rec.get("input_activations")):
+            problems.append(_off_grid(name, rec))
         elif w["strategy"] not in ("tensor", "channel", "group", "tensor_group", "block"):
             problems.append(f"{name}, with weight strategy {w['strategy']}")
         elif id(module.weight) in shared:
             problems.append(f"{name}, whose weight is tied to another parameter")
     return problems
+
+
+def _narrow_inputs_off_the_librarys_grid(a: dict | None) -> bool:
+    """Dynamic symmetric int inputs below 8 bits on absmax's 2^b - 1 codes: compressed-tensors'
+    emulation, their reader, rounds them on all 2^b, so a file could not say how they were rounded."""
+    return bool(a and a.get("type") == "int" and a.get("dynamic") and a["num_bits"] < 8 and a.get("symmetric")
+                and not a.get("full_range"))
+
+
+def _off_grid(name: str, rec: dict) -> str:
+    bits = rec["input_activations"]["num_bits"]
+    return (f"{name}, whose int{bits} inputs are rounded on {2 ** bits - 1} codes where compressed-tensors rounds "
+            f"them on {2 ** bits} (full_range: true)")
 
 
 def _expert_problems(net: torch.nn.Module, layers: dict) -> list[str]:

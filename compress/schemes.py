@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
 from compress.quant import MXFP4_GROUP, NVFP4_GROUP
 
@@ -64,7 +64,7 @@ class QuantArgs(BaseModel):
             raise ValueError("strategy tensor_group is NVFP4's: set type: float and num_bits: 4 (or use strategy group)")
         if self.strategy == "block":
             if self.type != "float" or self.num_bits != 8:
-                raise ValueError("strategy block is FP8's (type float, num_bits 8): integer grids use strategy group")
+                raise ValueError("strategy block (tiles of block_structure) is for FP8 weights: type float, num_bits 8")
             if self.block_structure is None:
                 raise ValueError("strategy block needs block_structure: [rows, columns] of a tile, e.g. [128, 128]")
         if self.block_structure is not None:
@@ -86,6 +86,15 @@ class QuantArgs(BaseModel):
                 raise ValueError(f"group_size must be positive, got {self.group_size}")
             raise ValueError(f"group_size is set but strategy is {self.strategy!r}: set strategy: group")
         return self
+
+    @model_serializer(mode="wrap")
+    def _tiles_only_when_set(self, handler):
+        # Records (compress.json, report.json) of every other scheme stay as they were, which
+        # compress before block_structure existed can still read.
+        out = handler(self)
+        if isinstance(out, dict) and out.get("block_structure") is None:
+            out.pop("block_structure", None)
+        return out
 
     @property
     def fp4_format(self) -> str | None:
@@ -161,7 +170,7 @@ PRESETS: dict[str, dict] = {
     **{f"W{b}A8": {"weights": _w(b, "group", 128), "input_activations": _a()} for b in (2, 3, 5, 6, 7)},
     # int4 inputs: the reader compress can check is compressed-tensors' own emulation, which
     # rounds each token on all 16 codes (step max|x| / 7.5); int8 ones follow vLLM's /127
-    **{f"W{b}A4": {"weights": _w(b, "group", 128), "input_activations": {**_a(4), "full_range": True}} for b in (2, 3, 4)},
+    **{f"W{b}A4": {"weights": _w(b, "group", 128), "input_activations": _a(4)} for b in (2, 3, 4)},  # full range: resolve_scheme
     "W4AFP8": {"weights": _w(4, "group", 128), "input_activations": _a(8, "token", True, "float")},
     "FP8": {"weights": _w(8, "tensor", type="float"), "input_activations": _a(8, "tensor", False, "float")},
     "FP8_DYNAMIC": {"weights": _w(8, "channel", type="float"), "input_activations": _a(8, "token", True, "float")},
@@ -261,6 +270,11 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
         if fields:
             if fields.get("strategy") not in ("group", "tensor_group") and fields.get("group_size") is None:
                 fields.pop("group_size", None)
+            # dynamic integer inputs narrower than 8 bits take compressed-tensors' grid (all 2^b
+            # codes) unless the recipe says otherwise: its emulation is the reader compress can check
+            if (part == "input_activations" and fields.get("type", "int") == "int" and fields.get("dynamic")
+                    and fields.get("num_bits", 8) < 8 and fields.get("symmetric", True) and "full_range" not in (override or {})):
+                fields["full_range"] = True
             merged[part] = fields
     return QuantScheme.model_validate(merged)
 

@@ -719,8 +719,8 @@ def test_more_of_the_librarys_presets_pack_and_reload(tiny, tmp_path, scheme):
     """Presets named after compressed-tensors' (3-bit weights, int4 or FP8 activations per token)
     are written packed in the format the library infers for them and reload to the logits
     evaluated, in compress, as another tool's checkpoint, and in plain transformers. int4 inputs
-    are rounded on all 16 codes as the library's emulation, their only reader, rounds them (on
-    15 codes its logits were 21 % away)."""
+    are rounded on all 16 codes as the library's emulation rounds them; on absmax's 15 a file
+    could not say so, and the output is dense."""
     path = tiny()
     stage = {"scheme": scheme, "weights": {"group_size": 32}}
     out, report = quantize(tmp_path, scheme, json.dumps(stage), model=path, dtype="float32")
@@ -735,6 +735,11 @@ def test_more_of_the_librarys_presets_pack_and_reload(tiny, tmp_path, scheme):
     (out / "compress.json").unlink()  # as another tool's: the scheme read from config.json alone
     with torch.no_grad():
         assert torch.equal(modeling.load_model(str(out), dtype="float32")[0](input_ids=IDS).logits, ours)
+    if scheme == "W4A4":
+        stage["input_activations"] = {"full_range": False}
+        _, report = quantize(tmp_path, "W4A4-15", json.dumps(stage), model=path, dtype="float32")
+        assert report["format"]["format"] == "dense"
+        assert "int4 inputs are rounded on 15 codes where compressed-tensors rounds them on 16" in report["format"]["reason"]
 
 
 def test_activation_groups_that_do_not_divide_a_layers_inputs_are_not_packed(tiny, tmp_path):

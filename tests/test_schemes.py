@@ -104,12 +104,21 @@ def test_fp8_block_preset_and_its_overrides():
     assert packed_weight_bits(300, 256, s.weights, scale_bits=16) == 300 * 256 * 8 + 3 * 2 * 16  # a partial row of tiles
 
 
+def test_records_name_tiles_only_where_there_are_some():
+    """A record of any other scheme is what compress wrote before tiles existed (which that
+    compress still reads); FP8 tiles are recorded with their shape."""
+    assert "block_structure" not in resolve_scheme("W4A16", None, None).weights.model_dump(mode="json")
+    assert resolve_scheme("FP8_BLOCK", None, None).weights.model_dump(mode="json")["block_structure"] == [128, 128]
+
+
 def test_int4_inputs_take_the_librarys_full_grid():
     """compressed-tensors' emulation, the reader of int4 activations compress can check, rounds
     them on all 16 codes, so the A4 presets do, and full_range is allowed there; int8 ones stay
     on vLLM's /127."""
     for name in ("W2A4", "W3A4", "W4A4"):
         assert resolve_scheme(name, None, None).input_activations.full_range
+    assert resolve_scheme("W4A8", None, {"num_bits": 4}).input_activations.full_range
+    assert not resolve_scheme("W4A8", None, None).input_activations.full_range
     assert not resolve_scheme("W4A4", None, {"full_range": False}).input_activations.full_range
     with pytest.raises(ValueError, match="dynamic int8 scales are absmax / 127 in vLLM"):
         resolve_scheme("W8A8", None, {"full_range": True})
