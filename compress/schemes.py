@@ -141,11 +141,13 @@ def weights_label(w: dict | None) -> str:
 
 def activations_label(a: dict | None) -> str:
     """A layer record's input activations for report tables: `int8 token dynamic`,
-    `float8 group g128 dynamic`, `int8 tensor static`; `-` for none."""
+    `float8 group g128 dynamic`, `int4 token full dynamic` (all 2^b codes), `int8 tensor static`;
+    `-` for none."""
     if not a:
         return "-"
     group = f" g{a['group_size']}" if a.get("group_size") else ""
-    return f"{a['type']}{a['num_bits']} {a['strategy']}{group} {'dynamic' if a.get('dynamic') else 'static'}"
+    full = " full" if a.get("full_range") else ""
+    return f"{a['type']}{a['num_bits']} {a['strategy']}{group}{full} {'dynamic' if a.get('dynamic') else 'static'}"
 
 
 def _w(bits: int, strategy: str = "channel", group_size: int | None = None, symmetric: bool = True, type: str = "int"):

@@ -736,6 +736,7 @@ def test_more_of_the_librarys_presets_pack_and_reload(tiny, tmp_path, scheme):
     with torch.no_grad():
         assert torch.equal(modeling.load_model(str(out), dtype="float32")[0](input_ids=IDS).logits, ours)
     if scheme == "W4A4":
+        assert "| int4 group g32 sym | int4 token full dynamic |" in (out / "report.md").read_text()
         stage["input_activations"] = {"full_range": False}
         _, report = quantize(tmp_path, "W4A4-15", json.dumps(stage), model=path, dtype="float32")
         assert report["format"]["format"] == "dense"
