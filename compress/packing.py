@@ -25,7 +25,7 @@ import torch
 
 from compress import moe
 from compress.errors import CompressError, first_line
-from compress.schemes import fp4_format
+from compress.schemes import fp4_format, inputs_on_the_librarys_grid
 
 FORMAT_PACKED = "compressed-tensors"
 FORMAT_DENSE = "dense"
@@ -90,27 +90,29 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
             continue
         module = modules.get(name)
         w = rec["weights"]
+        if module is None and moe.fused_experts_of(net, name) is not None:
+            in_features = moe.expert_weight_shape(net, name)[1]
+        elif module is None:
+            problems.append(f"{name}, which is not a module of the saved model")
+            continue
+        elif type(module) is not torch.nn.Linear:
+            problems.append(f"{name}, a {type(module).__name__} layer rather than a Linear one")
+            continue
+        else:
+            in_features = module.in_features
         # compressed-tensors rounds activations in whole groups: a partial last group, which
         # compress simulates, would load and then fail at the first forward
         a_group = (rec.get("input_activations") or {}).get("group_size")
-        if module is None and moe.fused_experts_of(net, name) is not None:
-            in_features = moe.expert_weight_shape(net, name)[1]
-            if w["strategy"] in ("group", "tensor_group") and in_features % w["group_size"]:
-                problems.append(f"{name}, whose {in_features} input features are not a whole number of groups of {w['group_size']}")
-            elif a_group and in_features % a_group:
-                problems.append(f"{name}, whose {in_features} input features are not a whole number of activation groups of {a_group}")
-            elif _narrow_inputs_off_the_librarys_grid(rec.get("input_activations")):
-                problems.append(_off_grid(name, rec))
-        elif module is None:
-            problems.append(f"{name}, which is not a module of the saved model")
-        elif type(module) is not torch.nn.Linear:
-            problems.append(f"{name}, a {type(module).__name__} layer rather than a Linear one")
-        elif w["strategy"] in ("group", "tensor_group") and module.in_features % w["group_size"]:
-            problems.append(f"{name}, whose {module.in_features} input features are not a whole number of groups of {w['group_size']}")
-        elif a_group and module.in_features % a_group:
-            problems.append(f"{name}, whose {module.in_features} input features are not a whole number of activation groups of {a_group}")
+        if w["strategy"] in ("group", "tensor_group") and in_features % w["group_size"]:
+            problems.append(f"{name}, whose {in_features} input features are not a whole number of groups of {w['group_size']}")
+        elif a_group and in_features % a_group:
+            problems.append(f"{name}, whose {in_features} input features are not a whole number of activation groups of {a_group}")
         elif _narrow_inputs_off_the_librarys_grid(rec.get("input_activations")):
-            problems.append(_off_grid(name, rec))
+            bits = rec["input_activations"]["num_bits"]
+            problems.append(f"{name}, whose int{bits} inputs are rounded on {2 ** bits - 1} codes where compressed-tensors "
+                            f"rounds them on {2 ** bits} (full_range: true)")
+        elif module is None:  # the experts: the checks below are of Linear layers
+            continue
         elif w["strategy"] not in ("tensor", "channel", "group", "tensor_group", "block"):
             problems.append(f"{name}, with weight strategy {w['strategy']}")
         elif id(module.weight) in shared:
@@ -119,16 +121,10 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
 
 
 def _narrow_inputs_off_the_librarys_grid(a: dict | None) -> bool:
-    """Dynamic symmetric int inputs below 8 bits on absmax's 2^b - 1 codes: compressed-tensors'
-    emulation, their reader, rounds them on all 2^b, so a file could not say how they were rounded."""
-    return bool(a and a.get("type") == "int" and a.get("dynamic") and a["num_bits"] < 8 and a.get("symmetric")
-                and not a.get("full_range"))
-
-
-def _off_grid(name: str, rec: dict) -> str:
-    bits = rec["input_activations"]["num_bits"]
-    return (f"{name}, whose int{bits} inputs are rounded on {2 ** bits - 1} codes where compressed-tensors rounds "
-            f"them on {2 ** bits} (full_range: true)")
+    """Inputs that compressed-tensors rounds on all 2^b codes (schemes.inputs_on_the_librarys_grid)
+    rounded here on absmax's 2^b - 1: a file could not say how they were rounded."""
+    return bool(a) and inputs_on_the_librarys_grid(a.get("type"), a.get("dynamic"), a["num_bits"], a.get("symmetric")) \
+        and not a.get("full_range")
 
 
 def _expert_problems(net: torch.nn.Module, layers: dict) -> list[str]:
@@ -738,9 +734,7 @@ def attach_activation_quant(model: torch.nn.Module, qconfig, tensors: dict[str, 
             raise CompressError(f"{path}: activation strategy {strategy} (dynamic {dynamic}) is not one compress simulates",
                                 "compress evaluates per-tensor static and per-token dynamic activations, FP8 groups per "
                                 "token, and NVFP4 and MXFP4 blocks")
-        # dynamic integer inputs narrower than 8 bits: the library's own grid, all 2^b codes (the
-        # reader compress can check); int8 ones as vLLM's kernels divide, by 127
-        full = kind == "int" and dynamic is True and a.symmetric and a.num_bits < 8
+        full = inputs_on_the_librarys_grid(kind, dynamic, a.num_bits, a.symmetric)
         args = QuantArgs(num_bits=a.num_bits, type=kind, symmetric=a.symmetric, strategy=strategy, dynamic=not nvfp4 and dynamic,
                          group_size=a.group_size if fp4 or grouped else None, full_range=full)
         for name, module in match_named_modules(model, scheme.targets, qconfig.ignore):

@@ -332,6 +332,28 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     return float((ref - approx.float()).norm() / denom)
 
 
+def _one_row_per_group(weight: torch.Tensor, strategy: str, group_size: int | None,
+                       block_structure: list[int] | None) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A [rows, cols] weight as one row per scale group, and (groups down, groups across, group
+    length), the layout its scales take. FP8 tiles are zero-padded at the edges (zeros verify at
+    any scale)."""
+    rows, cols = weight.shape
+    if strategy == "group":
+        if not group_size or cols % group_size:
+            raise ValueError(f"{cols} columns are not a whole number of groups of {group_size}")
+        shape = (rows, cols // group_size, group_size)
+    elif strategy == "channel":
+        shape = (rows, 1, cols)
+    elif strategy == "tensor":
+        shape = (1, 1, rows * cols)
+    elif strategy == "block" and block_structure:
+        br, bc = block_structure
+        return as_tiles(weight, br, bc), (-(-rows // br), -(-cols // bc), br * bc)
+    else:
+        raise ValueError(f"weights cannot be packed with strategy {strategy!r}")
+    return weight.reshape(-1, shape[-1]), shape
+
+
 def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: str, group_size: int | None = None,
                     float8: bool = False, block_structure: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """Scales (and zero points) that reproduce an already-quantized weight bit for bit.
@@ -361,22 +383,9 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
     [rows, n_groups] int8 or None when symmetric, number of groups that failed to verify); for
     FP8 tiles (strategy block) a group is a tile, and the scales are [row tiles, column tiles].
     """
-    rows, cols = weight.shape
-    if strategy == "group":
-        if not group_size or cols % group_size:
-            raise ValueError(f"{cols} columns are not a whole number of groups of {group_size}")
-        shape = (rows, cols // group_size, group_size)
-    elif strategy == "channel":
-        shape = (rows, 1, cols)
-    elif strategy == "tensor":
-        shape = (1, 1, rows * cols)
-    elif strategy == "block" and float8 and block_structure:
-        br, bc = block_structure
-        shape = (-(-rows // br), -(-cols // bc), br * bc)
-    else:
+    if strategy == "block" and not float8:  # tiles are FP8's
         raise ValueError(f"weights cannot be packed with strategy {strategy!r}")
-    # one row per group (the zeros padding a partial tile verify at any scale)
-    w = as_tiles(weight.detach(), *block_structure) if strategy == "block" else weight.detach().reshape(-1, shape[-1])
+    w, shape = _one_row_per_group(weight.detach(), strategy, group_size, block_structure)
     if float8:
         qmin, qmax, top = -FP8_E4M3_MAX, FP8_E4M3_MAX, [FP8_E4M3_MAX]
     else:
@@ -633,12 +642,7 @@ def scales_as(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tenso
     A stage that ran under `scales_stored_as(dtype)` used such a scale, and it lies in the interval
     every recovered scale comes from, within one step of `dtype` of the recovered one: the nearest
     value and its two neighbours are tried, each group verified as recover_qparams verifies."""
-    rows, cols = weight.shape
-    if strategy == "block":
-        w = as_tiles(weight.detach(), *block_structure)
-    else:
-        per_group = group_size if strategy == "group" else (cols if strategy == "channel" else rows * cols)
-        w = weight.detach().reshape(-1, per_group)
+    w, _ = _one_row_per_group(weight.detach(), strategy, group_size, block_structure)
     x = w.float()
     z = torch.zeros(w.shape[0], 1) if zero_point is None else zero_point.reshape(-1, 1).float()
     qmin, qmax = (-FP8_E4M3_MAX, FP8_E4M3_MAX) if float8 else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)

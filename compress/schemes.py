@@ -242,6 +242,13 @@ class QuantScheme(BaseModel):
         return f"W[{w}] A[{a}]"
 
 
+def inputs_on_the_librarys_grid(kind: str, dynamic: bool, num_bits: int, symmetric: bool) -> bool:
+    """Dynamic symmetric int inputs narrower than 8 bits: compressed-tensors' emulation, the reader
+    compress can check, rounds them on all 2^b codes (full_range), so compress does too unless a
+    recipe says otherwise (and then the output is dense); int8 ones follow vLLM's /127."""
+    return bool(kind == "int" and dynamic is True and symmetric and num_bits < 8)
+
+
 def resolve_scheme(preset: str | None, weights: dict | None, input_activations: dict | None) -> QuantScheme:
     """Merge a preset's fields with per-field overrides from the recipe."""
     base: dict = {}
@@ -272,10 +279,8 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
         if fields:
             if fields.get("strategy") not in ("group", "tensor_group") and fields.get("group_size") is None:
                 fields.pop("group_size", None)
-            # dynamic integer inputs narrower than 8 bits take compressed-tensors' grid (all 2^b
-            # codes) unless the recipe says otherwise: its emulation is the reader compress can check
-            if (part == "input_activations" and fields.get("type", "int") == "int" and fields.get("dynamic")
-                    and fields.get("num_bits", 8) < 8 and fields.get("symmetric", True) and "full_range" not in (override or {})):
+            if part == "input_activations" and "full_range" not in (override or {}) and inputs_on_the_librarys_grid(
+                    fields.get("type", "int"), bool(fields.get("dynamic")), fields.get("num_bits", 8), fields.get("symmetric", True)):
                 fields["full_range"] = True
             merged[part] = fields
     return QuantScheme.model_validate(merged)
