@@ -25,6 +25,8 @@ weight), per group of `group_size` consecutive input columns, or per token (row 
 A width that `group_size` does not divide gets a shorter last group.
 
 FP8 (e4m3) is supported as a float format: scale so that max|x| maps to 448, cast, cast back.
+MXFP8 (the OCP microscaling format): FP8 in blocks of 32 consecutive columns, each with a
+power-of-two (e8m0) step, the smallest at which the block's extreme stays below 448 steps.
 
 FP4 (e2m1: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in blocks, the two formats NVIDIA Blackwell and the
 OCP microscaling spec define, each element rounded to the nearest value at its block's step:
@@ -58,6 +60,7 @@ from dataclasses import dataclass
 import torch
 
 FP8_E4M3_MAX = 448.0
+MXFP8_GROUP = 32  # MXFP8's blocks: FP8 in groups of this many columns, power-of-two (e8m0) steps
 _TINY = torch.finfo(torch.float32).tiny
 _F32_MAX = torch.finfo(torch.float32).max
 
@@ -281,14 +284,19 @@ def from_tiles(tiles: torch.Tensor, rows: int, cols: int, shape: torch.Size) -> 
 
 def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | None = None,
                       storable: bool = False, group_size: int | None = None,
-                      block_structure: list[int] | None = None) -> torch.Tensor:
+                      block_structure: list[int] | None = None, power_of_two: bool = False) -> torch.Tensor:
     """Round x to float8 e4m3 after scaling its range onto the format's [-448, 448], one scale per
-    tensor, row (channel, token), `group_size` columns of a row (group: dynamic activations) or
-    `block_structure` tile of a 2-D weight (block). `storable` (weights): the scale rounded up to a
-    value of the stage's scale dtype (storable_scale), the one a half-precision checkpoint stores
-    and its readers multiply by."""
+    tensor, row (channel, token), `group_size` columns of a row (group: dynamic activations; with
+    `power_of_two`, MXFP8's blocks of 32 and their steps, see mx_steps) or `block_structure` tile
+    of a 2-D weight (block). `storable` (weights): the scale rounded up to a value of the stage's
+    scale dtype (storable_scale), the one a half-precision checkpoint stores and its readers
+    multiply by (a power of two is one already)."""
     if not hasattr(torch, "float8_e4m3fn"):
         raise RuntimeError("this torch build has no float8_e4m3fn dtype; FP8 needs torch >= 2.1")
+    if power_of_two:
+        if strategy != "group" or group_size != MXFP8_GROUP:
+            raise ValueError(f"power-of-two FP8 steps are MXFP8's, in groups of {MXFP8_GROUP}")
+        return _fake_quantize_mxfp8(x)
     # groups and tiles: each one a row of its own, rounded as a channel is (zero padding leaves
     # every range as it is), then laid out again
     if absmax is None and strategy == "group" and group_size:
@@ -321,6 +329,51 @@ def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | Non
         out64 = ((x32.double() / s64).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).double() * s64).float()
         out = torch.where(subnormal, out64, out)
     return out if finite is None else torch.where(finite, out, x.float())
+
+
+def _fake_quantize_mxfp8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to MXFP8 along its last dimension: blocks of 32, e4m3 elements at each block's
+    power-of-two step; float32 out. NaN/Inf elements stay as they are. No element saturates: the
+    step keeps the block's extreme below 448 (mx_steps)."""
+    flat = x.reshape(-1, x.shape[-1])
+    x32, finite = _finite_or_zero(flat.float())
+    grouped, pad = _grouped(x32, MXFP8_GROUP)
+    step = mx_steps(grouped.abs().amax(-1, keepdim=True), FP8_E4M3_MAX)
+    out = (grouped / step).to(torch.float8_e4m3fn).float().mul_(step).reshape(flat.shape[0], grouped.shape[1] * MXFP8_GROUP)
+    out = out[:, : flat.shape[1]] if pad else out
+    out = out if finite is None else torch.where(finite, out, flat.float())
+    return out.reshape(x.shape)
+
+
+def _blocks(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A quantized weight [rows, cols] as one row per block of `group_size` columns: as stored,
+    in float32, and each block's largest magnitude [blocks, 1] (what block-step recovery starts from)."""
+    cols = weight.shape[1]
+    if cols % group_size:
+        raise ValueError(f"{cols} columns are not a whole number of groups of {group_size}")
+    w = weight.detach().reshape(-1, group_size)
+    x = w.float()
+    return w, x, x.abs().amax(-1, keepdim=True)
+
+
+def recover_mxfp8_steps(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Power-of-two steps that reproduce an MXFP8-quantized weight [rows, cols] bit for bit, one
+    per block of 32 columns, each verified over the whole block: first mx_steps of the block's
+    largest magnitude (the library's rule on the weights as they are), then half of it (when
+    e4m3 rounded the block's extreme up to exactly 448 steps, that rule lands one power higher,
+    and a block with an element only the finer step holds needs it). Returns (steps
+    [rows, cols / 32] float32, number of blocks that failed)."""
+    rows, cols = weight.shape
+    w, x, top = _blocks(weight, MXFP8_GROUP)
+    steps = torch.ones_like(top)
+    ok = top == 0  # an all-zero block holds at any step: 1, as mx_steps gives it
+    for cand in (mx_steps(top, FP8_E4M3_MAX), mx_steps(top, FP8_E4M3_MAX) / 2):
+        storable = (cand >= 2.0**-127) & (cand <= 2.0**127)
+        exact = (((x / cand).to(torch.float8_e4m3fn).float() * cand).to(w.dtype) == w).all(-1, keepdim=True)
+        good = storable & exact & ~ok & (top / cand <= FP8_E4M3_MAX)
+        steps = torch.where(good, cand, steps)
+        ok = ok | good
+    return steps.reshape(rows, cols // MXFP8_GROUP), int((~ok).sum())
 
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
@@ -728,15 +781,25 @@ def fp4_steps(block_absmax: torch.Tensor, global_scale, underflow_to_zero: bool 
     largest) gets e4m3's smallest value, 2^-9, which stores its values as well as any; with
     `underflow_to_zero` (activations) it gets 0.125 instead, which rounds it to zero, as
     compressed-tensors' quantized forward does, so the simulated inputs are the ones it computes.
-    MXFP4 (None): the smallest power of two at which the extreme stays strictly below 7 steps, so
-    saturation costs it less than one step, the error it would have at the next power up, while
-    every other element keeps the finer grid (compressed-tensors' rule; the OCP spec's
-    2^(floor(log2 max) - 2) saturates by up to two steps). An all-zero block gets step 1."""
+    MXFP4 (None): mx_steps with 7 steps as the limit, so saturation costs it less than one step,
+    the error it would have at the next power up, while every other element keeps the finer grid
+    (compressed-tensors' rule; the OCP spec's 2^(floor(log2 max) - 2) saturates by up to two
+    steps). An all-zero block gets step 1."""
     m = block_absmax.float()
     if global_scale is not None:
         s8 = (m * global_scale / FP4_E2M1_MAX).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
         return torch.where(s8 > 0, s8, torch.full_like(s8, 0.125 if underflow_to_zero else _E4M3_SMALLEST)) / global_scale
-    _, exponent = torch.frexp(m / 7)  # m / 7 = mantissa · 2^exponent, mantissa in [0.5, 1): 2^exponent > m / 7
+    return mx_steps(m, 7.0)
+
+
+def mx_steps(block_absmax: torch.Tensor, limit: float) -> torch.Tensor:
+    """A microscaling block's step: the smallest power of two at which the block's largest
+    magnitude stays strictly below `limit` steps (7 for FP4 e2m1, whose largest value is 6; 448
+    for FP8 e4m3, its largest value). That is compressed-tensors' rule: the block's maximum
+    rounded to a power of two, up from 1.75 times one, over 2^floor(log2 of the element's
+    largest value). Steps stay within e8m0's 2^-127 .. 2^127; an all-zero block gets 1."""
+    m = block_absmax.float()
+    _, exponent = torch.frexp(m / limit)  # m / limit = mantissa · 2^exponent, mantissa in [0.5, 1): 2^exponent > m / limit
     exponent = exponent.clamp(-127, 127).float()
     return torch.where(m > 0, torch.exp2(exponent), torch.ones_like(m))
 
@@ -775,11 +838,7 @@ def recover_fp4_steps(weight: torch.Tensor, group_size: int, global_scale: float
     whole block, and must be storable (step · g an e4m3 value, or a power of two for MXFP4).
     Returns (steps [rows, cols / group_size] float32, number of blocks that failed)."""
     rows, cols = weight.shape
-    if cols % group_size:
-        raise ValueError(f"{cols} columns are not a whole number of groups of {group_size}")
-    w = weight.detach().reshape(-1, group_size)
-    x = w.float()
-    top = x.abs().amax(-1, keepdim=True)
+    w, x, top = _blocks(weight, group_size)
     steps = torch.ones_like(top) if global_scale is None else torch.full_like(top, 1.0 / global_scale)
     ok = top == 0
     for code in reversed(FP4_E2M1_VALUES[1:]):

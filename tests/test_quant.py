@@ -187,6 +187,69 @@ def test_fp8_activation_groups_along_each_token():
     assert fake_quantize(torch.zeros(0, 256), 4, True, "group", 64).shape == (0, 256)
 
 
+def test_mxfp8_rounds_as_compressed_tensors():
+    """MXFP8: blocks of 32 along each row, each at the power-of-two step compressed-tensors' own
+    quantized forward takes (block maximum over 448 rounded up to a power of two, the next power
+    from 1.75 times one): the same values bit for bit, edge blocks included; NaN stays, a batch
+    without tokens comes back empty, and any leading shape rounds alike."""
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    from compress.quant import mx_steps
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 256) * torch.logspace(-4, 3, 256)
+    x[0, :32] = torch.tensor([448.0 * 2**-3] + [0.3] * 31)  # largest exactly 448 steps of 2^-3: the next power up
+    x[0, 32:64] = torch.tensor([447.0 * 2**-3] + [0.3] * 31)  # just below: 2^-3, and 447 rounds to e4m3's 448
+    x[1, 32:64] = 0.0
+    x[2, 64:96] = torch.randn(32) * 1e-30  # steps far below float32's normal range
+    args = ct.QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group", group_size=32, dynamic=True,
+                               scale_dtype=torch.uint8, zp_dtype=torch.uint8)
+    scale, zero = compute_dynamic_scales_and_zp(x, args, module=None)
+    theirs = ct_fake_quantize(x=x, scale=scale, zero_point=zero, args=args)
+    ours = fake_quantize_fp8(x, "group", group_size=32, power_of_two=True)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(mx_steps(torch.tensor([448.0 * 2**-3, 447.0 * 2**-3]), 448.0), torch.tensor([2.0**-2, 2.0**-3]))
+    # e4m3 keeps 3 mantissa bits (half an ulp: 1/16 of the value) down to its subnormals, spaced 2^-9 steps
+    step = mx_steps(x.reshape(64, 8, 32).abs().amax(-1, keepdim=True), 448.0).expand(64, 8, 32).reshape(64, 256)
+    assert ((ours - x).abs() <= torch.maximum(x.abs() / 16, step * 2**-10)).all()
+    assert torch.equal(fake_quantize_fp8(x.reshape(4, 16, 256), "group", group_size=32, power_of_two=True).reshape(64, 256), ours)
+    y = x.clone()
+    y[3, 5] = float("nan")
+    out = fake_quantize_fp8(y, "group", group_size=32, power_of_two=True)
+    assert out[3, 5].isnan() and torch.equal(out[3, 32:], ours[3, 32:])
+    assert fake_quantize_fp8(torch.zeros(2, 0, 256), "group", group_size=32, power_of_two=True).shape == (2, 0, 256)
+    # float scales in groups of 32 (FP8_BLOCK's kind of groups) are another grid
+    assert not torch.equal(fake_quantize_fp8(x, "group", group_size=32), ours)
+    with pytest.raises(ValueError, match="MXFP8's, in groups of 32"):
+        fake_quantize_fp8(x, "group", group_size=64, power_of_two=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mxfp8_steps_recovered_exactly(dtype):
+    """Packing recovers each MXFP8 block's power-of-two step from the weights alone and verifies
+    the block bit for bit, in the model's dtype; weights off the grid fail, and an all-zero block
+    takes step 1."""
+    from compress.quant import recover_mxfp8_steps
+
+    torch.manual_seed(0)
+    W = (torch.randn(16, 128) * torch.logspace(-3, 1, 128)).to(dtype)
+    W[0, :32] = torch.tensor([447.0 * 2**-3] + [0.3] * 31).to(dtype)  # its extreme rounds up to 448 steps
+    W[1, 32:64] = 0
+    Q = fake_quantize_fp8(W.float(), "group", group_size=32, power_of_two=True).to(dtype)
+    steps, failed = recover_mxfp8_steps(Q)
+    assert failed == 0 and steps.shape == (16, 4)
+    assert float(steps[1, 1]) == 1.0
+    assert torch.equal(torch.frexp(steps)[0], torch.full_like(steps, 0.5))  # powers of two
+    codes = Q.float().reshape(16, 4, 32) / steps[..., None]
+    assert codes.abs().max() <= 448
+    assert torch.equal((codes.to(torch.float8_e4m3fn).float() * steps[..., None]).reshape(16, 128).to(dtype), Q)
+    off = W.clone()
+    off[2, :32] = torch.linspace(0.1, 0.2, 32).to(dtype)  # 32 values no single step holds on e4m3
+    assert recover_mxfp8_steps(off)[1] >= 1
+
+
 def test_bits_out_of_range_refused():
     with pytest.raises(ValueError):
         int_range(1, True)
