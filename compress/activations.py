@@ -105,7 +105,7 @@ class ActivationFakeQuant:
                 absmax = self.static_qparams.scale.to(x.device) * FP8_E4M3_MAX
             elif not a.dynamic:
                 absmax = torch.tensor(max(abs(self.static_range[0]), abs(self.static_range[1])), device=x.device)
-            out = fake_quantize_fp8(flat, a.strategy, absmax, group_size=a.group_size)
+            out = fake_quantize_fp8(flat, a.strategy, absmax, group_size=a.group_size, power_of_two=a.mxfp8)
         else:
             qparams = self.static_qparams
             if qparams is not None:

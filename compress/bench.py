@@ -110,6 +110,9 @@ def _rows() -> list[Row]:
             before=({"rtn": {"scheme": "FP8_DYNAMIC"}},)),
         # FP8 with a scale per 128x128 weight tile and per token per 128 input features (DeepSeek-V3's)
         Row("ref-llama", "FP8_BLOCK", {"scheme": "FP8_BLOCK"}),
+        # MXFP8: FP8 in blocks of 32 with power-of-two scales, weights only and with the inputs too
+        Row("ref-llama", "MXFP8 g32", {"scheme": "MXFP8A16"}),
+        Row("ref-llama", "MXFP8 W8A8", {"scheme": "MXFP8"}),
         # FP4 weights in the two block formats (E2M1 codes; e4m3 block scales under a global scale,
         # or power-of-two block scales), then the same with GPTQ
         Row("ref-llama", "NVFP4 g16", {"scheme": "NVFP4A16"}),
@@ -166,6 +169,7 @@ def _rows() -> list[Row]:
         Row("minilm", "W8A8 int8 dynamic per-token", {"scheme": "W8A8"}),
         Row("minilm", "W8A8 int8 static per-tensor", W8A8_STATIC),
         Row("minilm", "FP8_BLOCK", {"scheme": "FP8_BLOCK"}),
+        Row("minilm", "MXFP8 W8A8", {"scheme": "MXFP8"}),
         Row("minilm", "NVFP4 g16", {"scheme": "NVFP4A16"}),
         Row("minilm", "NVFP4 g16", {"scheme": "NVFP4A16"}, **GPTQ_ROW),
         Row("minilm", "NVFP4 W4A4", {"scheme": "NVFP4"}),

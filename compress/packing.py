@@ -25,7 +25,7 @@ import torch
 
 from compress import moe
 from compress.errors import CompressError, first_line
-from compress.schemes import fp4_format, inputs_on_the_librarys_grid
+from compress.schemes import fp4_format, inputs_on_the_librarys_grid, is_mxfp8
 
 FORMAT_PACKED = "compressed-tensors"
 FORMAT_DENSE = "dense"
@@ -66,6 +66,8 @@ def ct_args(args: dict, activations: bool = False):
         extra = {"scale_dtype": dtype, "zp_dtype": dtype}
         if activations and nv:
             dynamic = "local"  # block scales from each input, the global scale calibrated (input_global_scale)
+    elif is_mxfp8(args):  # e8m0 scales, as the library's MXFP8 presets store them
+        extra = {"scale_dtype": torch.uint8, "zp_dtype": torch.uint8}
     if args.get("block_structure"):
         extra["block_structure"] = list(args["block_structure"])
     return QuantizationArgs(num_bits=args["num_bits"], type=args["type"], symmetric=args["symmetric"],
@@ -214,7 +216,22 @@ def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloade
             raise not_packable(problems)
         return Decision("dense", f"the packed format cannot express {_first_of(problems)}", problems)
     return Decision("packed", f"compressed-tensors: each of the {len(quantized)} quantized layers has a scheme the format expresses"
-                              + _experts_plain_transformers_cannot_load(net, layers))
+                              + _experts_plain_transformers_cannot_load(net, layers) + _decompressed_to_bfloat16(net, layers))
+
+
+def _decompressed_to_bfloat16(net: torch.nn.Module, layers: dict) -> str:
+    """A note for FP4 or MXFP8 layers in a model not held in bfloat16: compressed-tensors 0.20
+    decompresses those weights to bfloat16 whatever the model's dtype, and plain transformers'
+    forward then fails on the mixed dtypes (tests/test_packed.py, README: FP4); compress reads
+    them in any dtype."""
+    dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.bfloat16)
+    kinds = sorted({"MXFP8" if is_mxfp8(r["weights"]) else "FP4" for r in layers.values()
+                    if "weights" in r and (is_mxfp8(r["weights"]) or fp4_format(r["weights"]))})
+    if dtype == torch.bfloat16 or not kinds:
+        return ""
+    return (f"; plain transformers (compressed-tensors 0.20) cannot run {' and '.join(kinds)} layers of a "
+            f"{str(dtype).removeprefix('torch.')} model (it decompresses them to bfloat16; compress reads them): save in "
+            "bfloat16 (--dtype bfloat16), or pass --format dense for a checkpoint it runs")
 
 
 def _experts_plain_transformers_cannot_load(net: torch.nn.Module, layers: dict) -> str:
@@ -257,7 +274,7 @@ def stored_code_bits(weights: dict, activations: dict | None) -> int:
     scheme packs integer codes to their width only for weight-only schemes (pack-quantized); with
     activation quantization (W4A8) it stores them in int8 (int-quantized)."""
     _, fmt = _compressor(ct_scheme({"weights": weights, "input_activations": activations}, ["Linear"]))
-    return 8 if fmt in ("int-quantized", "float-quantized") else int(weights["num_bits"])
+    return 8 if fmt in ("int-quantized", "float-quantized", "mxfp8-quantized") else int(weights["num_bits"])
 
 
 def _activation_qparams(rec: dict) -> dict[str, torch.Tensor]:
@@ -307,7 +324,7 @@ def _fp4_scales(name: str, weight: torch.Tensor, rec: dict) -> dict[str, torch.T
 def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str, torch.Tensor], str]:
     """The layer's tensors in the format (local names: weight_packed, weight_scale, ...), and the
     format's name. Raises CompressError when the packed layer would not give back its weights."""
-    from compress.quant import recover_qparams, scales_as
+    from compress.quant import recover_mxfp8_steps, recover_qparams, scales_as
 
     w = rec["weights"]
     weight = module.weight.detach().cpu()
@@ -316,6 +333,12 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
                           "so its groups mix scales, which the format cannot store", "use actorder: static (the default) to pack")
     if fp4_format(w):
         return _pack(name, module, rec, weight, _fp4_scales(name, weight, rec))
+    if is_mxfp8(w):
+        steps, failed = recover_mxfp8_steps(weight)
+        if failed:
+            raise NotPackable(f"layer {name}: {failed} weight block(s) are not on an MXFP8 grid the format can store exactly",
+                              "pass --format dense; the layer's weights were changed after quantization")
+        return _pack(name, module, rec, weight, {"weight_scale": steps})  # the compressor stores their exponents
     if rec.get("fp8_absmax") is not None and w["type"] == "float" and w["strategy"] == "tensor":
         # per-tensor FP8 at the scale its fused group shares (rtn.global_scales): a part whose own
         # largest weight is smaller does not reach 448, which recovery from the weight assumes
@@ -733,10 +756,12 @@ def attach_activation_quant(model: torch.nn.Module, qconfig, tensors: dict[str, 
         if not (strategy in ("tensor", "token") and dynamic in (True, False)) and not nvfp4 and not grouped:
             raise CompressError(f"{path}: activation strategy {strategy} (dynamic {dynamic}) is not one compress simulates",
                                 "compress evaluates per-tensor static and per-token dynamic activations, FP8 groups per "
-                                "token, and NVFP4 and MXFP4 blocks")
+                                "token (MXFP8 among them), and NVFP4 and MXFP4 blocks")
         full = inputs_on_the_librarys_grid(kind, dynamic, a.num_bits, a.symmetric)
+        mx8 = grouped and a.num_bits == 8 and a.scale_dtype == torch.uint8  # MXFP8's e8m0 scales
         args = QuantArgs(num_bits=a.num_bits, type=kind, symmetric=a.symmetric, strategy=strategy, dynamic=not nvfp4 and dynamic,
-                         group_size=a.group_size if fp4 or grouped else None, full_range=full)
+                         group_size=a.group_size if fp4 or grouped else None, full_range=full,
+                         scale_dtype="e8m0" if mx8 else None)
         for name, module in match_named_modules(model, scheme.targets, qconfig.ignore):
             if name in done:
                 continue

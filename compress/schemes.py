@@ -15,7 +15,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
-from compress.quant import MXFP4_GROUP, NVFP4_GROUP
+from compress.quant import MXFP4_GROUP, MXFP8_GROUP, NVFP4_GROUP
 
 
 MAX_GROUP_SIZE = 2**17
@@ -31,12 +31,18 @@ class QuantArgs(BaseModel):
     symmetric: bool = Field(True, description="true: absmax; false: zero-point (asymmetric)")
     strategy: Literal["tensor", "channel", "group", "tensor_group", "block", "token"] = Field(
         "channel", description="tensor_group: NVFP4's blocks of 16 with e4m3 scales under one per-tensor scale; "
-                               "block: FP8 weights with one scale per tile of block_structure (rows, columns)")
+                               "block: FP8 weights with one scale per tile of block_structure (rows, columns); "
+                               "group with type float: FP4 in blocks of 32 is MXFP4, FP8 in groups of 32 with "
+                               "scale_dtype e8m0 MXFP8")
     # A group wider than any layer is one group per row (strategy channel); the bound keeps an
     # absurd value from padding every row to it (1e9 columns) or overflowing torch's pad.
     group_size: Optional[int] = Field(None, strict=True, le=MAX_GROUP_SIZE, description="columns per scale when strategy is group")
     block_structure: Optional[list[StrictInt]] = Field(None, description="strategy block: [rows, columns] of a weight tile "
                                                  "sharing one scale ([128, 128] in FP8_BLOCK)")
+    scale_dtype: Optional[Literal["e8m0"]] = Field(
+        None, description="e8m0: power-of-two scales stored as one-byte exponents, as the MX formats store them (FP8 "
+                          "with strategy group and group_size 32 is then MXFP8; MXFP4's are e8m0 already); default: "
+                          "float scales")
     dynamic: bool = Field(False, description="activations: ranges from each input (true) or from calibration (false)")
     full_range: bool = Field(False, description="symmetric int: all 2^b codes, [-2^(b-1), 2^(b-1)-1], step max|x|/(2^(b-1)-0.5) "
                              "(compressed-tensors' grid); false: absmax, codes symmetric about 0")
@@ -51,7 +57,7 @@ class QuantArgs(BaseModel):
             if not self.symmetric:
                 raise ValueError(f"FP{self.num_bits} quantization is symmetric: set symmetric: true")
             if self.num_bits == 8 and self.strategy == "tensor_group":
-                raise ValueError("FP8 supports tensor, channel, block and token strategies (and group for dynamic "
+                raise ValueError("FP8 supports tensor, channel, block and token strategies, and group (MXFP8, or dynamic "
                                  "activations), not tensor_group")
             if self.num_bits == 4 and self.strategy == "tensor_group" and self.group_size != NVFP4_GROUP:
                 raise ValueError(f"NVFP4 (strategy tensor_group) has blocks of {NVFP4_GROUP}: set group_size: {NVFP4_GROUP}")
@@ -73,6 +79,12 @@ class QuantArgs(BaseModel):
             if len(self.block_structure) != 2 or any(not 0 < n <= MAX_GROUP_SIZE for n in self.block_structure):
                 raise ValueError(f"block_structure must be two positive integers [rows, columns] of at most "
                                  f"{MAX_GROUP_SIZE}, got {self.block_structure}")
+        if self.scale_dtype == "e8m0":
+            if self.type != "float" or self.strategy != "group" or self.num_bits == 4 and self.group_size != MXFP4_GROUP:
+                raise ValueError("scale_dtype e8m0 (power-of-two scales) is the MX formats': type float, strategy group, "
+                                 f"group_size {MXFP8_GROUP} (MXFP8, MXFP4)")
+            if self.group_size != MXFP8_GROUP:
+                raise ValueError(f"MXFP8 (FP8 with scale_dtype e8m0) has blocks of {MXFP8_GROUP}: set group_size: {MXFP8_GROUP}")
         if self.full_range and (self.type != "int" or not self.symmetric):
             raise ValueError("full_range is for symmetric int quantization (zero-point already uses all 2^b codes)")
         if self.strategy in ("group", "tensor_group"):
@@ -90,10 +102,11 @@ class QuantArgs(BaseModel):
     @model_serializer(mode="wrap")
     def _tiles_only_when_set(self, handler):
         # Records (compress.json, report.json) of every other scheme stay as they were, which
-        # compress before block_structure existed can still read.
+        # compress before block_structure and scale_dtype existed can still read.
         out = handler(self)
-        if isinstance(out, dict) and out.get("block_structure") is None:
-            out.pop("block_structure", None)
+        for key in ("block_structure", "scale_dtype"):
+            if isinstance(out, dict) and out.get(key) is None:
+                out.pop(key, None)
         return out
 
     @property
@@ -101,9 +114,16 @@ class QuantArgs(BaseModel):
         """"nvfp4" or "mxfp4" for FP4 weights or activations, else None."""
         return fp4_format(self.model_dump())
 
+    @property
+    def mxfp8(self) -> bool:
+        """FP8 in groups of 32 with power-of-two (e8m0) scales: MXFP8."""
+        return is_mxfp8(self.model_dump())
+
     def describe(self) -> str:
         if self.fp4_format:
             return f"{self.fp4_format} g{self.group_size}" + (" dynamic" if self.dynamic else "")
+        if self.mxfp8:
+            return f"mxfp8 g{self.group_size}" + (" dynamic" if self.dynamic else "")
         kind = f"{'fp' if self.type == 'float' else 'int'}{self.num_bits}"
         gran = f"g{self.group_size}" if self.strategy == "group" else f"per-{self.strategy}"
         if self.strategy == "block":
@@ -126,6 +146,13 @@ def fp4_format(args: dict) -> str | None:
     return "nvfp4" if args.get("strategy") == "tensor_group" else "mxfp4"
 
 
+def is_mxfp8(args: dict) -> bool:
+    """QuantArgs fields (as a layer record holds them) of MXFP8: FP8 in groups of 32 whose scales
+    are powers of two, stored as e8m0 exponents. Other FP8 groups (FP8_BLOCK's activations) have
+    float scales."""
+    return args.get("type") == "float" and args.get("num_bits") == 8 and args.get("scale_dtype") == "e8m0"
+
+
 def weights_label(w: dict | None) -> str:
     """A layer record's weights (QuantArgs as dumped) for report tables: `int4 group g64 sym`,
     `float8 channel sym`, `nvfp4 g16`; `-` for none."""
@@ -133,6 +160,8 @@ def weights_label(w: dict | None) -> str:
         return "-"
     if fp4_format(w):
         return f"{fp4_format(w)} g{w.get('group_size')}"
+    if is_mxfp8(w):
+        return f"mxfp8 g{w.get('group_size')}"
     group = f" g{w['group_size']}" if w.get("group_size") else ""
     if w.get("block_structure"):
         group = " {}x{}".format(*w["block_structure"])
@@ -145,6 +174,8 @@ def activations_label(a: dict | None) -> str:
     `-` for none."""
     if not a:
         return "-"
+    if is_mxfp8(a):
+        return f"mxfp8 g{a['group_size']} {'dynamic' if a.get('dynamic') else 'static'}"
     group = f" g{a['group_size']}" if a.get("group_size") else ""
     full = " full" if a.get("full_range") else ""
     return f"{a['type']}{a['num_bits']} {a['strategy']}{group}{full} {'dynamic' if a.get('dynamic') else 'static'}"
@@ -187,6 +218,13 @@ PRESETS: dict[str, dict] = {
               "input_activations": _a(4, "tensor_group", False, "float", NVFP4_GROUP)},
     "MXFP4": {"weights": _w(4, "group", MXFP4_GROUP, type="float"),
               "input_activations": _a(4, "group", True, "float", MXFP4_GROUP)},
+    # MXFP4 weights under FP8 activations per token per 128 features (float scales, as FP8_BLOCK's)
+    "MXFP4XFP8": {"weights": _w(4, "group", MXFP4_GROUP, type="float"),
+                  "input_activations": _a(8, "group", True, "float", 128)},
+    # MXFP8: FP8 in blocks of 32 with power-of-two (e8m0) scales, the activations' per token
+    "MXFP8A16": {"weights": {**_w(8, "group", MXFP8_GROUP, type="float"), "scale_dtype": "e8m0"}},
+    "MXFP8": {"weights": {**_w(8, "group", MXFP8_GROUP, type="float"), "scale_dtype": "e8m0"},
+              "input_activations": {**_a(8, "group", True, "float", MXFP8_GROUP), "scale_dtype": "e8m0"}},
 }
 
 
@@ -204,9 +242,10 @@ class QuantScheme(BaseModel):
         # weights are rounded once, from themselves: no tokens and no per-input ranges
         if w is not None and w.strategy == "token":
             raise ValueError("weights have no tokens: strategy token is for input_activations; use channel, group or tensor")
-        if w is not None and w.type == "float" and w.num_bits == 8 and w.strategy == "group":
-            raise ValueError("FP8 weights take one scale per tensor, channel or block (strategy block with "
-                             "block_structure, e.g. [128, 128]), not per group")
+        if w is not None and w.type == "float" and w.num_bits == 8 and w.strategy == "group" and not w.mxfp8:
+            raise ValueError(f"FP8 weights take one scale per tensor, channel, block (strategy block with block_structure, "
+                             f"e.g. [128, 128]) or power-of-two one per group of {MXFP8_GROUP} (MXFP8: scale_dtype e8m0), "
+                             f"not a float one per group")
         if w is not None and w.dynamic:
             raise ValueError("weights are quantized once, from the weights themselves: dynamic is for input_activations; "
                              "drop weights.dynamic")
@@ -275,7 +314,13 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
                 fields["strategy"] = "group"
                 if "block_structure" not in override:
                     fields.pop("block_structure", None)
+            # MX's power-of-two scales go with its FP8 groups: another strategy or type drops them
+            if "scale_dtype" not in override and (override.get("strategy", "group") != "group"
+                                                  or override.get("type", "float") != "float"):
+                fields.pop("scale_dtype", None)
             fields.update(override)
+            if fields.get("scale_dtype") == "float":  # said outright: float scales, QuantArgs' default
+                fields.pop("scale_dtype")
         if fields:
             if fields.get("strategy") not in ("group", "tensor_group") and fields.get("group_size") is None:
                 fields.pop("group_size", None)
@@ -289,11 +334,11 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
 def packed_weight_bits(out_features: int, in_features: int, args: QuantArgs, scale_bits: int = 16) -> int:
     """Storage of one quantized weight once packed: codes at num_bits, scales in the model's dtype
     (`scale_bits`: 16 for float16/bfloat16 models, 32 for float32 ones), and zero-points at
-    num_bits when asymmetric (the compressed-tensors layout); FP4 has 8-bit block scales (e4m3 or
-    e8m0), and NVFP4 one float32 global scale."""
-    if args.fp4_format:
+    num_bits when asymmetric (the compressed-tensors layout); FP4 and MXFP8 have 8-bit block scales
+    (e4m3 or e8m0), and NVFP4 one float32 global scale."""
+    if args.fp4_format or args.mxfp8:
         blocks = out_features * -(-in_features // args.group_size)
-        return out_features * in_features * 4 + blocks * 8 + (32 if args.fp4_format == "nvfp4" else 0)
+        return out_features * in_features * args.num_bits + blocks * 8 + (32 if args.fp4_format == "nvfp4" else 0)
     if args.strategy == "group":
         n_scales = out_features * -(-in_features // args.group_size)
     elif args.strategy == "channel":

@@ -250,14 +250,16 @@ def test_every_protocol_row_of_the_side_by_side_translates(tmp_path):
     assert section.startswith("## all-MiniLM-L6-v2") and "### Side by side" in section and "Run history" not in section
 
 
-@pytest.mark.parametrize("preset", ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4"])
-def test_fp4_schemes_translate_to_compressed_tensors_presets(preset):
-    """An FP4 stage reaches llm-compressor as the library's own preset of that name: block sizes,
-    scale dtypes, NVFP4 activations' calibrated global scale (dynamic `local`, static min/max)."""
+@pytest.mark.parametrize("preset", ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP4XFP8", "MXFP8A16", "MXFP8", "FP8_BLOCK"])
+def test_block_schemes_translate_to_compressed_tensors_presets(preset):
+    """A stage in a block format reaches llm-compressor as the library's own preset of that name:
+    block sizes, scale dtypes (MX: e8m0 exponents), NVFP4 activations' calibrated global scale
+    (dynamic `local`, static min/max)."""
     ct = pytest.importorskip("compressed_tensors.quantization")
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    mods, _ = llmcompressor_modifiers(recipe(f"  - gptq: {{scheme: {preset}}}\n"))
+    stage = "rtn" if "FP8" in preset else "gptq"  # GPTQ rounds integer and FP4 weights only
+    mods, _ = llmcompressor_modifiers(recipe(f"  - {stage}: {{scheme: {preset}}}\n"))
     group = mods[0]["args"]["config_groups"]["group_0"]
     for part in ("weights", "input_activations"):
         theirs = PRESET_SCHEMES[preset].get(part)

@@ -666,6 +666,18 @@ def test_per_tensor_fp8_weights_share_one_scale_across_layers_vllm_fuses(tiny, t
                 assert torch.equal(again.to(weight.dtype), weight), n
 
 
+def three_views(stage: dict, path, out, dtype: str) -> tuple:
+    """A tiny model's layers three ways: as the stage left them in memory, as compress reloads the
+    checkpoint, and as compressed-tensors decompresses each of its 14 linear layers; with the
+    original parameters and the in-memory model."""
+    original = dict(modeling.load_model(path, dtype=dtype)[0].named_parameters())
+    net = in_memory(stage, model=path, dtype=dtype)
+    reloaded = modeling.load_model(str(out), dtype=dtype)[0]
+    decompressed = ct_decompress(out)
+    assert len(decompressed) == 7 * 2
+    return original, net, dict(net.named_parameters()), reloaded, decompressed
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_block_tiles_pack_exactly_and_reload(tiny, tmp_path, dtype):
     """FP8_BLOCK (DeepSeek-V3's FP8): one weight scale per tile, partial tiles at the edges
@@ -682,12 +694,7 @@ def test_fp8_block_tiles_pack_exactly_and_reload(tiny, tmp_path, dtype):
     assert {k: group["input_activations"][k] for k in ("type", "strategy", "group_size", "dynamic")} == \
         {"type": "float", "strategy": "group", "group_size": 32, "dynamic": True}
     assert "| float8 block 32x48 sym | float8 group g32 dynamic |" in (out / "report.md").read_text()
-    original = dict(modeling.load_model(path, dtype=dtype)[0].named_parameters())
-    net = in_memory(stage, model=path, dtype=dtype)
-    expected = dict(net.named_parameters())
-    reloaded = modeling.load_model(str(out), dtype=dtype)[0]
-    decompressed = ct_decompress(out)
-    assert len(decompressed) == 7 * 2
+    original, net, expected, reloaded, decompressed = three_views(stage, path, out, dtype)
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         for name, weight in decompressed.items():
             W = expected[f"{name}.weight"]
@@ -712,6 +719,85 @@ def test_fp8_block_tiles_pack_exactly_and_reload(tiny, tmp_path, dtype):
         assert activations.attached_inputs(theirs)["model.layers.1.mlp.down_proj"]["input_activations"]["group_size"] == 32
         with torch.no_grad():
             assert torch.equal(theirs(input_ids=IDS).logits, ours)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("scheme", ["MXFP8A16", "MXFP8"])
+def test_mxfp8_packs_exactly_and_reloads(tiny, tmp_path, scheme, dtype):
+    """MXFP8 (OCP microscaling): FP8 weights in blocks of 32 with power-of-two scales, written in
+    the library's mxfp8-quantized format with e8m0 exponents, each the one compressed-tensors'
+    own rule (generate_mx_scales) gives the block; what the library decompresses and what
+    compress reloads are the weights evaluated in memory, plain transformers computes the same
+    logits, and another tool's checkpoint gets its MXFP8 activations back from config.json.
+    (The library's rule is applied to the weights as evaluated: a block whose largest weight
+    rounded up to 448 steps is stored at twice its step, with the same values.)"""
+    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+
+    path = tiny(intermediate=96)
+    stage = {"scheme": scheme}
+    out, report = quantize(tmp_path, f"{scheme}-{dtype}", json.dumps(stage), model=path, dtype=dtype)
+    assert report["format"]["format"] == "packed"
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert (group["format"], group["weights"]["group_size"], group["weights"]["scale_dtype"]) == ("mxfp8-quantized", 32, "torch.uint8")
+    assert (group["input_activations"] or {}).get("group_size") == (32 if scheme == "MXFP8" else None)
+    assert ("| mxfp8 g32 | mxfp8 g32 dynamic |" if scheme == "MXFP8" else "| mxfp8 g32 | - |") in (out / "report.md").read_text()
+    # the size the report gives (one byte per block scale) is the file's
+    assert abs(report["output"]["bits_per_parameter_packed"] / report["output"]["bits_per_parameter_on_disk"] - 1) < 0.02
+    original, net, expected, reloaded, decompressed = three_views(stage, path, out, dtype)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        for name, weight in decompressed.items():
+            W = expected[f"{name}.weight"]
+            assert f.get_tensor(f"{name}.weight").dtype == torch.float8_e4m3fn
+            exponents = f.get_tensor(f"{name}.weight_scale")
+            assert exponents.dtype == torch.uint8 and exponents.shape == (W.shape[0], W.shape[1] // 32), name
+            top = W.float().reshape(W.shape[0], -1, 32).abs().amax(-1)
+            assert torch.equal(exponents.float(), generate_mx_scales(top, 8)), name
+            assert not torch.equal(W, original[f"{name}.weight"])
+            assert torch.equal(weight.to(W.dtype), W), name
+            assert torch.equal(dict(reloaded.named_parameters())[f"{name}.weight"], W), name
+    with torch.no_grad():
+        ours = net(input_ids=IDS).logits
+        assert torch.equal(reloaded(input_ids=IDS).logits, ours)
+    if dtype == "bfloat16":  # the library decompresses MXFP8 to bfloat16, what plain transformers runs
+        assert relative_difference(ours, plain_transformers_logits(out, tmp_path)) <= 1e-3  # 0.0 when measured
+        assert "plain transformers" not in report["format"]["reason"]
+    else:
+        assert "cannot run MXFP8 layers of a float32 model" in report["format"]["reason"]
+        (out / "compress.json").unlink()  # as another tool's: the scheme read from config.json alone
+        theirs = modeling.load_model(str(out), dtype=dtype)[0]
+        attached = activations.attached_inputs(theirs).get("model.layers.1.mlp.down_proj")
+        assert (attached or {}).get("input_activations", {}).get("group_size") == (32 if scheme == "MXFP8" else None)
+        with torch.no_grad():
+            assert torch.equal(theirs(input_ids=IDS).logits, ours)
+
+
+def test_mxfp4_weights_under_fp8_activation_groups_pack_and_reload(tiny, tmp_path):
+    """MXFP4XFP8: MXFP4 weights, inputs rounded to FP8 per token per group of features with float
+    scales (here 64 wide, the tiny model's width, for the preset's 128), written packed: the
+    library decompresses the weights evaluated, compress reloads the logits evaluated, and plain
+    transformers runs it in bfloat16. (Its logits there are not compress's: the library computes
+    FP8 input scales in bfloat16 where compress takes float32 ones, as for FP8_BLOCK; in float32
+    the library's bfloat16 decompression fails its forward, which the report says.)"""
+    path = tiny()
+    stage = {"scheme": "MXFP4XFP8", "input_activations": {"group_size": 64}}
+    out, report = quantize(tmp_path, "mxfp4xfp8", json.dumps(stage), model=path, dtype="bfloat16")
+    assert report["format"]["format"] == "packed" and "plain transformers" not in report["format"]["reason"]
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert (group["format"], group["weights"]["num_bits"], group["weights"]["group_size"]) == ("mxfp4-pack-quantized", 4, 32)
+    assert {k: group["input_activations"][k] for k in ("type", "num_bits", "strategy", "group_size", "dynamic")} == \
+        {"type": "float", "num_bits": 8, "strategy": "group", "group_size": 64, "dynamic": True}
+    assert "| mxfp4 g32 | float8 group g64 dynamic |" in (out / "report.md").read_text()
+    net = in_memory(stage, model=path, dtype="bfloat16")
+    expected = dict(net.named_parameters())
+    for name, weight in ct_decompress(out).items():
+        assert torch.equal(weight.to(torch.bfloat16), expected[f"{name}.weight"]), name
+    with torch.no_grad():
+        ours = net(input_ids=IDS).logits
+        assert torch.equal(modeling.load_model(str(out), dtype="bfloat16")[0](input_ids=IDS).logits, ours)
+    theirs = plain_transformers_logits(out, tmp_path)
+    assert theirs.shape == ours.shape and bool(torch.isfinite(theirs).all())
+    _, report = quantize(tmp_path, "mxfp4xfp8-32", json.dumps(stage), model=path, dtype="float32")
+    assert "cannot run FP4 layers of a float32 model" in report["format"]["reason"]
 
 
 @pytest.mark.parametrize("scheme", ["W3A16", "W4A4", "W4AFP8"])

@@ -19,8 +19,8 @@ def test_presets_match_compressed_tensors_names():
 def test_every_preset_is_the_one_compressed_tensors_names_so():
     """A recipe written for llm-compressor names compressed-tensors' presets: each one compress
     has resolves to the library's own fields, but W8A16, per output channel here (README:
-    Recipes) where compressed-tensors 0.20 has groups of 128; those it lacks are the MX formats
-    of 6 and 8 bits (elements compress does not round to) and UNQUANTIZED (nothing quantized)."""
+    Recipes) where compressed-tensors 0.20 has groups of 128; those it lacks are the ones with
+    MXFP6 elements (FP6, which compress does not round to) and UNQUANTIZED (nothing quantized)."""
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     def fields(args):
@@ -30,7 +30,7 @@ def test_every_preset_is_the_one_compressed_tensors_names_so():
         return (args.num_bits, value(args.type), args.symmetric, value(args.strategy), args.group_size,
                 args.block_structure, args.dynamic)
 
-    assert set(PRESET_SCHEMES) - set(PRESETS) == {"MXFP4XFP8", "MXFP6A16", "MXFP6A8", "MXFP8", "MXFP8A16", "UNQUANTIZED"}
+    assert set(PRESET_SCHEMES) - set(PRESETS) == {"MXFP6A16", "MXFP6A8", "UNQUANTIZED"}
     for name in PRESETS:
         ours, theirs = resolve_scheme(name, None, None), PRESET_SCHEMES[name]
         if name == "W8A16":
@@ -85,6 +85,9 @@ def test_packed_bits():
     assert packed_weight_bits(128, 256, QuantArgs(num_bits=4, strategy="group", group_size=64)) / (128 * 256) == pytest.approx(4.25)
     # asymmetric adds a 4-bit zero-point per group
     assert packed_weight_bits(128, 256, QuantArgs(num_bits=4, strategy="group", group_size=64, symmetric=False)) / (128 * 256) == pytest.approx(4 + 20 / 64)
+    # MXFP8: float8 codes and one byte (an e8m0 exponent) per block of 32, whatever the model's dtype
+    mx = resolve_scheme("MXFP8A16", None, None).weights
+    assert packed_weight_bits(128, 256, mx, scale_bits=32) == 128 * 256 * 8 + 128 * 8 * 8
 
 
 def test_fp8_block_preset_and_its_overrides():
@@ -124,9 +127,33 @@ def test_int4_inputs_take_the_librarys_full_grid():
         resolve_scheme("W8A8", None, {"full_range": True})
 
 
+def test_mxfp8_is_fp8_groups_of_32_with_e8m0_scales():
+    """MXFP8 is named by its scales, as compressed-tensors names it (scale_dtype): FP8 groups of 32
+    with float scales stay FP8_BLOCK's kind of activation groups, and power-of-two scales come
+    only in the MX formats' blocks."""
+    mx = resolve_scheme("MXFP8", None, None)
+    assert mx.weights.mxfp8 and mx.input_activations.mxfp8
+    assert (mx.weights.describe(), mx.input_activations.describe()) == ("mxfp8 g32", "mxfp8 g32 dynamic")
+    floats = resolve_scheme("FP8_BLOCK", None, {"group_size": 32}).input_activations
+    assert not floats.mxfp8 and floats.describe() == "fp8 g32 sym dynamic"
+    assert "scale_dtype" not in floats.model_dump()  # records of other schemes stay as they were
+    with pytest.raises(ValueError, match="FP8 weights take one scale per tensor"):
+        resolve_scheme("MXFP8A16", {"scale_dtype": "float"}, None)
+    assert resolve_scheme("MXFP8", {"strategy": "channel"}, {"strategy": "token"}).describe() == \
+        resolve_scheme("FP8_DYNAMIC", None, None).describe()  # another strategy leaves the MX scales behind
+    assert not resolve_scheme("MXFP8", None, {"scale_dtype": "float"}).input_activations.mxfp8
+    with pytest.raises(ValueError, match="MXFP8 .* has blocks of 32"):
+        resolve_scheme("MXFP8A16", {"group_size": 64}, None)
+    for fields in ({"scale_dtype": "e8m0"}, {"type": "float", "strategy": "channel", "scale_dtype": "e8m0"},
+                   {"type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16, "scale_dtype": "e8m0"}):
+        with pytest.raises(ValidationError, match="scale_dtype e8m0"):
+            QuantArgs(**fields)
+
+
 @pytest.mark.parametrize("weights, activations, says", [
-    ({"strategy": "group", "group_size": 128}, None, "FP8 weights take one scale per tensor, channel or block"),
-    ({"group_size": 64}, None, "FP8 weights take one scale per tensor, channel or block"),  # the preset's tiles go
+    ({"strategy": "group", "group_size": 128}, None, "FP8 weights take one scale per tensor, channel, block .* or power-of-two "
+                                                     r"one per group of 32 \(MXFP8: scale_dtype e8m0\)"),
+    ({"group_size": 64}, None, "FP8 weights take one scale per tensor, channel, block"),  # the preset's tiles go
     (None, {"strategy": "block", "block_structure": [1, 128]}, "input_activations have no weight tiles"),
     (None, {"dynamic": False}, "strategy group is for dynamic FP8"),
 ])

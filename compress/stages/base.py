@@ -192,6 +192,9 @@ class QuantArgsOverride(BaseModel):
     block_structure: Optional[list[StrictInt]] = Field(None, description="strategy block: [rows, columns] of a weight tile sharing one scale")
     dynamic: Optional[bool] = Field(None, description="activations: scales computed at run time (true) or from calibration (false)")
     full_range: Optional[bool] = Field(None, description="symmetric int: use all 2^b codes ([-8, 7] at 4 bits), as compressed-tensors does")
+    scale_dtype: Optional[Literal["e8m0", "float"]] = Field(
+        None, description="e8m0: power-of-two scales stored as one-byte exponents (MXFP8: FP8, strategy group, group_size 32); "
+                          "float: float scales")
 
 
 class QuantizationStage(Stage):

@@ -37,7 +37,8 @@ def quantize_weight(weight: torch.Tensor, args: QuantArgs, global_scale: float |
         return fake_quantize_fp4(weight, args.group_size)
     if args.type == "float":
         absmax = torch.tensor(global_scale) if global_scale is not None and args.strategy == "tensor" else None
-        return fake_quantize_fp8(weight, args.strategy, absmax=absmax, storable=True, block_structure=args.block_structure)
+        return fake_quantize_fp8(weight, args.strategy, absmax=absmax, storable=True, group_size=args.group_size,
+                                 block_structure=args.block_structure, power_of_two=args.mxfp8)
     return fake_quantize(weight, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
 
 
