@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from compress.errors import CompressError
-from compress.schemes import fp4_format, is_mxfp8
+from compress.schemes import fp4_format, mx_format
 
 RUNNER = Path(__file__).with_name("llmcompressor_runner.py")
 TOOLS = ("llmcompressor",)
@@ -71,7 +71,7 @@ def _config_groups(cfg) -> dict:
                 args["scale_dtype"] = args["zp_dtype"] = "torch.float8_e4m3fn" if nv else "torch.uint8"
                 if part == "input_activations" and nv:
                     args.update(dynamic="local", observer="static_minmax")
-            elif is_mxfp8(args):  # as compressed-tensors' MXFP8 presets: e8m0 scales
+            elif mx_format(args):  # as compressed-tensors' MXFP8 and MXFP6 presets: e8m0 scales
                 args["scale_dtype"] = args["zp_dtype"] = "torch.uint8"
     return {"group_0": group}
 

@@ -113,6 +113,8 @@ def _rows() -> list[Row]:
         # MXFP8: FP8 in blocks of 32 with power-of-two scales, weights only and with the inputs too
         Row("ref-llama", "MXFP8 g32", {"scheme": "MXFP8A16"}),
         Row("ref-llama", "MXFP8 W8A8", {"scheme": "MXFP8"}),
+        # MXFP6: FP6 e2m3 weights in the same blocks
+        Row("ref-llama", "MXFP6 g32", {"scheme": "MXFP6A16"}),
         # FP4 weights in the two block formats (E2M1 codes; e4m3 block scales under a global scale,
         # or power-of-two block scales), then the same with GPTQ
         Row("ref-llama", "NVFP4 g16", {"scheme": "NVFP4A16"}),

@@ -25,7 +25,7 @@ import torch
 
 from compress import moe
 from compress.errors import CompressError, first_line
-from compress.schemes import fp4_format, inputs_on_the_librarys_grid, is_mxfp8
+from compress.schemes import fp4_format, inputs_on_the_librarys_grid, mx_format
 
 FORMAT_PACKED = "compressed-tensors"
 FORMAT_DENSE = "dense"
@@ -66,7 +66,7 @@ def ct_args(args: dict, activations: bool = False):
         extra = {"scale_dtype": dtype, "zp_dtype": dtype}
         if activations and nv:
             dynamic = "local"  # block scales from each input, the global scale calibrated (input_global_scale)
-    elif is_mxfp8(args):  # e8m0 scales, as the library's MXFP8 presets store them
+    elif mx_format(args):  # e8m0 scales, as the library's MXFP8 and MXFP6 presets store them
         extra = {"scale_dtype": torch.uint8, "zp_dtype": torch.uint8}
     if args.get("block_structure"):
         extra["block_structure"] = list(args["block_structure"])
@@ -220,13 +220,13 @@ def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloade
 
 
 def _decompressed_to_bfloat16(net: torch.nn.Module, layers: dict) -> str:
-    """A note for FP4 or MXFP8 layers in a model not held in bfloat16: compressed-tensors 0.20
+    """A note for FP4, MXFP6 or MXFP8 layers in a model not held in bfloat16: compressed-tensors 0.20
     decompresses those weights to bfloat16 whatever the model's dtype, and plain transformers'
     forward then fails on the mixed dtypes (tests/test_packed.py, README: FP4); compress reads
     them in any dtype."""
     dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.bfloat16)
-    kinds = sorted({"MXFP8" if is_mxfp8(r["weights"]) else "FP4" for r in layers.values()
-                    if "weights" in r and (is_mxfp8(r["weights"]) or fp4_format(r["weights"]))})
+    kinds = sorted({(mx_format(r["weights"]) or "FP4").upper() for r in layers.values()
+                    if "weights" in r and (mx_format(r["weights"]) or fp4_format(r["weights"]))})
     if dtype == torch.bfloat16 or not kinds:
         return ""
     return (f"; plain transformers (compressed-tensors 0.20) cannot run {' and '.join(kinds)} layers of a "
@@ -324,7 +324,7 @@ def _fp4_scales(name: str, weight: torch.Tensor, rec: dict) -> dict[str, torch.T
 def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str, torch.Tensor], str]:
     """The layer's tensors in the format (local names: weight_packed, weight_scale, ...), and the
     format's name. Raises CompressError when the packed layer would not give back its weights."""
-    from compress.quant import recover_mxfp8_steps, recover_qparams, scales_as
+    from compress.quant import recover_mx_steps, recover_qparams, scales_as
 
     w = rec["weights"]
     weight = module.weight.detach().cpu()
@@ -333,10 +333,11 @@ def pack_layer(name: str, module: torch.nn.Linear, rec: dict) -> tuple[dict[str,
                           "so its groups mix scales, which the format cannot store", "use actorder: static (the default) to pack")
     if fp4_format(w):
         return _pack(name, module, rec, weight, _fp4_scales(name, weight, rec))
-    if is_mxfp8(w):
-        steps, failed = recover_mxfp8_steps(weight)
+    if mx_format(w):
+        steps, failed = recover_mx_steps(weight, w["num_bits"])
         if failed:
-            raise NotPackable(f"layer {name}: {failed} weight block(s) are not on an MXFP8 grid the format can store exactly",
+            raise NotPackable(f"layer {name}: {failed} weight block(s) are not on an {mx_format(w).upper()} grid the format "
+                              "can store exactly",
                               "pass --format dense; the layer's weights were changed after quantization")
         return _pack(name, module, rec, weight, {"weight_scale": steps})  # the compressor stores their exponents
     if rec.get("fp8_absmax") is not None and w["type"] == "float" and w["strategy"] == "tensor":

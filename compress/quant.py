@@ -27,6 +27,8 @@ A width that `group_size` does not divide gets a shorter last group.
 FP8 (e4m3) is supported as a float format: scale so that max|x| maps to 448, cast, cast back.
 MXFP8 (the OCP microscaling format): FP8 in blocks of 32 consecutive columns, each with a
 power-of-two (e8m0) step, the smallest at which the block's extreme stays below 448 steps.
+MXFP6: the same blocks of FP6 e2m3 (±{0, 0.125, ..., 7.5}: steps of 1/8 below 2, 1/4 below 4, 1/2
+up to 7.5), weights only.
 
 FP4 (e2m1: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in blocks, the two formats NVIDIA Blackwell and the
 OCP microscaling spec define, each element rounded to the nearest value at its block's step:
@@ -356,24 +358,68 @@ def _blocks(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.
     return w, x, x.abs().amax(-1, keepdim=True)
 
 
-def recover_mxfp8_steps(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Power-of-two steps that reproduce an MXFP8-quantized weight [rows, cols] bit for bit, one
-    per block of 32 columns, each verified over the whole block: first mx_steps of the block's
-    largest magnitude (the library's rule on the weights as they are), then half of it (when
-    e4m3 rounded the block's extreme up to exactly 448 steps, that rule lands one power higher,
-    and a block with an element only the finer step holds needs it). Returns (steps
-    [rows, cols / 32] float32, number of blocks that failed)."""
+def recover_mx_steps(weight: torch.Tensor, element_bits: int = 8) -> tuple[torch.Tensor, int]:
+    """Power-of-two steps that reproduce an MXFP8 (`element_bits` 8) or MXFP6 (6) weight
+    [rows, cols] bit for bit, one per block of 32 columns, each verified over the whole block:
+    first mx_steps of the block's largest magnitude (the library's rule on the weights as they
+    are), then half of it (when e4m3 rounded the block's extreme up to exactly 448 steps, that
+    rule lands one power higher, and a block with an element only the finer step holds needs it).
+    Returns (steps [rows, cols / 32] float32, number of blocks that failed)."""
+    largest, limit, to_grid = _MX_ELEMENTS[element_bits]
     rows, cols = weight.shape
     w, x, top = _blocks(weight, MXFP8_GROUP)
     steps = torch.ones_like(top)
     ok = top == 0  # an all-zero block holds at any step: 1, as mx_steps gives it
-    for cand in (mx_steps(top, FP8_E4M3_MAX), mx_steps(top, FP8_E4M3_MAX) / 2):
+    for cand in (mx_steps(top, limit), mx_steps(top, limit) / 2):
         storable = (cand >= 2.0**-127) & (cand <= 2.0**127)
-        exact = (((x / cand).to(torch.float8_e4m3fn).float() * cand).to(w.dtype) == w).all(-1, keepdim=True)
-        good = storable & exact & ~ok & (top / cand <= FP8_E4M3_MAX)
+        exact = ((to_grid(x / cand) * cand).to(w.dtype) == w).all(-1, keepdim=True)
+        good = storable & exact & ~ok & (top / cand <= largest)
         steps = torch.where(good, cand, steps)
         ok = ok | good
     return steps.reshape(rows, cols // MXFP8_GROUP), int((~ok).sum())
+
+
+def fake_quantize_mxfp6(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, cols] rounded to MXFP6: blocks of 32 consecutive columns, FP6 e2m3 elements at
+    each block's power-of-two step (mx_steps with the limit compressed-tensors' rule gives e2m3,
+    7.75: an extreme between 7.5 and 7.75 steps saturates to 7.5, by less than half a step);
+    float32 out. NaN/Inf elements stay as they are."""
+    x = original = x.detach()
+    x, finite = _finite_or_zero(x.float())
+    grouped, pad = _grouped(x, MXFP8_GROUP)
+    step = mx_steps(grouped.abs().amax(-1, keepdim=True), MXFP6_LIMIT)
+    out = round_to_fp6(grouped / step).mul_(step).reshape(x.shape[0], grouped.shape[1] * MXFP8_GROUP)
+    out = out[:, : x.shape[1]] if pad else out
+    return out if finite is None else torch.where(finite, out, original.float())
+
+
+def round_to_fp6(x: torch.Tensor) -> torch.Tensor:
+    """Each element to the nearest FP6 e2m3 value, ties to even, saturating at ±7.5, keeping x's
+    sign; NaN gives 0; float32 out. As E2M1 (_round_to_fp4_), a fixed-point grid per binade: the
+    step is 2^(floor(log2|a|) - 3), at least 1/8."""
+    a = x.detach().to(torch.float32, copy=True).clamp_(-FP6_E2M3_MAX, FP6_E2M3_MAX)
+    exponent_field, three_binades, eighth = _fp6_bit_constants(a.device)
+    step = torch.bitwise_and(a.view(torch.int32), exponent_field)
+    step = step.sub_(three_binades).clamp_(min=eighth).view(torch.float32)
+    return a.div_(step).round_().mul_(step).nan_to_num_(nan=0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp6_bit_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """round_to_fp6's int32 constants on `device` (see _fp4_bit_constants)."""
+    def const(bits: int) -> torch.Tensor:
+        return torch.tensor(bits, dtype=torch.int32, device=device)
+    return const(0x7F800000), const(3 << 23), const(0x3E000000)  # exponent field, three binades, 1/8
+
+
+def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float8_e4m3fn).float()
+
+
+FP6_E2M3_MAX = 7.5
+MXFP6_LIMIT = 7.75  # the block maximum rounded to a power of two at e2m3's 3 mantissa bits: up from 1.9375 times one
+# element bits -> (largest element, mx_steps' limit, rounding onto the element's grid)
+_MX_ELEMENTS = {8: (FP8_E4M3_MAX, FP8_E4M3_MAX, _to_e4m3), 6: (FP6_E2M3_MAX, MXFP6_LIMIT, round_to_fp6)}
 
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
@@ -795,9 +841,10 @@ def fp4_steps(block_absmax: torch.Tensor, global_scale, underflow_to_zero: bool 
 def mx_steps(block_absmax: torch.Tensor, limit: float) -> torch.Tensor:
     """A microscaling block's step: the smallest power of two at which the block's largest
     magnitude stays strictly below `limit` steps (7 for FP4 e2m1, whose largest value is 6; 448
-    for FP8 e4m3, its largest value). That is compressed-tensors' rule: the block's maximum
-    rounded to a power of two, up from 1.75 times one, over 2^floor(log2 of the element's
-    largest value). Steps stay within e8m0's 2^-127 .. 2^127; an all-zero block gets 1."""
+    for FP8 e4m3, its largest value; 7.75 for FP6 e2m3, whose largest is 7.5). That is
+    compressed-tensors' rule: the block's maximum rounded to a power of two (up from 1.75 times
+    one, at e2m3's mantissa from 1.9375), over 2^floor(log2 of the element's largest value).
+    Steps stay within e8m0's 2^-127 .. 2^127; an all-zero block gets 1."""
     m = block_absmax.float()
     _, exponent = torch.frexp(m / limit)  # m / limit = mantissa · 2^exponent, mantissa in [0.5, 1): 2^exponent > m / limit
     exponent = exponent.clamp(-127, 127).float()

@@ -26,7 +26,8 @@ class QuantArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    num_bits: int = Field(8, strict=True, description="bit width: 2..8 for int; for float 8 (FP8 e4m3) or 4 (FP4 e2m1: NVFP4, MXFP4)")
+    num_bits: int = Field(8, strict=True, description="bit width: 2..8 for int; for float 8 (FP8 e4m3), 6 (FP6 e2m3: MXFP6) "
+                          "or 4 (FP4 e2m1: NVFP4, MXFP4)")
     type: Literal["int", "float"] = "int"
     symmetric: bool = Field(True, description="true: absmax; false: zero-point (asymmetric)")
     strategy: Literal["tensor", "channel", "group", "tensor_group", "block", "token"] = Field(
@@ -52,8 +53,11 @@ class QuantArgs(BaseModel):
         if self.type == "int" and not 2 <= self.num_bits <= 8:
             raise ValueError(f"num_bits must be between 2 and 8 for int quantization, got {self.num_bits}")
         if self.type == "float":
-            if self.num_bits not in (4, 8):
-                raise ValueError("float quantization is FP8 (e4m3, num_bits 8) or FP4 (e2m1, num_bits 4)")
+            if self.num_bits not in (4, 6, 8):
+                raise ValueError("float quantization is FP8 (e4m3, num_bits 8), FP6 (e2m3, num_bits 6: MXFP6) or FP4 "
+                                 "(e2m1, num_bits 4)")
+            if self.num_bits == 6 and (self.strategy != "group" or self.group_size != MXFP8_GROUP):
+                raise ValueError(f"FP6 comes in MXFP6's blocks: strategy group, group_size {MXFP8_GROUP} (power-of-two scales)")
             if not self.symmetric:
                 raise ValueError(f"FP{self.num_bits} quantization is symmetric: set symmetric: true")
             if self.num_bits == 8 and self.strategy == "tensor_group":
@@ -80,7 +84,7 @@ class QuantArgs(BaseModel):
                 raise ValueError(f"block_structure must be two positive integers [rows, columns] of at most "
                                  f"{MAX_GROUP_SIZE}, got {self.block_structure}")
         if self.scale_dtype == "e8m0":
-            if self.type != "float" or self.strategy != "group" or self.num_bits == 4 and self.group_size != MXFP4_GROUP:
+            if self.type != "float" or self.strategy != "group" or self.num_bits != 8 and self.group_size != MXFP4_GROUP:
                 raise ValueError("scale_dtype e8m0 (power-of-two scales) is the MX formats': type float, strategy group, "
                                  f"group_size {MXFP8_GROUP} (MXFP8, MXFP4)")
             if self.group_size != MXFP8_GROUP:
@@ -119,11 +123,16 @@ class QuantArgs(BaseModel):
         """FP8 in groups of 32 with power-of-two (e8m0) scales: MXFP8."""
         return is_mxfp8(self.model_dump())
 
+    @property
+    def byte_block_scales(self) -> bool:
+        """One 8-bit scale per block (e4m3 or e8m0): FP4, MXFP6 and MXFP8."""
+        return bool(self.fp4_format or mx_format(self.model_dump()))
+
     def describe(self) -> str:
         if self.fp4_format:
             return f"{self.fp4_format} g{self.group_size}" + (" dynamic" if self.dynamic else "")
-        if self.mxfp8:
-            return f"mxfp8 g{self.group_size}" + (" dynamic" if self.dynamic else "")
+        if mx_format(self.model_dump()):
+            return f"{mx_format(self.model_dump())} g{self.group_size}" + (" dynamic" if self.dynamic else "")
         kind = f"{'fp' if self.type == 'float' else 'int'}{self.num_bits}"
         gran = f"g{self.group_size}" if self.strategy == "group" else f"per-{self.strategy}"
         if self.strategy == "block":
@@ -146,6 +155,14 @@ def fp4_format(args: dict) -> str | None:
     return "nvfp4" if args.get("strategy") == "tensor_group" else "mxfp4"
 
 
+def mx_format(args: dict) -> str | None:
+    """"mxfp8" or "mxfp6" for QuantArgs fields (as a layer record holds them) of those MX formats,
+    else None (MXFP4 is fp4_format's)."""
+    if is_mxfp8(args):
+        return "mxfp8"
+    return "mxfp6" if args.get("type") == "float" and args.get("num_bits") == 6 else None
+
+
 def is_mxfp8(args: dict) -> bool:
     """QuantArgs fields (as a layer record holds them) of MXFP8: FP8 in groups of 32 whose scales
     are powers of two, stored as e8m0 exponents. Other FP8 groups (FP8_BLOCK's activations) have
@@ -160,8 +177,8 @@ def weights_label(w: dict | None) -> str:
         return "-"
     if fp4_format(w):
         return f"{fp4_format(w)} g{w.get('group_size')}"
-    if is_mxfp8(w):
-        return f"mxfp8 g{w.get('group_size')}"
+    if mx_format(w):
+        return f"{mx_format(w)} g{w.get('group_size')}"
     group = f" g{w['group_size']}" if w.get("group_size") else ""
     if w.get("block_structure"):
         group = " {}x{}".format(*w["block_structure"])
@@ -223,6 +240,10 @@ PRESETS: dict[str, dict] = {
                   "input_activations": _a(8, "group", True, "float", 128)},
     # MXFP8: FP8 in blocks of 32 with power-of-two (e8m0) scales, the activations' per token
     "MXFP8A16": {"weights": {**_w(8, "group", MXFP8_GROUP, type="float"), "scale_dtype": "e8m0"}},
+    # MXFP6: FP6 e2m3 weights in the same blocks; MXFP6A8 rounds the inputs as MXFP8 does
+    "MXFP6A16": {"weights": _w(6, "group", MXFP8_GROUP, type="float")},
+    "MXFP6A8": {"weights": _w(6, "group", MXFP8_GROUP, type="float"),
+                "input_activations": {**_a(8, "group", True, "float", MXFP8_GROUP), "scale_dtype": "e8m0"}},
     "MXFP8": {"weights": {**_w(8, "group", MXFP8_GROUP, type="float"), "scale_dtype": "e8m0"},
               "input_activations": {**_a(8, "group", True, "float", MXFP8_GROUP), "scale_dtype": "e8m0"}},
 }
@@ -242,6 +263,8 @@ class QuantScheme(BaseModel):
         # weights are rounded once, from themselves: no tokens and no per-input ranges
         if w is not None and w.strategy == "token":
             raise ValueError("weights have no tokens: strategy token is for input_activations; use channel, group or tensor")
+        if a is not None and a.type == "float" and a.num_bits == 6:
+            raise ValueError("FP6 is for weights (MXFP6); MXFP6A8 rounds the inputs to MXFP8 (num_bits 8, scale_dtype e8m0)")
         if w is not None and w.type == "float" and w.num_bits == 8 and w.strategy == "group" and not w.mxfp8:
             raise ValueError(f"FP8 weights take one scale per tensor, channel, block (strategy block with block_structure, "
                              f"e.g. [128, 128]) or power-of-two one per group of {MXFP8_GROUP} (MXFP8: scale_dtype e8m0), "
@@ -334,9 +357,9 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
 def packed_weight_bits(out_features: int, in_features: int, args: QuantArgs, scale_bits: int = 16) -> int:
     """Storage of one quantized weight once packed: codes at num_bits, scales in the model's dtype
     (`scale_bits`: 16 for float16/bfloat16 models, 32 for float32 ones), and zero-points at
-    num_bits when asymmetric (the compressed-tensors layout); FP4 and MXFP8 have 8-bit block scales
+    num_bits when asymmetric (the compressed-tensors layout); FP4, MXFP6 and MXFP8 have 8-bit block scales
     (e4m3 or e8m0), and NVFP4 one float32 global scale."""
-    if args.fp4_format or args.mxfp8:
+    if args.byte_block_scales:
         blocks = out_features * -(-in_features // args.group_size)
         return out_features * in_features * args.num_bits + blocks * 8 + (32 if args.fp4_format == "nvfp4" else 0)
     if args.strategy == "group":

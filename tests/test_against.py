@@ -250,7 +250,8 @@ def test_every_protocol_row_of_the_side_by_side_translates(tmp_path):
     assert section.startswith("## all-MiniLM-L6-v2") and "### Side by side" in section and "Run history" not in section
 
 
-@pytest.mark.parametrize("preset", ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP4XFP8", "MXFP8A16", "MXFP8", "FP8_BLOCK"])
+@pytest.mark.parametrize("preset", ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP4XFP8", "MXFP8A16", "MXFP8", "MXFP6A16",
+                                    "MXFP6A8", "FP8_BLOCK"])
 def test_block_schemes_translate_to_compressed_tensors_presets(preset):
     """A stage in a block format reaches llm-compressor as the library's own preset of that name:
     block sizes, scale dtypes (MX: e8m0 exponents), NVFP4 activations' calibrated global scale
@@ -258,7 +259,7 @@ def test_block_schemes_translate_to_compressed_tensors_presets(preset):
     ct = pytest.importorskip("compressed_tensors.quantization")
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    stage = "rtn" if "FP8" in preset else "gptq"  # GPTQ rounds integer and FP4 weights only
+    stage = "gptq" if preset in ("NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4") else "rtn"  # GPTQ: integer and FP4 weights only
     mods, _ = llmcompressor_modifiers(recipe(f"  - {stage}: {{scheme: {preset}}}\n"))
     group = mods[0]["args"]["config_groups"]["group_0"]
     for part in ("weights", "input_activations"):

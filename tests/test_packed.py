@@ -721,6 +721,34 @@ def test_fp8_block_tiles_pack_exactly_and_reload(tiny, tmp_path, dtype):
             assert torch.equal(theirs(input_ids=IDS).logits, ours)
 
 
+def check_mx_blocks(stage: dict, path, out, dtype: str, bits: int) -> tuple:
+    """An MX checkpoint's layers: codes stored at `bits` (float8, or FP6 four to three bytes), one
+    e8m0 exponent per block of 32 (uint8 [rows, cols / 32]), each the one compressed-tensors' rule
+    gives the block's weights as evaluated; the library decompresses and compress reloads those
+    weights, and the reloaded model computes the same logits. Returns (in-memory model, reloaded
+    model, its logits)."""
+    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+
+    original, net, expected, reloaded, decompressed = three_views(stage, path, out, dtype)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        for name, weight in decompressed.items():
+            W = expected[f"{name}.weight"]
+            codes = f.get_tensor(f"{name}.weight" if bits == 8 else f"{name}.weight_packed")
+            assert codes.dtype == (torch.float8_e4m3fn if bits == 8 else torch.uint8), name
+            assert codes.shape == (W.shape[0], W.shape[1] * bits // 8), name
+            exponents = f.get_tensor(f"{name}.weight_scale")
+            assert exponents.dtype == torch.uint8 and exponents.shape == (W.shape[0], W.shape[1] // 32), name
+            top = W.float().reshape(W.shape[0], -1, 32).abs().amax(-1)
+            assert torch.equal(exponents.float(), generate_mx_scales(top, bits)), name
+            assert not torch.equal(W, original[f"{name}.weight"])
+            assert torch.equal(weight.to(W.dtype), W), name
+            assert torch.equal(dict(reloaded.named_parameters())[f"{name}.weight"], W), name
+    with torch.no_grad():
+        ours = net(input_ids=IDS).logits
+        assert torch.equal(reloaded(input_ids=IDS).logits, ours)
+    return net, reloaded, ours
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scheme", ["MXFP8A16", "MXFP8"])
 def test_mxfp8_packs_exactly_and_reloads(tiny, tmp_path, scheme, dtype):
@@ -731,8 +759,6 @@ def test_mxfp8_packs_exactly_and_reloads(tiny, tmp_path, scheme, dtype):
     logits, and another tool's checkpoint gets its MXFP8 activations back from config.json.
     (The library's rule is applied to the weights as evaluated: a block whose largest weight
     rounded up to 448 steps is stored at twice its step, with the same values.)"""
-    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
-
     path = tiny(intermediate=96)
     stage = {"scheme": scheme}
     out, report = quantize(tmp_path, f"{scheme}-{dtype}", json.dumps(stage), model=path, dtype=dtype)
@@ -743,21 +769,7 @@ def test_mxfp8_packs_exactly_and_reloads(tiny, tmp_path, scheme, dtype):
     assert ("| mxfp8 g32 | mxfp8 g32 dynamic |" if scheme == "MXFP8" else "| mxfp8 g32 | - |") in (out / "report.md").read_text()
     # the size the report gives (one byte per block scale) is the file's
     assert abs(report["output"]["bits_per_parameter_packed"] / report["output"]["bits_per_parameter_on_disk"] - 1) < 0.02
-    original, net, expected, reloaded, decompressed = three_views(stage, path, out, dtype)
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        for name, weight in decompressed.items():
-            W = expected[f"{name}.weight"]
-            assert f.get_tensor(f"{name}.weight").dtype == torch.float8_e4m3fn
-            exponents = f.get_tensor(f"{name}.weight_scale")
-            assert exponents.dtype == torch.uint8 and exponents.shape == (W.shape[0], W.shape[1] // 32), name
-            top = W.float().reshape(W.shape[0], -1, 32).abs().amax(-1)
-            assert torch.equal(exponents.float(), generate_mx_scales(top, 8)), name
-            assert not torch.equal(W, original[f"{name}.weight"])
-            assert torch.equal(weight.to(W.dtype), W), name
-            assert torch.equal(dict(reloaded.named_parameters())[f"{name}.weight"], W), name
-    with torch.no_grad():
-        ours = net(input_ids=IDS).logits
-        assert torch.equal(reloaded(input_ids=IDS).logits, ours)
+    net, reloaded, ours = check_mx_blocks(stage, path, out, dtype, 8)
     if dtype == "bfloat16":  # the library decompresses MXFP8 to bfloat16, what plain transformers runs
         assert relative_difference(ours, plain_transformers_logits(out, tmp_path)) <= 1e-3  # 0.0 when measured
         assert "plain transformers" not in report["format"]["reason"]
@@ -769,6 +781,28 @@ def test_mxfp8_packs_exactly_and_reloads(tiny, tmp_path, scheme, dtype):
         assert (attached or {}).get("input_activations", {}).get("group_size") == (32 if scheme == "MXFP8" else None)
         with torch.no_grad():
             assert torch.equal(theirs(input_ids=IDS).logits, ours)
+
+
+@pytest.mark.parametrize("scheme", ["MXFP6A16", "MXFP6A8"])
+def test_mxfp6_packs_exactly_and_reloads(tiny, tmp_path, scheme):
+    """MXFP6: FP6 e2m3 weights in blocks of 32 with e8m0 scales, written in the library's
+    mxfp6-pack-quantized format (four codes in three bytes); the library decompresses and compress
+    reloads the weights evaluated, and plain transformers computes the same logits in bfloat16
+    (MXFP6A8's inputs rounded to MXFP8 there too). In float32 the report says plain transformers
+    cannot run it."""
+    path = tiny(intermediate=96)
+    stage = {"scheme": scheme}
+    out, report = quantize(tmp_path, scheme, json.dumps(stage), model=path, dtype="bfloat16")
+    assert report["format"]["format"] == "packed" and "plain transformers" not in report["format"]["reason"]
+    group = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert (group["format"], group["weights"]["num_bits"], group["weights"]["group_size"]) == ("mxfp6-pack-quantized", 6, 32)
+    assert (group["input_activations"] or {}).get("scale_dtype") == ("torch.uint8" if scheme == "MXFP6A8" else None)
+    assert ("| mxfp6 g32 | mxfp8 g32 dynamic |" if scheme == "MXFP6A8" else "| mxfp6 g32 | - |") in (out / "report.md").read_text()
+    assert abs(report["output"]["bits_per_parameter_packed"] / report["output"]["bits_per_parameter_on_disk"] - 1) < 0.02
+    _, _, ours = check_mx_blocks(stage, path, out, "bfloat16", 6)
+    assert relative_difference(ours, plain_transformers_logits(out, tmp_path)) <= 1e-3
+    _, report = quantize(tmp_path, f"{scheme}-32", json.dumps(stage), model=path, dtype="float32")
+    assert "cannot run MXFP6 layers of a float32 model" in report["format"]["reason"]
 
 
 def test_mxfp4_weights_under_fp8_activation_groups_pack_and_reload(tiny, tmp_path):

@@ -166,7 +166,7 @@ def test_fixed_scales_do_not_move(tiny, repo, tmp_path):
 
 
 @pytest.mark.parametrize("stage, words", [
-    ("{scheme: FP8}", "float weights (FP8, FP4) are not supported"),
+    ("{scheme: FP8}", "float weights (FP8, FP6, FP4) are not supported"),
     ("{scheme: W8A8, input_activations: {dynamic: false, strategy: tensor}}", "dynamic integer activations only"),
     ("{scheme: W4A16, kd_weight: 0}", "nothing to train on"),
     ("{scheme: W4A16, freeze: [nothing_like_this]}", "match no parameter"),

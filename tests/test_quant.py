@@ -231,14 +231,14 @@ def test_mxfp8_steps_recovered_exactly(dtype):
     """Packing recovers each MXFP8 block's power-of-two step from the weights alone and verifies
     the block bit for bit, in the model's dtype; weights off the grid fail, and an all-zero block
     takes step 1."""
-    from compress.quant import recover_mxfp8_steps
+    from compress.quant import recover_mx_steps
 
     torch.manual_seed(0)
     W = (torch.randn(16, 128) * torch.logspace(-3, 1, 128)).to(dtype)
     W[0, :32] = torch.tensor([447.0 * 2**-3] + [0.3] * 31).to(dtype)  # its extreme rounds up to 448 steps
     W[1, 32:64] = 0
     Q = fake_quantize_fp8(W.float(), "group", group_size=32, power_of_two=True).to(dtype)
-    steps, failed = recover_mxfp8_steps(Q)
+    steps, failed = recover_mx_steps(Q, 8)
     assert failed == 0 and steps.shape == (16, 4)
     assert float(steps[1, 1]) == 1.0
     assert torch.equal(torch.frexp(steps)[0], torch.full_like(steps, 0.5))  # powers of two
@@ -247,7 +247,41 @@ def test_mxfp8_steps_recovered_exactly(dtype):
     assert torch.equal((codes.to(torch.float8_e4m3fn).float() * steps[..., None]).reshape(16, 128).to(dtype), Q)
     off = W.clone()
     off[2, :32] = torch.linspace(0.1, 0.2, 32).to(dtype)  # 32 values no single step holds on e4m3
-    assert recover_mxfp8_steps(off)[1] >= 1
+    assert recover_mx_steps(off, 8)[1] >= 1
+
+
+def test_mxfp6_rounds_as_compressed_tensors():
+    """MXFP6: FP6 e2m3 elements (ties to even, saturating at 7.5) in blocks of 32 at the step
+    compressed-tensors' rule gives e2m3 (block maximum rounded to a power of two from 1.9375 times
+    one, over 4): the library's own values bit for bit; packing recovers every block's step."""
+    pytest.importorskip("compressed_tensors.quantization")
+    import compressed_tensors.quantization as ct
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+    from compressed_tensors.quantization.utils.fp6_utils import cast_to_fp6
+    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+
+    from compress.quant import MXFP6_LIMIT, fake_quantize_mxfp6, mx_steps, recover_mx_steps, round_to_fp6
+
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(100000) * 3, torch.tensor([7.49, 7.5, 7.6, 7.74, 7.76, 100.0, -7.8, 1.9375, 3.875,
+                                                           0.0625, 0.1875, -0.0625, 0.0, 1e-30])])
+    assert torch.equal(round_to_fp6(x), cast_to_fp6(x))  # ties to even (0.0625 -> 0, 0.1875 -> 0.25, 3.875 -> 4)
+    assert set(round_to_fp6(torch.linspace(0, 8, 10001)).unique().tolist()) == \
+        {m / 8 for m in range(8)} | {(1 + m / 8) * 2**e for e in range(3) for m in range(8)}  # e2m3's 32 magnitudes
+    m = torch.rand(10000) * 10.0 ** torch.randint(-6, 6, (10000,)).float()
+    assert torch.equal(torch.log2(mx_steps(m, MXFP6_LIMIT)) + 127, generate_mx_scales(m, 6))
+    W = torch.randn(64, 256) * torch.logspace(-3, 1, 256)
+    W[0, :32] = torch.tensor([7.7 * 2**-3] + [0.1] * 31)  # its extreme between 7.5 and 7.75 steps: saturates
+    args = ct.QuantizationArgs(num_bits=6, type="float", symmetric=True, strategy="group", group_size=32,
+                               scale_dtype=torch.uint8, zp_dtype=torch.uint8)
+    scale = torch.exp2(generate_mx_scales(W.reshape(64, 8, 32).abs().amax(-1), 6) - 127)
+    Q = fake_quantize_mxfp6(W)
+    assert torch.equal(Q, ct_fake_quantize(x=W, scale=scale, zero_point=torch.zeros_like(scale), args=args))
+    assert float(Q[0, 0]) == 7.5 * 2**-3
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        steps, failed = recover_mx_steps(Q.to(dtype), 6)
+        assert failed == 0 and torch.equal(steps, scale), dtype
+    assert recover_mx_steps(W, 6)[1] > 0  # weights off the grid
 
 
 def test_bits_out_of_range_refused():

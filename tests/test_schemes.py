@@ -19,8 +19,8 @@ def test_presets_match_compressed_tensors_names():
 def test_every_preset_is_the_one_compressed_tensors_names_so():
     """A recipe written for llm-compressor names compressed-tensors' presets: each one compress
     has resolves to the library's own fields, but W8A16, per output channel here (README:
-    Recipes) where compressed-tensors 0.20 has groups of 128; those it lacks are the ones with
-    MXFP6 elements (FP6, which compress does not round to) and UNQUANTIZED (nothing quantized)."""
+    Recipes) where compressed-tensors 0.20 has groups of 128; the one it lacks is UNQUANTIZED
+    (nothing quantized)."""
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     def fields(args):
@@ -30,7 +30,7 @@ def test_every_preset_is_the_one_compressed_tensors_names_so():
         return (args.num_bits, value(args.type), args.symmetric, value(args.strategy), args.group_size,
                 args.block_structure, args.dynamic)
 
-    assert set(PRESET_SCHEMES) - set(PRESETS) == {"MXFP6A16", "MXFP6A8", "UNQUANTIZED"}
+    assert set(PRESET_SCHEMES) - set(PRESETS) == {"UNQUANTIZED"}
     for name in PRESETS:
         ours, theirs = resolve_scheme(name, None, None), PRESET_SCHEMES[name]
         if name == "W8A16":
@@ -144,6 +144,11 @@ def test_mxfp8_is_fp8_groups_of_32_with_e8m0_scales():
     assert not resolve_scheme("MXFP8", None, {"scale_dtype": "float"}).input_activations.mxfp8
     with pytest.raises(ValueError, match="MXFP8 .* has blocks of 32"):
         resolve_scheme("MXFP8A16", {"group_size": 64}, None)
+    assert resolve_scheme("MXFP6A8", None, None).describe() == "W[mxfp6 g32] A[mxfp8 g32 dynamic]"
+    with pytest.raises(ValueError, match="FP6 is for weights"):
+        resolve_scheme("MXFP8", None, {"num_bits": 6, "scale_dtype": "float"})
+    with pytest.raises(ValueError, match="FP6 comes in MXFP6's blocks"):
+        resolve_scheme("MXFP6A16", {"group_size": 64}, None)
     for fields in ({"scale_dtype": "e8m0"}, {"type": "float", "strategy": "channel", "scale_dtype": "e8m0"},
                    {"type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16, "scale_dtype": "e8m0"}):
         with pytest.raises(ValidationError, match="scale_dtype e8m0"):

@@ -204,7 +204,7 @@ class AWQ(EngineOptions, QuantizationStage):
     def _integer_weights(self) -> "AWQ":
         w = self.resolved_scheme().weights
         if w.type != "int" and not w.fp4_format:
-            raise ValueError("AWQ quantizes to an integer or FP4 grid: FP8 weights need rtn")
+            raise ValueError("AWQ quantizes to an integer or FP4 grid: FP8 and FP6 weights need rtn")
         if self.quantize and self.resolved_scheme().input_activations is not None:
             # AWQ scales and rounds weights; the activations' static ranges would have to be observed
             # again after its folds change the inputs, which the rtn and gptq stages do

@@ -409,7 +409,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
     def _integer_weights(self) -> "GPTQ":
         w = self.resolved_scheme().weights
         if w.type != "int" and not w.fp4_format:
-            raise ValueError("GPTQ quantizes to an integer or FP4 grid: FP8 weights need rtn")
+            raise ValueError("GPTQ quantizes to an integer or FP4 grid: FP8 and FP6 weights need rtn")
         if "actorder" not in self.model_fields_set and self.static_groups is False:
             # a recipe from before act-order was the default: static_groups: false meant columns in order
             object.__setattr__(self, "actorder", False)

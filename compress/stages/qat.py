@@ -137,7 +137,7 @@ class QAT(DistillLoss, QuantizationStage):
     def _trainable_scheme(self) -> "QAT":
         scheme = self.resolved_scheme()
         if scheme.weights.type != "int":
-            raise ValueError("qat trains integer weight grids; float weights (FP8, FP4) are not supported")
+            raise ValueError("qat trains integer weight grids; float weights (FP8, FP6, FP4) are not supported")
         act = scheme.input_activations
         if act is not None and (not act.dynamic or act.type != "int"):
             raise ValueError("qat trains through dynamic integer activations only; use a dynamic activation scheme")

@@ -20,7 +20,8 @@ from compress.engine import observe_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.moe import static_input_range
-from compress.quant import fake_quantize, fake_quantize_fp4, fake_quantize_fp8, nvfp4_global_scale, relative_error
+from compress.quant import (fake_quantize, fake_quantize_fp4, fake_quantize_fp8, fake_quantize_mxfp6, nvfp4_global_scale,
+                            relative_error)
 from compress.schemes import QuantArgs
 from compress.stages.base import QuantizationStage, StageContext, check_weight
 from compress.targets import fused_groups
@@ -35,6 +36,8 @@ def quantize_weight(weight: torch.Tensor, args: QuantArgs, global_scale: float |
         return fake_quantize_fp4(weight, args.group_size, g)
     if args.fp4_format == "mxfp4":
         return fake_quantize_fp4(weight, args.group_size)
+    if args.type == "float" and args.num_bits == 6:
+        return fake_quantize_mxfp6(weight)
     if args.type == "float":
         absmax = torch.tensor(global_scale) if global_scale is not None and args.strategy == "tensor" else None
         return fake_quantize_fp8(weight, args.strategy, absmax=absmax, storable=True, group_size=args.group_size,
