@@ -121,6 +121,11 @@ class ActivationFakeQuant:
                 else:
                     qparams = zeropoint_qparams(torch.tensor(lo, device=x.device), torch.tensor(hi, device=x.device), a.num_bits)
             out = fake_quantize(flat, a.num_bits, a.symmetric, a.strategy, qparams=qparams, full_range=a.full_range)
+        if x.dtype in (torch.float16, torch.bfloat16):
+            # an MXFP8 block's extreme can round up past float16's largest value (64000 -> 65536):
+            # saturate there, as a half-precision tensor holds it, rather than turn it into Inf
+            largest = torch.finfo(x.dtype).max
+            out = out.clamp(-largest, largest)
         return (out.to(x.dtype).reshape(x.shape), *inputs[1:])
 
 

@@ -760,9 +760,15 @@ def attach_activation_quant(model: torch.nn.Module, qconfig, tensors: dict[str, 
                                 "token (MXFP8 among them), and NVFP4 and MXFP4 blocks")
         full = inputs_on_the_librarys_grid(kind, dynamic, a.num_bits, a.symmetric)
         mx8 = grouped and a.num_bits == 8 and a.scale_dtype == torch.uint8  # MXFP8's e8m0 scales
-        args = QuantArgs(num_bits=a.num_bits, type=kind, symmetric=a.symmetric, strategy=strategy, dynamic=not nvfp4 and dynamic,
-                         group_size=a.group_size if fp4 or grouped else None, full_range=full,
-                         scale_dtype="e8m0" if mx8 else None)
+        try:
+            args = QuantArgs(num_bits=a.num_bits, type=kind, symmetric=a.symmetric, strategy=strategy,
+                             dynamic=not nvfp4 and dynamic, group_size=a.group_size if fp4 or grouped else None,
+                             full_range=full, scale_dtype="e8m0" if mx8 else None)
+        except ValueError as exc:  # pydantic's ValidationError is one: its first error says what
+            raise CompressError(f"{path}: input_activations {kind}{a.num_bits} {strategy} (group_size {a.group_size}, "
+                                f"scale dtype {a.scale_dtype}) is not a scheme compress simulates: "
+                                f"{exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}",
+                                "compress evaluates the input schemes of compressed-tensors' presets") from None
         for name, module in match_named_modules(model, scheme.targets, qconfig.ignore):
             if name in done:
                 continue

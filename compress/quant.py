@@ -341,7 +341,8 @@ def _fake_quantize_mxfp8(x: torch.Tensor) -> torch.Tensor:
     x32, finite = _finite_or_zero(flat.float())
     grouped, pad = _grouped(x32, MXFP8_GROUP)
     step = mx_steps(grouped.abs().amax(-1, keepdim=True), FP8_E4M3_MAX)
-    out = (grouped / step).to(torch.float8_e4m3fn).float().mul_(step).reshape(flat.shape[0], grouped.shape[1] * MXFP8_GROUP)
+    out = (grouped / step).to(torch.float8_e4m3fn).float().mul_(step).clamp_(-_F32_MAX, _F32_MAX)
+    out = out.reshape(flat.shape[0], grouped.shape[1] * MXFP8_GROUP)
     out = out[:, : flat.shape[1]] if pad else out
     out = out if finite is None else torch.where(finite, out, flat.float())
     return out.reshape(x.shape)
@@ -388,7 +389,7 @@ def fake_quantize_mxfp6(x: torch.Tensor) -> torch.Tensor:
     x, finite = _finite_or_zero(x.float())
     grouped, pad = _grouped(x, MXFP8_GROUP)
     step = mx_steps(grouped.abs().amax(-1, keepdim=True), MXFP6_LIMIT)
-    out = round_to_fp6(grouped / step).mul_(step).reshape(x.shape[0], grouped.shape[1] * MXFP8_GROUP)
+    out = round_to_fp6(grouped / step).mul_(step).clamp_(-_F32_MAX, _F32_MAX).reshape(x.shape[0], grouped.shape[1] * MXFP8_GROUP)
     out = out[:, : x.shape[1]] if pad else out
     return out if finite is None else torch.where(finite, out, original.float())
 

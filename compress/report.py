@@ -209,8 +209,8 @@ def size_lines(report: dict) -> list[str]:
             f"weights on disk: {out['bytes_on_disk']:,} bytes{smaller} ({out['bits_per_parameter_on_disk']:.2f} bits/parameter; "
             f"{_storage(report)})",
             *([f"KV cache: {len(kv['ranges'])} attention layers' keys and values in float8 e4m3, one static scale each"] if kv else []),
-            f"bits/parameter packed, ideally (codes at their width, scales in the model's dtype or FP4's 8-bit block "
-            f"scales, zero-points at the code width): {out['bits_per_parameter_packed']:.2f}"]
+            f"bits/parameter packed, ideally (codes at their width, scales in the model's dtype or the 8-bit block "
+            f"scales of FP4, MXFP6 and MXFP8, zero-points at the code width): {out['bits_per_parameter_packed']:.2f}"]
 
 
 def run_markdown(report: dict) -> str:
@@ -243,8 +243,13 @@ def _storage(report: dict) -> str:
     if fmt.get("format") == "packed" and fmt.get("packed_layers") == 0:  # a KV cache alone
         return f"no weight quantized: the compressed-tensors format for the KV cache scales, weights in {dtype}"
     if fmt.get("format") == "packed":
-        return (f"{fmt.get('packed_layers', 'the')} quantized layers packed ({fmt.get('compressed_tensors_format', 'compressed-tensors')}, "
-                f"scales in {fmt.get('scale_dtype', dtype)}), the rest in {dtype}")
+        name = fmt.get("compressed_tensors_format", "compressed-tensors")
+        # FP4 and the MX formats keep one 8-bit scale per block (e4m3 or e8m0) whatever the model's dtype
+        scales = "8-bit block scales" if name.startswith(("mxfp", "nvfp4")) else f"scales in {fmt.get('scale_dtype', dtype)}"
+        reason = fmt.get("reason", "")
+        notes = reason.split("; ", 1)[1] if "; " in reason else ""  # what a reader should know (decide's notes)
+        return f"{fmt.get('packed_layers', 'the')} quantized layers packed ({name}, {scales}), the rest in {dtype}" + \
+            (f"; {notes}" if notes else "")
     if quantized:
         return f"weights stored dequantized in {dtype}: {fmt.get('reason', 'dense format')}"
     return f"stored in {dtype}"

@@ -86,7 +86,7 @@ class QuantArgs(BaseModel):
         if self.scale_dtype == "e8m0":
             if self.type != "float" or self.strategy != "group" or self.num_bits != 8 and self.group_size != MXFP4_GROUP:
                 raise ValueError("scale_dtype e8m0 (power-of-two scales) is the MX formats': type float, strategy group, "
-                                 f"group_size {MXFP8_GROUP} (MXFP8, MXFP4)")
+                                 f"group_size {MXFP8_GROUP} (MXFP8, MXFP6, MXFP4)")
             if self.group_size != MXFP8_GROUP:
                 raise ValueError(f"MXFP8 (FP8 with scale_dtype e8m0) has blocks of {MXFP8_GROUP}: set group_size: {MXFP8_GROUP}")
         if self.full_range and (self.type != "int" or not self.symmetric):
@@ -337,13 +337,20 @@ def resolve_scheme(preset: str | None, weights: dict | None, input_activations: 
                 fields["strategy"] = "group"
                 if "block_structure" not in override:
                     fields.pop("block_structure", None)
-            # MX's power-of-two scales go with its FP8 groups: another strategy or type drops them
-            if "scale_dtype" not in override and (override.get("strategy", "group") != "group"
-                                                  or override.get("type", "float") != "float"):
-                fields.pop("scale_dtype", None)
+            mx = bool(fields.get("scale_dtype") == "e8m0" or fp4_format(fields) == "mxfp4" or mx_format(fields))
             fields.update(override)
-            if fields.get("scale_dtype") == "float":  # said outright: float scales, QuantArgs' default
+            if "scale_dtype" not in override:
+                # The MX formats' power-of-two scales stay with their float groups, whatever the
+                # element width (as the library's presets carry their uint8 scale dtype: MXFP4 with
+                # num_bits 8 is MXFP8); another strategy or type leaves them behind.
+                fields.pop("scale_dtype", None)
+                if mx and fields.get("type") == "float" and fields.get("strategy") == "group" and fields.get("num_bits") == 8:
+                    fields["scale_dtype"] = "e8m0"
+            elif fields.get("scale_dtype") == "float":  # said outright: float scales, QuantArgs' default
                 fields.pop("scale_dtype")
+                if fields.get("type") == "float" and fields.get("num_bits") in (4, 6) and fields.get("strategy") == "group":
+                    raise ValueError("MXFP4 and MXFP6 blocks have power-of-two (e8m0) scales: drop scale_dtype: float "
+                                     "(NVFP4 has e4m3 block scales: strategy tensor_group, group_size 16)")
         if fields:
             if fields.get("strategy") not in ("group", "tensor_group") and fields.get("group_size") is None:
                 fields.pop("group_size", None)

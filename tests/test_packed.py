@@ -801,8 +801,55 @@ def test_mxfp6_packs_exactly_and_reloads(tiny, tmp_path, scheme):
     assert abs(report["output"]["bits_per_parameter_packed"] / report["output"]["bits_per_parameter_on_disk"] - 1) < 0.02
     _, _, ours = check_mx_blocks(stage, path, out, "bfloat16", 6)
     assert relative_difference(ours, plain_transformers_logits(out, tmp_path)) <= 1e-3
-    _, report = quantize(tmp_path, f"{scheme}-32", json.dumps(stage), model=path, dtype="float32")
+    out32, report = quantize(tmp_path, f"{scheme}-32", json.dumps(stage), model=path, dtype="float32")
     assert "cannot run MXFP6 layers of a float32 model" in report["format"]["reason"]
+    size = (out32 / "report.md").read_text()  # the report a reader opens says so too
+    assert "14 quantized layers packed (mxfp6-pack-quantized, 8-bit block scales), the rest in float32; plain " \
+           "transformers (compressed-tensors 0.20) cannot run MXFP6 layers of a float32 model" in size
+
+
+def test_mx_rounding_past_a_half_precision_range_is_refused_or_saturated(tiny, tmp_path):
+    """A power-of-two step can round a block's extreme up past float16's largest value (64000 at
+    step 256 is 250 steps, which e4m3 rounds to 256: 65536): a float16 model's layer would hold
+    Inf, so the run refuses it naming the layer; inputs rounded so saturate at float16's largest,
+    as a float16 tensor holds them, rather than becoming Inf."""
+    from compress.errors import CompressError
+
+    path = tiny()
+    net = LlamaForCausalLM.from_pretrained(path, dtype=torch.float16)
+    with torch.no_grad():
+        net.model.layers[1].mlp.down_proj.weight[0, 0] = 64000.0
+    big = tmp_path / "fp16-big"
+    net.save_pretrained(big)
+    AutoTokenizer.from_pretrained(path).save_pretrained(big)
+    with pytest.raises(CompressError, match="layer model.layers.1.mlp.down_proj: mxfp8 g32 rounds its largest weights to "
+                                            "65536, past float16's largest value"):
+        quantize(tmp_path, "mx-fp16", "{scheme: MXFP8A16}", model=str(big))
+    assert not (tmp_path / "mx-fp16").exists()
+    hook = activations.ActivationFakeQuant(QuantArgs(type="float", num_bits=8, strategy="group", group_size=32, dynamic=True,
+                                                     scale_dtype="e8m0"))
+    x = torch.full((2, 64), 0.5, dtype=torch.float16)
+    x[0, 0] = 64000.0
+    out = hook(torch.nn.Identity(), (x,))[0]
+    assert out.dtype == torch.float16 and float(out[0, 0]) == torch.finfo(torch.float16).max
+    assert torch.equal(out[1], x[1])
+
+
+def test_another_tools_mx_input_scheme_compress_cannot_run_is_one_line(tmp_path):
+    """FP8 input groups of 64 with e8m0 scales (no preset has them) in another tool's config: a
+    one-line error naming the file and the scheme, not an internal error."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    from compress.errors import CompressError
+
+    odd = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group", group_size=64, dynamic=True,
+                           scale_dtype=torch.uint8, zp_dtype=torch.uint8)
+    weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
+    qconfig = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights,
+                                                                             input_activations=odd)})
+    with pytest.raises(CompressError, match="input_activations float8 group .group_size 64, scale dtype torch.uint8. is not a "
+                                            "scheme compress simulates: .*blocks of 32"):
+        packing.attach_activation_quant(torch.nn.Sequential(torch.nn.Linear(64, 64)), qconfig, {}, tmp_path)
 
 
 def test_mxfp4_weights_under_fp8_activation_groups_pack_and_reload(tiny, tmp_path):

@@ -146,13 +146,21 @@ def test_mxfp8_is_fp8_groups_of_32_with_e8m0_scales():
         resolve_scheme("MXFP8A16", {"group_size": 64}, None)
     assert resolve_scheme("MXFP6A8", None, None).describe() == "W[mxfp6 g32] A[mxfp8 g32 dynamic]"
     with pytest.raises(ValueError, match="FP6 is for weights"):
-        resolve_scheme("MXFP8", None, {"num_bits": 6, "scale_dtype": "float"})
+        resolve_scheme("MXFP8", None, {"num_bits": 6})
     with pytest.raises(ValueError, match="FP6 comes in MXFP6's blocks"):
         resolve_scheme("MXFP6A16", {"group_size": 64}, None)
     for fields in ({"scale_dtype": "e8m0"}, {"type": "float", "strategy": "channel", "scale_dtype": "e8m0"},
                    {"type": "float", "num_bits": 4, "strategy": "tensor_group", "group_size": 16, "scale_dtype": "e8m0"}):
         with pytest.raises(ValidationError, match="scale_dtype e8m0"):
             QuantArgs(**fields)
+    # the MX scales follow the element width as the library's presets carry their scale dtype,
+    # and leave with the groups (tiles alone name strategy block)
+    assert resolve_scheme("MXFP4", None, {"num_bits": 8}).input_activations.mxfp8
+    assert resolve_scheme("MXFP6A16", {"num_bits": 8}, None).weights.mxfp8
+    assert resolve_scheme("MXFP8A16", {"block_structure": [32, 32]}, None).describe() == "W[fp8 block 32x32 sym] A[none]"
+    assert resolve_scheme("MXFP8A16", {"num_bits": 4}, None).weights.fp4_format == "mxfp4"
+    with pytest.raises(ValueError, match="MXFP4 and MXFP6 blocks have power-of-two"):
+        resolve_scheme("MXFP4A16", {"scale_dtype": "float"}, None)
 
 
 @pytest.mark.parametrize("weights, activations, says", [

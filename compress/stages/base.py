@@ -181,8 +181,9 @@ class QuantArgsOverride(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # strict: a YAML true or false is not a width (lax pydantic reads it as 1 or 0)
-    num_bits: Optional[int] = Field(None, ge=2, le=8, strict=True, description="bits per value (int: 2 to 8; float: 8 is FP8 e4m3, 4 is FP4 e2m1)")
-    type: Optional[Literal["int", "float"]] = Field(None, description="integer grid or floating point (FP8, FP4)")
+    num_bits: Optional[int] = Field(None, ge=2, le=8, strict=True,
+                                    description="bits per value (int: 2 to 8; float: 8 is FP8 e4m3, 6 FP6 e2m3 (MXFP6), 4 FP4 e2m1)")
+    type: Optional[Literal["int", "float"]] = Field(None, description="integer grid or floating point (FP8, FP6, FP4)")
     symmetric: Optional[bool] = Field(None, description="true: absmax, codes symmetric about zero; false: zero-point")
     strategy: Optional[Literal["tensor", "channel", "group", "tensor_group", "block", "token"]] = Field(
         None, description="one scale per tensor, output channel, group of input columns, group under a tensor-wide "
@@ -193,8 +194,8 @@ class QuantArgsOverride(BaseModel):
     dynamic: Optional[bool] = Field(None, description="activations: scales computed at run time (true) or from calibration (false)")
     full_range: Optional[bool] = Field(None, description="symmetric int: use all 2^b codes ([-8, 7] at 4 bits), as compressed-tensors does")
     scale_dtype: Optional[Literal["e8m0", "float"]] = Field(
-        None, description="e8m0: power-of-two scales stored as one-byte exponents (MXFP8: FP8, strategy group, group_size 32); "
-                          "float: float scales")
+        None, description="e8m0: power-of-two scales stored as one-byte exponents (MXFP8: FP8, strategy group, group_size 32; "
+                          "MXFP6 and MXFP4 have them already); float: float scales")
 
 
 class QuantizationStage(Stage):

@@ -45,6 +45,16 @@ def quantize_weight(weight: torch.Tensor, args: QuantArgs, global_scale: float |
     return fake_quantize(weight, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
 
 
+def check_fits_dtype(name: str, q: torch.Tensor, dtype: torch.dtype, args: QuantArgs) -> None:
+    """A grid whose steps are powers of two (MX) can round a block's extreme up past the largest
+    value of the model's dtype (float16: 64000 -> 65536): the layer would hold Inf. Refused, naming
+    the layer, rather than saved."""
+    if dtype.is_floating_point and bool((q.abs() > torch.finfo(dtype).max).any()):
+        raise CompressError(f"layer {name}: {args.describe()} rounds its largest weights to "
+                            f"{float(q.abs().max()):g}, past {str(dtype).removeprefix('torch.')}'s largest value",
+                            "load the model in bfloat16 or float32 (--dtype)")
+
+
 def global_scales(modules: dict[str, torch.nn.Module], args: QuantArgs) -> dict[str, float]:
     """The per-tensor value each layer shares with the group an engine fuses it into (q/k/v,
     gate/up: targets.fused_groups), from the group's largest weight, since the fused matrix has
@@ -100,6 +110,7 @@ class RoundToNearest(QuantizationStage):
             weight = get_weight(module)  # [out, in], float32 copy
             check_weight(name, weight)
             q = quantize_weight(weight.to(ctx.device), wargs, scales.get(name)).cpu()
+            check_fits_dtype(name, q, module.weight.dtype, wargs)
             set_weight(module, q)
             record = ctx.layers.setdefault(name, {})
             record.pop("global_scale", None)  # from an earlier stage
