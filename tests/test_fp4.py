@@ -549,3 +549,27 @@ def test_fused_global_scale_comes_from_the_groups_largest_weight():
     assert scales["self_attn.q_proj"] == scales["self_attn.k_proj"] == scales["self_attn.v_proj"] == nvfp4_global_scale(50.0)
     assert scales["self_attn.o_proj"] == nvfp4_global_scale(attn["o_proj"].weight.detach().abs().amax())
     assert global_scales(layers, MX) == {}
+
+
+@pytest.mark.parametrize("stage", ["gptq", "awq"])
+def test_mxfp4_past_float16s_range_is_refused_by_calibrating_stages(tmp_path, stage):
+    """As rtn does: MXFP4's power-of-two step puts a float16 weight of 64000 at 3.9 steps of
+    16384, which round to 4, 65536, past float16's range. GPTQ and AWQ refuse the layer in one
+    line rather than write Inf (the weight sits in the last block's down_proj, whose outputs no
+    calibrated layer reads, so calibration itself stays finite)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    net = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=2048)).to(torch.float16)
+    with torch.no_grad():
+        net.model.layers[1].mlp.down_proj.weight[0, 0] = 64000.0
+    path = tmp_path / "fp16-big"
+    net.save_pretrained(path)
+    AutoTokenizer.from_pretrained(modeling.DEFAULT_MODEL_DIR).save_pretrained(path)
+    recipe = parse_recipe(f"model: {path}\ncalibration: {{dataset: calibration/default.txt, num_samples: 4, seq_len: 32}}\n"
+                          f"stages:\n  - {stage}: {{scheme: MXFP4A16}}\n", "test")
+    with pytest.raises(CompressError, match="layer model.layers.1.mlp.down_proj: mxfp4 g32 rounds its largest weights to "
+                                            "65536, past float16's largest value"):
+        run_recipe(recipe, output=str(tmp_path / "out"), device="cpu")
+    assert not (tmp_path / "out").exists()

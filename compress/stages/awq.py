@@ -55,7 +55,7 @@ from compress.quant import nvfp4_global_scale, quantize_dequantize, range_qparam
 from compress.schemes import QuantArgs
 from compress.seeding import seeded_generator
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
-from compress.stages.rtn import global_scales, quantize_weight
+from compress.stages.rtn import check_fits_dtype, global_scales, quantize_weight
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -328,6 +328,7 @@ class AWQ(EngineOptions, QuantizationStage):
                 Q, ratio = quantize_weight(W, args, scales.get(name)), 1.0
             X0, W0 = observers[name].inputs(), originals[name].to(X.device)
             rtn = quantize_weight(W0, args, original_scales.get(name))
+            check_fits_dtype(name, Q, module.weight.dtype, args)
             set_weight(module, Q)
             # Errors in the input model's coordinates, as the round-to-nearest figures beside them:
             # undo the folds' column scaling (inputs X / s) and row scaling (outputs y / s)
@@ -351,6 +352,7 @@ class AWQ(EngineOptions, QuantizationStage):
         the NVFP4 `global_scale` it was rounded with, which packing stores)."""
         W = get_weight(module)
         Q = quantize_weight(W, args, global_scale)
+        check_fits_dtype(name, Q, module.weight.dtype, args)
         set_weight(module, Q)
         record = ctx.layers.setdefault(name, {})
         record.pop("global_scale", None)  # from an earlier stage

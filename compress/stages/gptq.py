@@ -53,7 +53,7 @@ from compress.quant import QParams, compute_qparams, quantize_dequantize, range_
 from compress.schemes import QuantArgs
 from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
-from compress.stages.rtn import global_scales, quantize_weight
+from compress.stages.rtn import check_fits_dtype, global_scales, quantize_weight
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -489,6 +489,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         """Write one solved layer back, attach its activation quantization, and record it."""
         Q, info, gptq_loss, rtn_loss, rel_error = result
         ctx.progress(f"{block_label(index)}: {name} loss {gptq_loss:.3g} (rtn {rtn_loss:.3g})", *done)
+        check_fits_dtype(name, Q, module.weight.dtype, scheme.weights)
         set_weight(module, Q.to(module.weight.device))
         record = {"stage": "gptq", "shape": list(Q.shape), "weights": scheme.weights.model_dump(mode="json"),
                   "relative_error": rel_error, "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
@@ -526,6 +527,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         if args.fp4_format == "nvfp4" and global_scale is None:
             global_scale = global_scales({name: module}, args)[name]
         rtn = quantize_weight(W, args, global_scale)
+        check_fits_dtype(name, rtn, module.weight.dtype, args)
         set_weight(module, rtn)
         record = ctx.layers.setdefault(name, {})
         record.pop("global_scale", None)

@@ -46,9 +46,9 @@ def quantize_weight(weight: torch.Tensor, args: QuantArgs, global_scale: float |
 
 
 def check_fits_dtype(name: str, q: torch.Tensor, dtype: torch.dtype, args: QuantArgs) -> None:
-    """A grid whose steps are powers of two (MX) can round a block's extreme up past the largest
-    value of the model's dtype (float16: 64000 -> 65536): the layer would hold Inf. Refused, naming
-    the layer, rather than saved."""
+    """A grid whose steps are powers of two (MXFP4, MXFP6, MXFP8) can round a block's extreme up
+    past the largest value of the model's dtype (float16: 64000 -> 65536): the layer would hold Inf.
+    Refused, naming the layer, rather than saved (rtn, gptq and awq check what they write)."""
     if dtype.is_floating_point and bool((q.abs() > torch.finfo(dtype).max).any()):
         raise CompressError(f"layer {name}: {args.describe()} rounds its largest weights to "
                             f"{float(q.abs().max()):g}, past {str(dtype).removeprefix('torch.')}'s largest value",
