@@ -28,7 +28,7 @@ FP8 (e4m3) is supported as a float format: scale so that max|x| maps to 448, cas
 MXFP8 (the OCP microscaling format): FP8 in blocks of 32 consecutive columns, each with a
 power-of-two (e8m0) step, the smallest at which the block's extreme stays below 448 steps.
 MXFP6: the same blocks of FP6 e2m3 (±{0, 0.125, ..., 7.5}: steps of 1/8 below 2, 1/4 below 4, 1/2
-up to 7.5), weights only.
+up to 7.5), weights only. Both have a section of their own below, after FP4's.
 
 FP4 (e2m1: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in blocks, the two formats NVIDIA Blackwell and the
 OCP microscaling spec define, each element rounded to the nearest value at its block's step:
@@ -298,7 +298,7 @@ def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | Non
     if power_of_two:
         if strategy != "group" or group_size != MXFP8_GROUP:
             raise ValueError(f"power-of-two FP8 steps are MXFP8's, in groups of {MXFP8_GROUP}")
-        return _fake_quantize_mxfp8(x)
+        return fake_quantize_mx(x, 8)
     # groups and tiles: each one a row of its own, rounded as a channel is (zero padding leaves
     # every range as it is), then laid out again
     if absmax is None and strategy == "group" and group_size:
@@ -331,96 +331,6 @@ def fake_quantize_fp8(x: torch.Tensor, strategy: str, absmax: torch.Tensor | Non
         out64 = ((x32.double() / s64).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).double() * s64).float()
         out = torch.where(subnormal, out64, out)
     return out if finite is None else torch.where(finite, out, x.float())
-
-
-def _fake_quantize_mxfp8(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to MXFP8 along its last dimension: blocks of 32, e4m3 elements at each block's
-    power-of-two step; float32 out. NaN/Inf elements stay as they are. No element saturates: the
-    step keeps the block's extreme below 448 (mx_steps)."""
-    flat = x.reshape(-1, x.shape[-1])
-    x32, finite = _finite_or_zero(flat.float())
-    grouped, pad = _grouped(x32, MXFP8_GROUP)
-    step = mx_steps(grouped.abs().amax(-1, keepdim=True), FP8_E4M3_MAX)
-    out = (grouped / step).to(torch.float8_e4m3fn).float().mul_(step).clamp_(-_F32_MAX, _F32_MAX)
-    out = out.reshape(flat.shape[0], grouped.shape[1] * MXFP8_GROUP)
-    out = out[:, : flat.shape[1]] if pad else out
-    out = out if finite is None else torch.where(finite, out, flat.float())
-    return out.reshape(x.shape)
-
-
-def _blocks(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A quantized weight [rows, cols] as one row per block of `group_size` columns: as stored,
-    in float32, and each block's largest magnitude [blocks, 1] (what block-step recovery starts from)."""
-    cols = weight.shape[1]
-    if cols % group_size:
-        raise ValueError(f"{cols} columns are not a whole number of groups of {group_size}")
-    w = weight.detach().reshape(-1, group_size)
-    x = w.float()
-    return w, x, x.abs().amax(-1, keepdim=True)
-
-
-def recover_mx_steps(weight: torch.Tensor, element_bits: int = 8) -> tuple[torch.Tensor, int]:
-    """Power-of-two steps that reproduce an MXFP8 (`element_bits` 8) or MXFP6 (6) weight
-    [rows, cols] bit for bit, one per block of 32 columns, each verified over the whole block:
-    first mx_steps of the block's largest magnitude (the library's rule on the weights as they
-    are), then half of it (when e4m3 rounded the block's extreme up to exactly 448 steps, that
-    rule lands one power higher, and a block with an element only the finer step holds needs it).
-    Returns (steps [rows, cols / 32] float32, number of blocks that failed)."""
-    largest, limit, to_grid = _MX_ELEMENTS[element_bits]
-    rows, cols = weight.shape
-    w, x, top = _blocks(weight, MXFP8_GROUP)
-    steps = torch.ones_like(top)
-    ok = top == 0  # an all-zero block holds at any step: 1, as mx_steps gives it
-    for cand in (mx_steps(top, limit), mx_steps(top, limit) / 2):
-        storable = (cand >= 2.0**-127) & (cand <= 2.0**127)
-        exact = ((to_grid(x / cand) * cand).to(w.dtype) == w).all(-1, keepdim=True)
-        good = storable & exact & ~ok & (top / cand <= largest)
-        steps = torch.where(good, cand, steps)
-        ok = ok | good
-    return steps.reshape(rows, cols // MXFP8_GROUP), int((~ok).sum())
-
-
-def fake_quantize_mxfp6(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, cols] rounded to MXFP6: blocks of 32 consecutive columns, FP6 e2m3 elements at
-    each block's power-of-two step (mx_steps with the limit compressed-tensors' rule gives e2m3,
-    7.75: an extreme between 7.5 and 7.75 steps saturates to 7.5, by less than half a step);
-    float32 out. NaN/Inf elements stay as they are."""
-    x = original = x.detach()
-    x, finite = _finite_or_zero(x.float())
-    grouped, pad = _grouped(x, MXFP8_GROUP)
-    step = mx_steps(grouped.abs().amax(-1, keepdim=True), MXFP6_LIMIT)
-    out = round_to_fp6(grouped / step).mul_(step).clamp_(-_F32_MAX, _F32_MAX).reshape(x.shape[0], grouped.shape[1] * MXFP8_GROUP)
-    out = out[:, : x.shape[1]] if pad else out
-    return out if finite is None else torch.where(finite, out, original.float())
-
-
-def round_to_fp6(x: torch.Tensor) -> torch.Tensor:
-    """Each element to the nearest FP6 e2m3 value, ties to even, saturating at ±7.5, keeping x's
-    sign; NaN gives 0; float32 out. As E2M1 (_round_to_fp4_), a fixed-point grid per binade: the
-    step is 2^(floor(log2|a|) - 3), at least 1/8."""
-    a = x.detach().to(torch.float32, copy=True).clamp_(-FP6_E2M3_MAX, FP6_E2M3_MAX)
-    exponent_field, three_binades, eighth = _fp6_bit_constants(a.device)
-    step = torch.bitwise_and(a.view(torch.int32), exponent_field)
-    step = step.sub_(three_binades).clamp_(min=eighth).view(torch.float32)
-    return a.div_(step).round_().mul_(step).nan_to_num_(nan=0.0)
-
-
-@functools.lru_cache(maxsize=None)
-def _fp6_bit_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """round_to_fp6's int32 constants on `device` (see _fp4_bit_constants)."""
-    def const(bits: int) -> torch.Tensor:
-        return torch.tensor(bits, dtype=torch.int32, device=device)
-    return const(0x7F800000), const(3 << 23), const(0x3E000000)  # exponent field, three binades, 1/8
-
-
-def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float8_e4m3fn).float()
-
-
-FP6_E2M3_MAX = 7.5
-MXFP6_LIMIT = 7.75  # the block maximum rounded to a power of two at e2m3's 3 mantissa bits: up from 1.9375 times one
-# element bits -> (largest element, mx_steps' limit, rounding onto the element's grid)
-_MX_ELEMENTS = {8: (FP8_E4M3_MAX, FP8_E4M3_MAX, _to_e4m3), 6: (FP6_E2M3_MAX, MXFP6_LIMIT, round_to_fp6)}
 
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
@@ -879,6 +789,17 @@ def fake_quantize_fp4(x: torch.Tensor, group_size: int, global_scale: float | No
     return out if finite is None else torch.where(finite, out, original.float())
 
 
+def _blocks(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A quantized weight [rows, cols] as one row per block of `group_size` columns: as stored,
+    in float32, and each block's largest magnitude [blocks, 1] (what block-step recovery starts from)."""
+    cols = weight.shape[1]
+    if cols % group_size:
+        raise ValueError(f"{cols} columns are not a whole number of groups of {group_size}")
+    w = weight.detach().reshape(-1, group_size)
+    x = w.float()
+    return w, x, x.abs().amax(-1, keepdim=True)
+
+
 def recover_fp4_steps(weight: torch.Tensor, group_size: int, global_scale: float | None) -> tuple[torch.Tensor, int]:
     """Block steps that reproduce an FP4-quantized weight bit for bit (recover_qparams' job for
     the float grids): a block's largest magnitude is code · step for one of E2M1's seven nonzero
@@ -902,6 +823,82 @@ def recover_fp4_steps(weight: torch.Tensor, group_size: int, global_scale: float
         steps = torch.where(good, cand, steps)
         ok = ok | good
     return steps.reshape(rows, cols // group_size), int((~ok).sum())
+
+
+# --- MX formats with 6- and 8-bit elements: MXFP6 and MXFP8 ------------------------------------
+# Blocks of 32 consecutive columns (along each token for inputs), each with a power-of-two step
+# (mx_steps) stored as an e8m0 exponent; the elements FP8 e4m3 (MXFP8) or FP6 e2m3 (MXFP6, weights
+# only). MXFP4, the same blocks of e2m1, is the FP4 section's.
+
+FP6_E2M3_MAX = 7.5
+MXFP6_LIMIT = 7.75  # the block maximum rounded to a power of two at e2m3's 3 mantissa bits: up from 1.9375 times one
+
+
+def round_to_fp6(x: torch.Tensor) -> torch.Tensor:
+    """Each element to the nearest FP6 e2m3 value, ties to even, saturating at ±7.5, keeping x's
+    sign; NaN gives 0; float32 out. As E2M1 (_round_to_fp4_), a fixed-point grid per binade: the
+    step is 2^(floor(log2|a|) - 3), at least 1/8."""
+    a = x.detach().to(torch.float32, copy=True).clamp_(-FP6_E2M3_MAX, FP6_E2M3_MAX)
+    exponent_field, three_binades, eighth = _fp6_bit_constants(a.device)
+    step = torch.bitwise_and(a.view(torch.int32), exponent_field)
+    step = step.sub_(three_binades).clamp_(min=eighth).view(torch.float32)
+    return a.div_(step).round_().mul_(step).nan_to_num_(nan=0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp6_bit_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """round_to_fp6's int32 constants on `device` (see _fp4_bit_constants)."""
+    def const(bits: int) -> torch.Tensor:
+        return torch.tensor(bits, dtype=torch.int32, device=device)
+    return const(0x7F800000), const(3 << 23), const(0x3E000000)  # exponent field, three binades, 1/8
+
+
+def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float8_e4m3fn).float()
+
+
+# element bits -> (largest element, mx_steps' limit, rounding onto the element's grid). The limit
+# is compressed-tensors' rule: e4m3's extreme stays below 448 steps (so none saturates); e2m3's
+# below 7.75, so an extreme between 7.5 and 7.75 steps saturates to 7.5, by less than half a step.
+_MX_ELEMENTS = {8: (FP8_E4M3_MAX, FP8_E4M3_MAX, _to_e4m3), 6: (FP6_E2M3_MAX, MXFP6_LIMIT, round_to_fp6)}
+
+
+def fake_quantize_mx(x: torch.Tensor, element_bits: int) -> torch.Tensor:
+    """x rounded to MXFP8 (`element_bits` 8) or MXFP6 (6) along its last dimension: blocks of 32,
+    elements at each block's power-of-two step; float32 out, of x's shape. NaN/Inf elements stay as
+    they are."""
+    _, limit, to_grid = _MX_ELEMENTS[element_bits]
+    flat = x.detach().reshape(-1, x.shape[-1])
+    x32, finite = _finite_or_zero(flat.float())
+    grouped, pad = _grouped(x32, MXFP8_GROUP)
+    step = mx_steps(grouped.abs().amax(-1, keepdim=True), limit)
+    out = to_grid(grouped / step).mul_(step).clamp_(-_F32_MAX, _F32_MAX)
+    out = out.reshape(flat.shape[0], grouped.shape[1] * MXFP8_GROUP)
+    out = out[:, : flat.shape[1]] if pad else out
+    out = out if finite is None else torch.where(finite, out, flat.float())
+    return out.reshape(x.shape)
+
+
+def recover_mx_steps(weight: torch.Tensor, element_bits: int = 8) -> tuple[torch.Tensor, int]:
+    """Power-of-two steps that reproduce an MXFP8 (`element_bits` 8) or MXFP6 (6) weight
+    [rows, cols] bit for bit, one per block of 32 columns, each verified over the whole block:
+    first mx_steps of the block's largest magnitude (the library's rule on the weights as they
+    are), then half of it (when e4m3 rounded the block's extreme up to exactly 448 steps, that
+    rule lands one power higher, and a block with an element only the finer step holds needs it).
+    Returns (steps [rows, cols / 32] float32, number of blocks that failed)."""
+    largest, limit, to_grid = _MX_ELEMENTS[element_bits]
+    rows, cols = weight.shape
+    w, x, top = _blocks(weight, MXFP8_GROUP)
+    steps = torch.ones_like(top)
+    ok = top == 0  # an all-zero block holds at any step: 1, as mx_steps gives it
+    for cand in (mx_steps(top, limit), mx_steps(top, limit) / 2):
+        storable = (cand >= 2.0**-127) & (cand <= 2.0**127)
+        exact = ((to_grid(x / cand) * cand).to(w.dtype) == w).all(-1, keepdim=True)
+        good = storable & exact & ~ok & (top / cand <= largest)
+        steps = torch.where(good, cand, steps)
+        ok = ok | good
+    return steps.reshape(rows, cols // MXFP8_GROUP), int((~ok).sum())
+
 
 
 # --- Differentiable fake quantization, for quantization-aware training -------------------------

@@ -260,7 +260,7 @@ def test_mxfp6_rounds_as_compressed_tensors():
     from compressed_tensors.quantization.utils.fp6_utils import cast_to_fp6
     from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 
-    from compress.quant import MXFP6_LIMIT, fake_quantize_mxfp6, mx_steps, recover_mx_steps, round_to_fp6
+    from compress.quant import MXFP6_LIMIT, fake_quantize_mx, mx_steps, recover_mx_steps, round_to_fp6
 
     torch.manual_seed(0)
     x = torch.cat([torch.randn(100000) * 3, torch.tensor([7.49, 7.5, 7.6, 7.74, 7.76, 100.0, -7.8, 1.9375, 3.875,
@@ -275,7 +275,7 @@ def test_mxfp6_rounds_as_compressed_tensors():
     args = ct.QuantizationArgs(num_bits=6, type="float", symmetric=True, strategy="group", group_size=32,
                                scale_dtype=torch.uint8, zp_dtype=torch.uint8)
     scale = torch.exp2(generate_mx_scales(W.reshape(64, 8, 32).abs().amax(-1), 6) - 127)
-    Q = fake_quantize_mxfp6(W)
+    Q = fake_quantize_mx(W, 6)
     assert torch.equal(Q, ct_fake_quantize(x=W, scale=scale, zero_point=torch.zeros_like(scale), args=args))
     assert float(Q[0, 0]) == 7.5 * 2**-3
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -20,9 +20,8 @@ from compress.engine import observe_layers, token_rows
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
 from compress.moe import static_input_range
-from compress.quant import (fake_quantize, fake_quantize_fp4, fake_quantize_fp8, fake_quantize_mxfp6, nvfp4_global_scale,
-                            relative_error)
-from compress.schemes import QuantArgs
+from compress.quant import fake_quantize, fake_quantize_fp4, fake_quantize_fp8, fake_quantize_mx, nvfp4_global_scale, relative_error
+from compress.schemes import QuantArgs, mx_format
 from compress.stages.base import QuantizationStage, StageContext, check_weight
 from compress.targets import fused_groups
 
@@ -36,12 +35,11 @@ def quantize_weight(weight: torch.Tensor, args: QuantArgs, global_scale: float |
         return fake_quantize_fp4(weight, args.group_size, g)
     if args.fp4_format == "mxfp4":
         return fake_quantize_fp4(weight, args.group_size)
-    if args.type == "float" and args.num_bits == 6:
-        return fake_quantize_mxfp6(weight)
+    if mx_format(args.model_dump()):  # MXFP8, MXFP6
+        return fake_quantize_mx(weight, args.num_bits)
     if args.type == "float":
         absmax = torch.tensor(global_scale) if global_scale is not None and args.strategy == "tensor" else None
-        return fake_quantize_fp8(weight, args.strategy, absmax=absmax, storable=True, group_size=args.group_size,
-                                 block_structure=args.block_structure, power_of_two=args.mxfp8)
+        return fake_quantize_fp8(weight, args.strategy, absmax=absmax, storable=True, block_structure=args.block_structure)
     return fake_quantize(weight, args.num_bits, args.symmetric, args.strategy, args.group_size, full_range=args.full_range)
 
 
