@@ -125,16 +125,18 @@ def int_range(bits: int, symmetric: bool) -> tuple[int, int]:
 class QParams:
     """Step size and zero point, shaped to broadcast against the grouped tensor."""
 
-    scale: torch.Tensor  # size of one integer step, float32
-    zero_point: torch.Tensor  # integer-valued float32 tensor (all zeros for absmax)
-    qmin: int
-    qmax: int
-    fp4: bool = False  # codes are the E2M1 values (round_to_fp4), not integers
+    scale: torch.Tensor  # size of one integer step (a float grid: the value of its 1.0), float32
+    zero_point: torch.Tensor  # integer-valued float32 tensor (all zeros for absmax and float grids)
+    qmin: float  # smallest code: an integer, or a float element's most negative value
+    qmax: float
+    # codes are the values of a float element, not integers: 4 E2M1 (FP4), 6 E2M3 (FP6), 8 E4M3
+    # (FP8), each rounded to nearest and saturating at the element's largest (float_qparams)
+    element: int | None = None
 
     def per_column(self) -> "QParams":
         """Per-row parameters [rows, 1] (or [1, 1]) flattened to broadcast against one column
         [rows]: what GPTQ and SparseGPT round each column with."""
-        return QParams(self.scale.reshape(-1), self.zero_point.reshape(-1), self.qmin, self.qmax, self.fp4)
+        return QParams(self.scale.reshape(-1), self.zero_point.reshape(-1), self.qmin, self.qmax, self.element)
 
 
 def absmax_qparams(absmax: torch.Tensor, bits: int, full_range: bool = False) -> QParams:
@@ -158,26 +160,28 @@ def zeropoint_qparams(xmin: torch.Tensor, xmax: torch.Tensor, bits: int) -> QPar
 
 
 def range_qparams(lo: torch.Tensor, hi: torch.Tensor, args, global_scale=None) -> QParams:
-    """The grid of `args` (a QuantArgs: FP4, absmax or zero-point) for slices whose ranges are
-    [lo, hi], e.g. a range shrunk by a clipping search. `global_scale`: NVFP4's."""
+    """The grid of `args` (a QuantArgs: FP4, FP8, MXFP8, MXFP6, absmax or zero-point) for slices
+    whose ranges are [lo, hi], e.g. a range shrunk by a clipping search. `global_scale`: NVFP4's."""
     if args.fp4_format:
         return fp4_qparams(torch.maximum(-lo, hi), global_scale)
+    if args.type == "float":  # float grids are symmetric
+        return float_qparams(torch.maximum(-lo, hi), args.num_bits, power_of_two=args.byte_block_scales)
     if args.symmetric:
         return absmax_qparams(torch.maximum(-lo, hi), args.num_bits, args.full_range)
     return zeropoint_qparams(lo, hi, args.num_bits)
 
 
 def quantize(x: torch.Tensor, qp: QParams) -> torch.Tensor:
-    """Integer codes (as float32 holding integers) for x; E2M1 values for an FP4 grid."""
-    if qp.fp4:
-        return round_to_fp4(x.float() / qp.scale)
+    """Integer codes (as float32 holding integers) for x; a float grid's element values (NaN: 0)."""
+    if qp.element:
+        return _ROUND_TO_ELEMENT_[qp.element](x.float() / qp.scale).nan_to_num_(nan=0.0)
     return torch.clamp(torch.round(x.float() / qp.scale + qp.zero_point), qp.qmin, qp.qmax)
 
 
 def dequantize(q: torch.Tensor, qp: QParams) -> torch.Tensor:
     # Saturates at float32's largest value: for ranges near it, the zero point's rounding can put
     # the grid's end half a step beyond, which would read back as Inf.
-    if qp.fp4:  # E2M1 codes have no zero point (and GPTQ calls this once per column)
+    if qp.element:  # float codes have no zero point (and GPTQ calls this once per column)
         return (q * qp.scale).clamp_(-_F32_MAX, _F32_MAX)
     return ((q - qp.zero_point) * qp.scale).clamp_(-_F32_MAX, _F32_MAX)
 
@@ -187,8 +191,8 @@ def quantize_dequantize(x: torch.Tensor, qp: QParams, out: torch.Tensor | None =
     SparseGPT call this once per weight column, thousands of times a layer, where on the CPU each
     tensor operation's fixed cost outweighs its arithmetic: so it takes as few of them as it can."""
     out = torch.div(x.float(), qp.scale, out=out)
-    if qp.fp4:
-        out = _round_to_fp4_(out).nan_to_num_(nan=0.0)
+    if qp.element:
+        out = _ROUND_TO_ELEMENT_[qp.element](out).nan_to_num_(nan=0.0)
     else:
         out = out.add_(qp.zero_point).round_().clamp_(qp.qmin, qp.qmax).sub_(qp.zero_point)
     return out.mul_(qp.scale).clamp_(-_F32_MAX, _F32_MAX)
@@ -265,6 +269,21 @@ def fp8_step(absmax: torch.Tensor, storable: bool = False) -> torch.Tensor:
     rounded up to a value of the stage's scale dtype (storable_scale)."""
     scale = _positive_step(absmax.float() / FP8_E4M3_MAX)
     return storable_scale(scale) if storable else scale
+
+
+def float_qparams(absmax: torch.Tensor, element_bits: int, power_of_two: bool = False) -> QParams:
+    """A float weight grid for slices whose largest magnitude is `absmax`, for quantize and
+    dequantize, GPTQ's columns and AWQ's clipping search: FP8 e4m3 (`element_bits` 8) at the
+    storable step that maps absmax onto 448 (fp8_step), or, with `power_of_two`, an MX block's
+    step (mx_steps) for e4m3 (MXFP8) or e2m3 (6: MXFP6). FP4 blocks are fp4_qparams'."""
+    if power_of_two:
+        largest, limit, _ = _MX_ELEMENTS[element_bits]
+        step = mx_steps(absmax, limit)
+    elif element_bits == 8:
+        largest, step = FP8_E4M3_MAX, fp8_step(absmax, storable=True)
+    else:
+        raise ValueError(f"float weights with float scales are FP8 (8 bits), not {element_bits} bits")
+    return QParams(step, torch.zeros_like(step), -largest, largest, element=element_bits)
 
 
 def as_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -364,6 +383,10 @@ def _one_row_per_group(weight: torch.Tensor, strategy: str, group_size: int | No
     return weight.reshape(-1, shape[-1]), shape
 
 
+# e4m3's positive values, largest first (codes 0x01 to 0x7E; 0x7F is NaN)
+_E4M3_VALUES_DOWN = torch.arange(126, 0, -1, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+
+
 def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: str, group_size: int | None = None,
                     float8: bool = False, block_structure: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """Scales (and zero points) that reproduce an already-quantized weight bit for bit.
@@ -397,7 +420,9 @@ def recover_qparams(weight: torch.Tensor, bits: int, symmetric: bool, strategy: 
         raise ValueError(f"weights cannot be packed with strategy {strategy!r}")
     w, shape = _one_row_per_group(weight.detach(), strategy, group_size, block_structure)
     if float8:
-        qmin, qmax, top = -FP8_E4M3_MAX, FP8_E4M3_MAX, [FP8_E4M3_MAX]
+        # the extreme's e4m3 value: 448 first, as round-to-nearest leaves it, then every smaller
+        # one (GPTQ's scales come from the weight before its updates, which may move the extreme)
+        qmin, qmax, top = -FP8_E4M3_MAX, FP8_E4M3_MAX, _E4M3_VALUES_DOWN
     else:
         qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1  # the format's range (absmax uses one code less)
         # the code of the group's extreme (or its code span, asymmetric): the grid's ends first, as
@@ -772,7 +797,7 @@ def nvfp4_input_global_scale(absmax: float) -> float:
 def fp4_qparams(block_absmax: torch.Tensor, global_scale, underflow_to_zero: bool = False) -> QParams:
     """Steps (shaped as `block_absmax`) as QParams on the FP4 grid, for quantize/dequantize."""
     step = fp4_steps(block_absmax, global_scale, underflow_to_zero)
-    return QParams(step, torch.zeros_like(step), -int(FP4_E2M1_MAX), int(FP4_E2M1_MAX), fp4=True)
+    return QParams(step, torch.zeros_like(step), -FP4_E2M1_MAX, FP4_E2M1_MAX, element=4)
 
 
 def fake_quantize_fp4(x: torch.Tensor, group_size: int, global_scale: float | None = None,
@@ -836,13 +861,18 @@ MXFP6_LIMIT = 7.75  # the block maximum rounded to a power of two at e2m3's 3 ma
 
 def round_to_fp6(x: torch.Tensor) -> torch.Tensor:
     """Each element to the nearest FP6 e2m3 value, ties to even, saturating at ±7.5, keeping x's
-    sign; NaN gives 0; float32 out. As E2M1 (_round_to_fp4_), a fixed-point grid per binade: the
-    step is 2^(floor(log2|a|) - 3), at least 1/8."""
-    a = x.detach().to(torch.float32, copy=True).clamp_(-FP6_E2M3_MAX, FP6_E2M3_MAX)
+    sign; NaN gives 0; float32 out."""
+    return _round_to_fp6_(x.detach().to(torch.float32, copy=True)).nan_to_num_(nan=0.0)
+
+
+def _round_to_fp6_(a: torch.Tensor) -> torch.Tensor:
+    """a (float32) rounded in place to FP6 e2m3; NaN stays NaN. As E2M1 (_round_to_fp4_), a
+    fixed-point grid per binade: the step is 2^(floor(log2|a|) - 3), at least 1/8."""
+    a.clamp_(-FP6_E2M3_MAX, FP6_E2M3_MAX)
     exponent_field, three_binades, eighth = _fp6_bit_constants(a.device)
     step = torch.bitwise_and(a.view(torch.int32), exponent_field)
     step = step.sub_(three_binades).clamp_(min=eighth).view(torch.float32)
-    return a.div_(step).round_().mul_(step).nan_to_num_(nan=0.0)
+    return a.div_(step).round_().mul_(step)
 
 
 @functools.lru_cache(maxsize=None)
@@ -857,10 +887,19 @@ def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float8_e4m3fn).float()
 
 
+def _round_to_e4m3_(a: torch.Tensor) -> torch.Tensor:
+    """a (float32) rounded in place to FP8 e4m3, saturating at ±448; NaN stays NaN."""
+    return a.copy_(a.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn))
+
+
 # element bits -> (largest element, mx_steps' limit, rounding onto the element's grid). The limit
 # is compressed-tensors' rule: e4m3's extreme stays below 448 steps (so none saturates); e2m3's
 # below 7.75, so an extreme between 7.5 and 7.75 steps saturates to 7.5, by less than half a step.
 _MX_ELEMENTS = {8: (FP8_E4M3_MAX, FP8_E4M3_MAX, _to_e4m3), 6: (FP6_E2M3_MAX, MXFP6_LIMIT, round_to_fp6)}
+
+
+# element bits -> its rounding in place (float32, saturating, NaN kept): what QParams.element names
+_ROUND_TO_ELEMENT_ = {4: _round_to_fp4_, 6: _round_to_fp6_, 8: _round_to_e4m3_}
 
 
 def fake_quantize_mx(x: torch.Tensor, element_bits: int) -> torch.Tensor:

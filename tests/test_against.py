@@ -250,16 +250,16 @@ def test_every_protocol_row_of_the_side_by_side_translates(tmp_path):
     assert section.startswith("## all-MiniLM-L6-v2") and "### Side by side" in section and "Run history" not in section
 
 
+@pytest.mark.parametrize("stage", ["rtn", "gptq"])
 @pytest.mark.parametrize("preset", ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP4XFP8", "MXFP8A16", "MXFP8", "MXFP6A16",
                                     "MXFP6A8", "FP8_BLOCK"])
-def test_block_schemes_translate_to_compressed_tensors_presets(preset):
+def test_block_schemes_translate_to_compressed_tensors_presets(preset, stage):
     """A stage in a block format reaches llm-compressor as the library's own preset of that name:
     block sizes, scale dtypes (MX: e8m0 exponents), NVFP4 activations' calibrated global scale
     (dynamic `local`, static min/max)."""
     ct = pytest.importorskip("compressed_tensors.quantization")
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    stage = "gptq" if preset in ("NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4") else "rtn"  # GPTQ: integer and FP4 weights only
     mods, _ = llmcompressor_modifiers(recipe(f"  - {stage}: {{scheme: {preset}}}\n"))
     group = mods[0]["args"]["config_groups"]["group_0"]
     for part in ("weights", "input_activations"):

@@ -18,6 +18,9 @@ the original order and the checkpoint packs as usual. `actorder: group` chooses 
 when its first column is reached, as without act-order, so a group's columns may carry several
 grids (written dense); `actorder: false` keeps the columns in order.
 
+quant() is whatever grid the scheme names, as rtn rounds to it: integer codes, FP4 blocks (NVFP4,
+MXFP4), FP8 per tensor, channel or 128x128 tile (a tile's rows share its scale), MXFP8 and MXFP6.
+
 Every step above works row by row given H, so layers that read the same input (q/k/v; gate/up)
 and so share H are solved stacked into one weight (`gptq_quantize_stacked`): one factorisation
 and one pass over the columns for the group.
@@ -53,7 +56,7 @@ from compress.quant import QParams, compute_qparams, quantize_dequantize, range_
 from compress.schemes import QuantArgs
 from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
-from compress.stages.rtn import check_fits_dtype, global_scales, quantize_weight
+from compress.stages.rtn import check_fits_dtype, global_scales, quantize_weight, scale_record
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -125,29 +128,51 @@ def inverse_hessian_cholesky(H: torch.Tensor, damp: float, max_damp: float = 10.
     raise FloatingPointError(f"Hessian is not positive definite even with damping {frac / 10:g}")
 
 
+def _per_tile(x: torch.Tensor, rows: int, reduce) -> torch.Tensor:
+    """x [R, 1] (one value per row) reduced over each run of `rows` rows, an FP8 tile's height
+    (`reduce`: torch.amax or torch.sum; the zero padding of a last, shorter tile changes neither),
+    and spread back to [R, 1]."""
+    R = x.shape[0]
+    tiles = torch.nn.functional.pad(x.reshape(-1), (0, (-R) % rows)).reshape(-1, rows)
+    return reduce(tiles, dim=1).repeat_interleave(rows)[:R].reshape(R, 1)
+
+
 def _column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | None = None,
                     shrink_grid: int = 0, max_shrink: float = 0.2, global_scale=None) -> QParams:
-    """Per-row (or per-tensor) parameters for the columns of W. With `shrink_grid`, each row's range
-    is shrunk to r · (min, max) for r from 1 down to 1 - max_shrink, keeping the r whose rounding
-    error Σ_j weight_j (w_j - q_j)² is least (weight: the columns' Hessian diagonal). FP4 blocks
-    take NVFP4's `global_scale` (a float, or one per row [rows, 1])."""
+    """Per-row (or per-tensor) parameters for the columns of W: one group's columns, or FP8 tiles'
+    (one scale per block_structure[0] rows, shared across each tile). With `shrink_grid`, each
+    row's (tile's) range is shrunk to r · (min, max) for r from 1 down to 1 - max_shrink, keeping
+    the r whose rounding error Σ_j weight_j (w_j - q_j)² is least (weight: the columns' Hessian
+    diagonal). `global_scale` (a float, or one per row [rows, 1]) is what rtn.global_scales shares
+    across a fused group: NVFP4's global scale, or per-tensor FP8's largest |w|."""
     if args.strategy == "tensor":
+        if args.type == "float":  # FP8: at the group's shared range, else the weight's own
+            top = W.abs().amax() if global_scale is None else torch.as_tensor(global_scale, device=W.device).max()
+            return range_qparams(-top.reshape(1, 1), top.reshape(1, 1), args)
         return compute_qparams(W, args.num_bits, args.symmetric, "tensor", full_range=args.full_range)
     lo, hi = W.amin(1, keepdim=True), W.amax(1, keepdim=True)
+    tile_rows = args.block_structure[0] if args.strategy == "block" else None
+    if tile_rows:  # FP8 tiles are symmetric: each row's range is its tile's
+        hi = _per_tile(torch.maximum(-lo, hi), tile_rows, torch.amax)
+        lo = -hi
     qp = range_qparams(lo, hi, args, global_scale)
     if not shrink_grid:
         return qp
     weight = torch.ones(W.shape[1], device=W.device) if weight is None else weight
-    best_err = ((W - quantize_dequantize(W, qp)).pow(2) * weight).sum(1, keepdim=True)
-    best = qp
+
+    def rounding_error(qp: QParams) -> torch.Tensor:
+        err = ((W - quantize_dequantize(W, qp)).pow(2) * weight).sum(1, keepdim=True)
+        return _per_tile(err, tile_rows, torch.sum) if tile_rows else err
+
+    best_err, best = rounding_error(qp), qp
     for i in range(1, shrink_grid + 1):
         r = 1 - max_shrink * i / shrink_grid
         cand = range_qparams(lo * r, hi * r, args, global_scale)
-        err = ((W - quantize_dequantize(W, cand)).pow(2) * weight).sum(1, keepdim=True)
+        err = rounding_error(cand)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = QParams(torch.where(better, cand.scale, best.scale), torch.where(better, cand.zero_point, best.zero_point),
-                       qp.qmin, qp.qmax, qp.fp4)
+                       qp.qmin, qp.qmax, qp.element)
     return best
 
 
@@ -170,12 +195,17 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
     `keep_zero` (bool [out, in]): weights that must stay exactly zero (a pruning mask). They are
     "quantized" to 0 and their error is spread like any other, so the kept weights compensate.
     `global_scale`: NVFP4's per-tensor scale (a float, or [out, 1] for stacked weights); its block
-    scales are then chosen as the columns are reached, like integer group scales.
+    scales are then chosen as the columns are reached, like integer group scales. For per-tensor
+    FP8, the largest |w| of the layer's fused group, which its one scale is taken from.
+    Every grid rtn rounds to is GPTQ's too: integer, FP4 (NVFP4, MXFP4), FP8 per tensor, channel,
+    group or tile, MXFP8 and MXFP6 (float grids saturate at their largest value, as rtn's do).
     """
     W = W.clone().float()
     H = H.clone().float()
     columns = W.shape[1]
     group = args.group_size if args.strategy in ("group", "tensor_group") else None
+    if args.strategy == "block":  # FP8 tiles: their columns are a group's, their rows share its scale
+        group = args.block_structure[1]
     if keep_zero is not None:
         keep_zero = keep_zero.to(W.device)
 
@@ -184,7 +214,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
     W[:, dead] = 0
 
     diag = torch.diag(H)
-    qp = None if group else _column_qparams(W, args, diag, shrink_grid).per_column()
+    qp = None if group else _column_qparams(W, args, diag, shrink_grid, global_scale=global_scale).per_column()
     group_qparams = None
     if group and static_groups:
         group_qparams = [_column_qparams(W[:, g : g + group], args, diag[g : g + group], shrink_grid,
@@ -236,16 +266,26 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
     return Q, {"damp": damp_used, "damp_retries": retries, "dead_columns": int(dead.sum())}
 
 
+def stackable(args: QuantArgs, rows: list[int]) -> bool:
+    """Can weights of these row counts be solved stacked? Their scales must belong to single rows
+    or groups of a row: not a per-tensor scale, which spans a whole weight, nor FP8 tiles unless
+    every weight is whole tiles high (a tile across two weights would give them one scale)."""
+    if args.strategy == "tensor":
+        return False
+    return args.strategy != "block" or all(r % args.block_structure[0] == 0 for r in rows)
+
+
 def gptq_quantize_stacked(weights: list[torch.Tensor], H: torch.Tensor, args: QuantArgs,
                           keep_zero: list[torch.Tensor | None] | None = None, global_scales: list[float] | None = None,
                           **options) -> tuple[list[torch.Tensor], dict]:
     """GPTQ for several weights [out_i, in] that share one Hessian (layers reading the same input:
     q/k/v, gate/up). Each row's result depends only on that row and H, so the weights are solved
     stacked, in one factorisation and one pass over the columns, and split again; the result is
-    each weight's own up to float reassociation. Not for per-tensor scales, which span a whole weight.
-    `options` are gptq_quantize's."""
-    if args.strategy == "tensor" and len(weights) > 1:
-        raise ValueError("a per-tensor scale spans its whole weight: solve such layers one by one")
+    each weight's own up to float reassociation. Not for per-tensor scales, which span a whole
+    weight, nor FP8 tiles that would straddle two weights (see stackable). `options` are
+    gptq_quantize's."""
+    if len(weights) > 1 and not stackable(args, [w.shape[0] for w in weights]):
+        raise ValueError("a per-tensor scale or an FP8 tile would span two weights: solve such layers one by one")
     masks = keep_zero or [None] * len(weights)
     stacked_mask = None
     if any(m is not None for m in masks):
@@ -253,7 +293,7 @@ def gptq_quantize_stacked(weights: list[torch.Tensor], H: torch.Tensor, args: Qu
                                   for m, W in zip(masks, weights)])
     W = torch.cat(weights) if len(weights) > 1 else weights[0]
     g = None
-    if global_scales is not None:  # each weight's NVFP4 global scale on its own rows
+    if global_scales is not None:  # each weight's NVFP4 global scale (per-tensor FP8: range) on its own rows
         g = torch.cat([torch.full((w.shape[0], 1), float(s), device=W.device) for w, s in zip(weights, global_scales)])
     Q, info = gptq_quantize(W, H, args, keep_zero=stacked_mask, global_scale=g, **options)
     return list(Q.split([w.shape[0] for w in weights])), info
@@ -406,10 +446,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         return {"weight": "static", "dynamic": "group"}.get(value, value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _integer_weights(self) -> "GPTQ":
-        w = self.resolved_scheme().weights
-        if w.type != "int" and not w.fp4_format:
-            raise ValueError("GPTQ quantizes to an integer or FP4 grid: FP8 and FP6 weights need rtn")
+    def _actorder_and_static_groups(self) -> "GPTQ":
         if "actorder" not in self.model_fields_set and self.static_groups is False:
             # a recipe from before act-order was the default: static_groups: false meant columns in order
             object.__setattr__(self, "actorder", False)
@@ -442,7 +479,8 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         scheme = self.resolved_scheme()
         args = scheme.weights
         order = list(layers)
-        scales = global_scales(layers, args)  # NVFP4: one per fused group (q/k/v, gate/up), from the weights as they are
+        # NVFP4's global scale, per-tensor FP8's range: one per fused group (q/k/v, gate/up), from the weights as they are
+        scales = global_scales(layers, args)
         solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens, why: self._round_to_nearest(
             name, module, ctx, tokens, f"{why}: round-to-nearest",
             scales.get(name), *observed_range(name, observers)))
@@ -462,8 +500,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
             results = []
             for name, W, Q, mask in zip(group, Ws, Qs, masks):
                 layer_info = {**info, "sparsity_preserved": float(mask.float().mean())} if mask is not None else dict(info)
-                if name in scales:
-                    layer_info["global_scale"] = scales[name]
+                layer_info.update(scale_record(args, scales.get(name)))
                 rtn = quantize_weight(W, args, scales.get(name))
                 results.append((Q, layer_info, hessian_loss(W, Q, H), hessian_loss(W, rtn, H), relative_error(W, Q)))
             return results
@@ -480,8 +517,10 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
                 else:
                     ctx.layers[name].pop("solved_together", None)  # from an earlier GPTQ stage
 
-        # Row-stacking needs per-row (or per-group) scales; a per-tensor scale spans the whole matrix.
-        groups = shared_hessian_groups(solvable, observers) if args.strategy != "tensor" else [(n,) for n in solvable]
+        groups = []  # layers sharing a Hessian are solved stacked where their scales allow it
+        for group in shared_hessian_groups(solvable, observers):
+            together = stackable(args, [get_weight(layers[n]).shape[0] for n in group])
+            groups += [group] if together else [(n,) for n in group]
         solve_layers(groups, solve, apply, ctx.devices)
 
     def _record(self, scheme, index: int, name: str, module: torch.nn.Module, obs: HessianObserver, result: tuple,
@@ -536,7 +575,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
             "stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
             "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,
             "tokens": tokens, "damp_retries": 0, "note": note,
-            **({"global_scale": global_scale} if global_scale is not None else {})})
+            **scale_record(args, global_scale)})
         a = scheme.input_activations
         if a is not None:
             if a.dynamic:
