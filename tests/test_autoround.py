@@ -180,7 +180,7 @@ def test_reference_same_inputs_and_no_clipping(tiny_models, tmp_path):  # noqa: 
 
 
 @pytest.mark.parametrize("stage,expected", [
-    ("autoround: {scheme: FP8}", "FP8 and FP6 weights need rtn, FP4 weights rtn or gptq"),
+    ("autoround: {scheme: FP8}", "float weights (FP8, FP6, FP4) need rtn, gptq or awq"),
     ("autoround: {scheme: W8A8}", "weight-only scheme"),
     ("autoround: {weights: {num_bits: 4, strategy: tensor}}", "strategy group or channel"),
 ])

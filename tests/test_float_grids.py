@@ -1,6 +1,7 @@
-"""GPTQ on the float grids besides FP4 (tests/test_fp4.py has those): FP8 e4m3 per tensor, per
-channel and in tiles (FP8_DYNAMIC, FP8, FP8_BLOCK), MXFP8 and MXFP6. The solver alone on a
-layer, then through the pipeline into packed checkpoints that carry the weights the run evaluated."""
+"""GPTQ and AWQ on the float grids besides FP4 (tests/test_fp4.py has those): FP8 e4m3 per
+tensor, per channel and in tiles (FP8_DYNAMIC, FP8, FP8_BLOCK), MXFP8 and MXFP6. The solver and
+the clipping search alone on a layer, then through the pipeline into packed checkpoints that carry
+the weights the run evaluated."""
 
 import json
 
@@ -12,6 +13,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from compress import modeling, parse_recipe, run_recipe
 from compress.quant import fp8_step, recover_mx_steps, recover_qparams
 from compress.schemes import QuantArgs
+from compress.stages.awq import clip_search, output_error
 from compress.stages.gptq import gptq_quantize, gptq_quantize_stacked, hessian_loss, stackable
 from compress.stages.rtn import quantize_weight
 
@@ -88,6 +90,17 @@ def test_fp8_scales_are_recovered_when_a_rows_extreme_stops_short_of_448():
     assert torch.equal((W / scale).to(torch.float8_e4m3fn).float() * scale, W)
 
 
+@pytest.mark.parametrize("name", ["fp8 channel", "mxfp8", "mxfp6"])
+def test_awq_clip_search_on_float_grids_never_loses_to_round_to_nearest(name):
+    from tests.test_smoothing import outlier_layer
+
+    args = GRIDS[name]
+    X, W = outlier_layer(tokens=256)
+    Q, ratio = clip_search(X, W, args)
+    assert output_error(X, W, Q) <= output_error(X, W, quantize_weight(W, args))
+    assert groups_off_the_grid(Q, args) == 0  # still storable
+
+
 # ---------------------------------------------------------------------------------------------
 # Through the pipeline
 
@@ -152,3 +165,24 @@ def test_gptq_float_checkpoints_carry_the_evaluated_weights(tiny, tmp_path, sche
     config = json.loads((tmp_path / "packed" / "config.json").read_text())["quantization_config"]
     assert config["config_groups"]["group_0"]["format"] == fmt
 
+
+@pytest.mark.parametrize("scheme,fmt", [("MXFP6A16", "mxfp6-pack-quantized"), ("MXFP8A16", "mxfp8-quantized")])
+def test_awq_on_mx_grids_then_gptq(tmp_path, scheme, fmt):
+    """AWQ's scale search and clipping on an MX grid, packed; and AWQ's scales then GPTQ on it."""
+    from tests.test_smoothing import SMOOTHING_FAMILIES, save
+
+    torch.manual_seed(0)
+    save(SMOOTHING_FAMILIES["llama-mha"]().eval(), tmp_path / "in")
+    calib = "calibration: {dataset: calibration/default.txt, num_samples: 8, seq_len: 64}\n"
+    report = run_recipe(parse_recipe(f"model: {tmp_path / 'in'}\n{calib}stages:\n  - awq: {{scheme: {scheme}, grid: 5}}\n",
+                                     "test"), output=str(tmp_path / "awq"), device="cpu", dtype="bfloat16")
+    assert report["format"]["compressed_tensors_format"] == fmt
+    searched = [r for r in report["layers"].values() if "awq_alpha" in r]
+    assert searched and all(r["awq_block_error"] <= r["awq_rtn_block_error"] for r in searched)
+    summary = report["stages"][0]["summary"]
+    assert summary["mean_output_error"] < summary["mean_rtn_output_error"]
+    chained = run_recipe(parse_recipe(f"model: {tmp_path / 'in'}\n{calib}stages:\n"
+                                      f"  - awq: {{scheme: {scheme}, grid: 5, quantize: false}}\n  - gptq: {{scheme: {scheme}}}\n",
+                                      "test"), output=str(tmp_path / "chain"), device="cpu", dtype="bfloat16")
+    assert chained["format"]["compressed_tensors_format"] == fmt
+    assert all(r["stage"] == "gptq" and r["gptq_loss"] < r["rtn_loss"] for r in chained["layers"].values())

@@ -135,7 +135,7 @@ class AutoRound(EngineOptions, QuantizationStage):
     def _integer_weights_only(self) -> "AutoRound":
         scheme = self.resolved_scheme()
         if scheme.weights.type != "int":
-            raise ValueError("AutoRound learns rounding on an integer grid: FP8 and FP6 weights need rtn, FP4 weights rtn or gptq")
+            raise ValueError("AutoRound learns rounding on an integer grid: float weights (FP8, FP6, FP4) need rtn, gptq or awq")
         if scheme.weights.strategy == "tensor":
             raise ValueError("AutoRound learns per-group or per-channel clipping: use strategy group or channel")
         if scheme.input_activations is not None:

@@ -34,7 +34,7 @@ to r · max (r from 1 down to 1 - max_shrink) and keep the r whose group output 
 Sample recipe stage:
 
     - awq:
-        scheme: W4A16          # or NVFP4A16 / MXFP4A16: the same search on the FP4 grid
+        scheme: W4A16          # or NVFP4A16, MXFP4A16, MXFP6A16...: the same search on their float grids
         weights: {group_size: 64}
         grid: 20
 """
@@ -55,7 +55,7 @@ from compress.quant import nvfp4_global_scale, quantize_dequantize, range_qparam
 from compress.schemes import QuantArgs
 from compress.seeding import seeded_generator
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
-from compress.stages.rtn import check_fits_dtype, global_scales, quantize_weight
+from compress.stages.rtn import check_fits_dtype, global_scales, quantize_weight, scale_record
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -190,7 +190,8 @@ class AWQ(EngineOptions, QuantizationStage):
 
     grid: int = Field(20, ge=2, le=1000, description="points of the α grid in [0, 1]")
     duo_scaling: bool = Field(True, description="scales from activation and weight magnitudes: a^α / w^(1-α)")
-    clip: bool = Field(True, description="search a per-group clipping ratio")
+    clip: bool = Field(True, description="search a clipping ratio per row or group (per-tensor scales and FP8 tiles "
+                       "round to nearest)")
     clip_grid: int = Field(20, ge=2, le=1000, description="clipping ratios are 1 - i/clip_grid")
     max_shrink: float = Field(0.5, gt=0, lt=1, description="smallest clipping ratio is 1 - max_shrink")
     max_tokens: int = Field(4096, gt=0, description="calibration tokens kept per layer for the searches")
@@ -201,10 +202,7 @@ class AWQ(EngineOptions, QuantizationStage):
     _in_blocks: set = PrivateAttr(default_factory=set)  # the selected layers the engine handed to compress_block
 
     @model_validator(mode="after")
-    def _integer_weights(self) -> "AWQ":
-        w = self.resolved_scheme().weights
-        if w.type != "int" and not w.fp4_format:
-            raise ValueError("AWQ quantizes to an integer or FP4 grid: FP8 and FP6 weights need rtn")
+    def _weights_only(self) -> "AWQ":
         if self.quantize and self.resolved_scheme().input_activations is not None:
             # AWQ scales and rounds weights; the activations' static ranges would have to be observed
             # again after its folds change the inputs, which the rtn and gptq stages do
@@ -310,7 +308,7 @@ class AWQ(EngineOptions, QuantizationStage):
         fold_branches(branch_folds, block, runner, f"block {index}", branch_batches)
         if not self.quantize:
             return
-        scales = global_scales(layers, args)  # NVFP4: one per fused group, of the scaled weights
+        scales = global_scales(layers, args)  # NVFP4's, per-tensor FP8's: one per fused group, of the scaled weights
         for name, module in layers.items():
             if not observers[name].tokens:  # an expert no calibration token reached: nothing to search on
                 # NVFP4: its fused group's scale, which vLLM expects gate and up to share
@@ -322,7 +320,7 @@ class AWQ(EngineOptions, QuantizationStage):
             if name in input_scale:
                 X = X / input_scale[name]
             W = get_weight(module).to(X.device)
-            if self.clip and args.strategy != "tensor":
+            if self.clip and args.strategy not in ("tensor", "block"):  # ranges of one row (or a row's group)
                 Q, ratio = clip_search(X, W, args, self.clip_grid, self.max_shrink, scales.get(name))
             else:
                 Q, ratio = quantize_weight(W, args, scales.get(name)), 1.0
@@ -337,8 +335,8 @@ class AWQ(EngineOptions, QuantizationStage):
             W_in, Q_in = (T * row.unsqueeze(1) / col.unsqueeze(0) for T in (W, Q))
             record = ctx.layers.setdefault(name, {})
             record.pop("global_scale", None)
-            if name in scales:
-                record["global_scale"] = scales[name]
+            record.pop("fp8_absmax", None)
+            record.update(scale_record(args, scales.get(name)))
             record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
                            "relative_error": relative_error(W_in, Q_in), "clip_ratio": ratio,
                            "output_error": output_error(X0, W_in, Q_in) / X.shape[0],
@@ -356,9 +354,10 @@ class AWQ(EngineOptions, QuantizationStage):
         set_weight(module, Q)
         record = ctx.layers.setdefault(name, {})
         record.pop("global_scale", None)  # from an earlier stage
+        record.pop("fp8_absmax", None)
         record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
                        "relative_error": relative_error(W, Q), **extra, "note": note,
-                       **({"global_scale": global_scale} if global_scale is not None else {})})
+                       **scale_record(args, global_scale)})
 
     def preflight(self, model: torch.nn.Module) -> None:
         mappings_for(model, self.mappings, self.blocks)  # no map for the architecture, or one naming no module
