@@ -115,6 +115,11 @@ def _rows() -> list[Row]:
         Row("ref-llama", "MXFP8 W8A8", {"scheme": "MXFP8"}),
         # MXFP6: FP6 e2m3 weights in the same blocks
         Row("ref-llama", "MXFP6 g32", {"scheme": "MXFP6A16"}),
+        # GPTQ on the FP8 and MX grids (AWQ on MXFP6 too), each paired with the RTN row above
+        Row("ref-llama", "FP8_BLOCK", {"scheme": "FP8_BLOCK"}, **GPTQ_ROW),
+        Row("ref-llama", "MXFP8 g32", {"scheme": "MXFP8A16"}, **GPTQ_ROW),
+        Row("ref-llama", "MXFP6 g32", {"scheme": "MXFP6A16"}, **GPTQ_ROW),
+        Row("ref-llama", "MXFP6 g32", {"scheme": "MXFP6A16"}, **AWQ_ROW),
         # FP4 weights in the two block formats (E2M1 codes; e4m3 block scales under a global scale,
         # or power-of-two block scales), then the same with GPTQ
         Row("ref-llama", "NVFP4 g16", {"scheme": "NVFP4A16"}),
