@@ -256,7 +256,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
                 scheme = None
             # GPTQ's act-order without static groups mixes scales within a group: the run writes dense
             mixed = (getattr(stage, "reorders_columns", False) and not getattr(stage, "fixed_group_scales", False)
-                     and scheme is not None and scheme.weights.strategy in ("group", "tensor_group"))
+                     and scheme is not None and bool(scheme.weights.column_groups))
             try:  # a pruning stage's target per layer (an override or N:M that does not fit is refused by preflight)
                 pruned_to = stage.layer_targets(chosen, name) if hasattr(stage, "layer_targets") else {}
             except CompressError:

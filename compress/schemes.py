@@ -119,6 +119,14 @@ class QuantArgs(BaseModel):
         return fp4_format(self.model_dump())
 
     @property
+    def column_groups(self) -> int | None:
+        """Input columns per scale: group_size (groups, FP4 blocks), a tile's width (FP8 tiles), or
+        None where one scale spans every column (channel, tensor, token)."""
+        if self.strategy in ("group", "tensor_group"):
+            return self.group_size
+        return self.block_structure[1] if self.strategy == "block" else None
+
+    @property
     def mxfp8(self) -> bool:
         """FP8 in groups of 32 with power-of-two (e8m0) scales: MXFP8."""
         return is_mxfp8(self.model_dump())

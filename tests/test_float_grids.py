@@ -166,6 +166,21 @@ def test_gptq_float_checkpoints_carry_the_evaluated_weights(tiny, tmp_path, sche
     assert config["config_groups"]["group_0"]["format"] == fmt
 
 
+def test_fp8_tiles_with_actorder_group_are_written_dense_as_the_plan_says(tiny, tmp_path):
+    """actorder: group chooses a tile's scale when act-order reaches its first column, so a tile's
+    columns carry several scales, which the format cannot store: the plan says dense, and the
+    run writes dense naming why, as for integer groups."""
+    from compress.plan import make_plan
+
+    stage = "{scheme: FP8_BLOCK, weights: {block_structure: [32, 48]}, input_activations: {group_size: 32}, actorder: group}"
+    recipe = parse_recipe(f"model: {tiny}\ncalibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}\n"
+                          f"stages:\n  - gptq: {stage}\n", "test")
+    assert make_plan(recipe, str(tiny))["format"] == "dense"
+    report = gptq_float(tiny, tmp_path / "o", stage, "float32")
+    assert report["format"]["format"] == "dense"
+    assert "GPTQ chose its group scales as act-order reached the columns (actorder: group)" in report["format"]["reason"]
+
+
 @pytest.mark.parametrize("scheme,fmt", [("MXFP6A16", "mxfp6-pack-quantized"), ("MXFP8A16", "mxfp8-quantized")])
 def test_awq_on_mx_grids_then_gptq(tmp_path, scheme, fmt):
     """AWQ's scale search and clipping on an MX grid, packed; and AWQ's scales then GPTQ on it."""

@@ -203,9 +203,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
     W = W.clone().float()
     H = H.clone().float()
     columns = W.shape[1]
-    group = args.group_size if args.strategy in ("group", "tensor_group") else None
-    if args.strategy == "block":  # FP8 tiles: their columns are a group's, their rows share its scale
-        group = args.block_structure[1]
+    group = args.column_groups  # FP8 tiles: their columns are a group's, their rows share its scale
     if keep_zero is not None:
         keep_zero = keep_zero.to(W.device)
 
@@ -537,7 +535,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         ctx.layers[name].pop("fp8_absmax", None)  # per-tensor FP8's (rtn)
         if info["damp_retries"]:
             record["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"
-        if self.reorders_columns and not self.fixed_group_scales and scheme.weights.strategy in ("group", "tensor_group"):
+        if self.reorders_columns and not self.fixed_group_scales and scheme.weights.column_groups:
             record["mixed_group_scales"] = True  # actorder: group; what packing names when it writes dense
         if scheme.input_activations is not None:
             a = scheme.input_activations
