@@ -1,7 +1,7 @@
-"""GPTQ and AWQ on the float grids besides FP4 (tests/test_fp4.py has those): FP8 e4m3 per
-tensor, per channel and in tiles (FP8_DYNAMIC, FP8, FP8_BLOCK), MXFP8 and MXFP6. The solver and
-the clipping search alone on a layer, then through the pipeline into packed checkpoints that carry
-the weights the run evaluated."""
+"""GPTQ, AWQ and SparseGPT's joint quantization on the float grids besides FP4 (tests/test_fp4.py
+has GPTQ's and AWQ's FP4): FP8 e4m3 per tensor, per channel and in tiles (FP8_DYNAMIC, FP8,
+FP8_BLOCK), MXFP8 and MXFP6. The solvers and the clipping search alone on a layer, then through the
+pipeline into packed checkpoints that carry the weights the run evaluated."""
 
 import json
 
@@ -14,8 +14,12 @@ from compress import modeling, parse_recipe, run_recipe
 from compress.quant import fp8_step, recover_mx_steps, recover_qparams
 from compress.schemes import QuantArgs
 from compress.stages.awq import clip_search, output_error
+from compress.quant import nvfp4_global_scale, recover_fp4_steps
 from compress.stages.gptq import gptq_quantize, gptq_quantize_stacked, hessian_loss, stackable
+from compress.stages.magnitude import magnitude_prune
+from compress.stages.pruning import LayerTarget
 from compress.stages.rtn import quantize_weight
+from compress.stages.sparsegpt import sparsegpt_prune
 
 from tests.test_gptq import correlated_layer
 from tests.test_packed import IDS, ct_decompress, plain_transformers_logits, relative_difference
@@ -99,6 +103,28 @@ def test_awq_clip_search_on_float_grids_never_loses_to_round_to_nearest(name):
     Q, ratio = clip_search(X, W, args)
     assert output_error(X, W, Q) <= output_error(X, W, quantize_weight(W, args))
     assert groups_off_the_grid(Q, args) == 0  # still storable
+
+
+NVFP4 = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16)
+
+
+@pytest.mark.parametrize("name", ["fp8 tensor", "fp8 channel", "fp8 tiles", "mxfp8", "mxfp6", "nvfp4"])
+def test_sparsegpt_joint_quantization_on_float_grids(name):
+    """SparseGPT 2:4 with joint quantization on each float grid: every 4 consecutive weights of a
+    row hold at least 2 zeros, the kept ones lie on the grid the format stores, and the loss is
+    below magnitude 2:4 then round-to-nearest on the same Hessian."""
+    args = NVFP4 if name == "nvfp4" else GRIDS[name]
+    W, _, H = correlated_layer(in_features=128)
+    g = nvfp4_global_scale(W.abs().amax()) if name == "nvfp4" else None
+    target = LayerTarget(0.5, (2, 4))
+    Q, _ = sparsegpt_prune(W, H, target, block_size=32, quant=args, global_scale=g)
+    assert bool(((Q.reshape(Q.shape[0], -1, 4) == 0).sum(-1) >= 2).all())
+    baseline = quantize_weight(magnitude_prune(W, target), args, g)
+    assert hessian_loss(W, Q, H) < hessian_loss(W, baseline, H)
+    if name == "nvfp4":
+        assert recover_fp4_steps(Q, 16, g)[1] == 0
+    else:
+        assert groups_off_the_grid(Q, args) == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,3 +227,28 @@ def test_awq_on_mx_grids_then_gptq(tmp_path, scheme, fmt):
                                       "test"), output=str(tmp_path / "chain"), device="cpu", dtype="bfloat16")
     assert chained["format"]["compressed_tensors_format"] == fmt
     assert all(r["stage"] == "gptq" and r["gptq_loss"] < r["rtn_loss"] for r in chained["layers"].values())
+
+
+@pytest.mark.parametrize("joint,fmt", [
+    ("{scheme: MXFP6A16}", "mxfp6-pack-quantized"),
+    ("{scheme: NVFP4A16}", "nvfp4-pack-quantized"),
+    # FP8 tiles, weights only (joint quantization is weight-only: inputs are a later stage's)
+    ("{scheme: W8A16, weights: {type: float, strategy: block, block_structure: [32, 48]}}", "naive-quantized"),
+])
+def test_sparsegpt_2_4_with_joint_float_quantization_packs_with_its_pattern(tiny, tmp_path, joint, fmt):
+    """`sparsegpt: {pattern: "2:4", quantize: {...}}` on a float grid: every layer beats magnitude
+    then round-to-nearest, the checkpoint is the library's format, and what compressed-tensors
+    decompresses holds the 2:4 pattern and is what compress reloads."""
+    recipe = parse_recipe(f"model: {tiny}\ncalibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}\n"
+                          f"stages:\n  - sparsegpt: {{pattern: \"2:4\", quantize: {joint}}}\n", "test")
+    report = run_recipe(recipe, output=str(tmp_path / "o"), device="cpu", dtype="bfloat16")
+    assert report["format"]["format"] == "packed" and report["format"]["compressed_tensors_format"] == fmt
+    for name, rec in report["layers"].items():
+        assert rec["sparsegpt_loss"] < rec["magnitude_loss"], name
+    reloaded = dict(modeling.load_model(str(tmp_path / "o"), dtype="bfloat16")[0].named_parameters())
+    decompressed = ct_decompress(tmp_path / "o")
+    assert len(decompressed) == 14
+    for name, weight in decompressed.items():
+        assert bool(((weight.reshape(weight.shape[0], -1, 4) == 0).sum(-1) >= 2).all()), name
+        assert torch.equal(weight.to(torch.bfloat16), reloaded[f"{name}.weight"]), name
+

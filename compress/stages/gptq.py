@@ -137,7 +137,7 @@ def _per_tile(x: torch.Tensor, rows: int, reduce) -> torch.Tensor:
     return reduce(tiles, dim=1).repeat_interleave(rows)[:R].reshape(R, 1)
 
 
-def _column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | None = None,
+def column_qparams(W: torch.Tensor, args: QuantArgs, weight: torch.Tensor | None = None,
                     shrink_grid: int = 0, max_shrink: float = 0.2, global_scale=None) -> QParams:
     """Per-row (or per-tensor) parameters for the columns of W: one group's columns, or FP8 tiles'
     (one scale per block_structure[0] rows, shared across each tile). With `shrink_grid`, each
@@ -212,10 +212,10 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
     W[:, dead] = 0
 
     diag = torch.diag(H)
-    qp = None if group else _column_qparams(W, args, diag, shrink_grid, global_scale=global_scale).per_column()
+    qp = None if group else column_qparams(W, args, diag, shrink_grid, global_scale=global_scale).per_column()
     group_qparams = None
     if group and static_groups:
-        group_qparams = [_column_qparams(W[:, g : g + group], args, diag[g : g + group], shrink_grid,
+        group_qparams = [column_qparams(W[:, g : g + group], args, diag[g : g + group], shrink_grid,
                                          global_scale=global_scale).per_column()
                          for g in range(0, columns, group)]
 
@@ -248,7 +248,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
                 elif col % group == 0:
                     # Scales from the group's current (already error-compensated) values.
                     ahead = columns_ahead(W1t, i, Wt, i2, group).t()
-                    qp = _column_qparams(ahead, args, diag[col : col + group], shrink_grid, global_scale=global_scale).per_column()
+                    qp = column_qparams(ahead, args, diag[col : col + group], shrink_grid, global_scale=global_scale).per_column()
             w = W1t[i]
             q = quantize_dequantize(w, qp, out=Qt[col])
             if dropped is not None:

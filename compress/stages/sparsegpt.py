@@ -13,8 +13,8 @@ by visiting columns in order so that one Cholesky factor serves every step, as i
         for each column j in it:
             N:M: when j starts a group of M columns, prune the N of each row's group with the
                 smallest w² / U_jj²
-            q_j = 0 where pruned, else w_j (or, with `quantize`, w_j rounded to the grid; group
-                scales computed when a group's first column is reached)
+            q_j = 0 where pruned, else w_j (or, with `quantize`, w_j rounded to the grid, any
+                GPTQ rounds to; group scales computed when a group's first column is reached)
             e_j = (w_j - q_j) / U_jj
             W[:, j:block end] -= e_j · U[j, j:block end]        (within the block)
         then W[:, after block] -= E_block · U[block, after block]  (the lazy batched update)
@@ -47,13 +47,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from compress.engine import SolvesOutsideBlocks, block_label, solve_layers
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
-from compress.quant import compute_qparams, fake_quantize, quantize_dequantize
+from compress.quant import quantize_dequantize
 from compress.schemes import PRESETS, QuantArgs, resolve_scheme
 from compress.sparsity import lowest_overall, lowest_per_row, nm_mask, prune_count, pruned_zeros
 from compress.stages.base import EngineOptions, QuantArgsOverride, StageContext, done_by
-from compress.stages.gptq import HessianObserver, columns_ahead, enough_tokens, hessian_loss, inverse_hessian_cholesky, weight_and_hessian
+from compress.stages.gptq import (HessianObserver, column_qparams, columns_ahead, enough_tokens, hessian_loss,
+                                  inverse_hessian_cholesky, weight_and_hessian)
 from compress.stages.magnitude import magnitude_prune
 from compress.stages.pruning import LayerTarget, PruningStage, check_weight, count_nonzero, prune_summary, record_layer
+from compress.stages.rtn import check_fits_dtype, global_scales, quantize_weight, scale_record
 
 # ---------------------------------------------------------------------------------------------
 # The math
@@ -61,8 +63,10 @@ from compress.stages.pruning import LayerTarget, PruningStage, check_weight, cou
 
 def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block_size: int = 128, damp: float = 0.01,
                     quant: QuantArgs | None = None, mask_selection: str = "block",
-                    keep_zero: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Prune (and with `quant`, quantize) W [out, in] against Hessian H [in, in].
+                    keep_zero: torch.Tensor | None = None, global_scale: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Prune (and with `quant`, quantize) W [out, in] against Hessian H [in, in]. `global_scale`:
+    what rtn.global_scales shares across the layer's fused group (NVFP4's global scale, per-tensor
+    FP8's range), as gptq_quantize takes it.
 
     `keep_zero` (bool [out, in]): an earlier pruning's mask. Those weights are pruned first (their
     saliency counts as lowest), so the new mask contains the old one; without it the updates of
@@ -84,7 +88,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
         block_size = -(-block_size // nm[1]) * nm[1]
         if columns % nm[1]:
             raise ValueError(f"{columns} input features are not a multiple of M = {nm[1]}")
-    group = quant.group_size if quant is not None and quant.strategy == "group" else None
+    group = quant.column_groups if quant is not None else None
 
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
@@ -92,8 +96,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
 
     qp = None
     if quant is not None and group is None:
-        qp = compute_qparams(W, quant.num_bits, quant.symmetric, "tensor" if quant.strategy == "tensor" else "channel",
-                             full_range=quant.full_range).per_column()
+        qp = column_qparams(W, quant, global_scale=global_scale).per_column()
 
     Hinv, damp_used, retries = inverse_hessian_cholesky(H, damp)
 
@@ -126,7 +129,7 @@ def sparsegpt_prune(W: torch.Tensor, H: torch.Tensor, target: LayerTarget, block
                 # Scales from the group's current (already error-compensated) values, with the
                 # weights already known to be pruned left out of the range.
                 ahead = columns_ahead(W1t[i : i + group] * keep1[:, i : i + group].t(), 0, Wt, i2, group).t()
-                qp = compute_qparams(ahead, quant.num_bits, quant.symmetric, "channel", full_range=quant.full_range).per_column()
+                qp = column_qparams(ahead, quant, global_scale=global_scale).per_column()
             w = W1t[i]
             q = w if quant is None else quantize_dequantize(w, qp)
             q = q.masked_fill(~keep1[:, i], 0.0)
@@ -144,17 +147,25 @@ def saliency(W1: torch.Tensor, d: torch.Tensor, gone: torch.Tensor) -> torch.Ten
     return (W1.pow(2) / d.pow(2)[None, :]).masked_fill(gone, -1.0)
 
 
-def magnitude_baseline(W: torch.Tensor, target: LayerTarget, quant: QuantArgs | None = None) -> torch.Tensor:
+def magnitude_baseline(W: torch.Tensor, target: LayerTarget, quant: QuantArgs | None = None,
+                       global_scale: float | None = None) -> torch.Tensor:
     """What SparseGPT is compared with on the same Hessian: magnitude pruning (the magnitude
     stage's defaults), then round-to-nearest when quantizing jointly."""
     pruned = magnitude_prune(W, target)
     if quant is None:
         return pruned
-    return fake_quantize(pruned, quant.num_bits, quant.symmetric, quant.strategy, quant.group_size, full_range=quant.full_range)
+    return quantize_weight(pruned, quant, global_scale)
 
 
 # ---------------------------------------------------------------------------------------------
 # The stage
+
+
+def forget_shared_scale(ctx: StageContext, name: str) -> None:
+    """Drop an earlier stage's shared scale from a layer's record before quantizing it anew
+    (scale_record adds this stage's, where its scheme has one)."""
+    for key in ("global_scale", "fp8_absmax"):
+        ctx.layers.get(name, {}).pop(key, None)
 
 
 class JointQuantization(BaseModel):
@@ -166,14 +177,12 @@ class JointQuantization(BaseModel):
     weights: Optional[QuantArgsOverride] = None
 
     @model_validator(mode="after")
-    def _integer_weights_only(self) -> "JointQuantization":
+    def _weights_only(self) -> "JointQuantization":
         if self.scheme is not None and self.scheme.upper() not in PRESETS:
             raise ValueError(f"unknown scheme '{self.scheme}'; presets are {', '.join(PRESETS)}")
         if self.scheme is None and self.weights is None:
             raise ValueError("set a scheme preset (e.g. W4A16) or weights settings")
-        args = self.args()
-        if args.type != "int":
-            raise ValueError("joint quantization rounds to an integer grid: use an int weights scheme")
+        self.args()  # a scheme that does not resolve is refused here
         if self.scheme is not None and PRESETS[self.scheme.upper()].get("input_activations"):
             raise ValueError(f"joint quantization quantizes weights only; {self.scheme} also quantizes activations: "
                              "use a weight-only preset (e.g. W8A16) and a later stage for activations")
@@ -209,8 +218,10 @@ class SparseGPT(SolvesOutsideBlocks, EngineOptions, PruningStage):
                        ctx: StageContext, runner) -> None:
         quant = self.quantize.args() if self.quantize is not None else None
         order = list(layers)
+        # NVFP4's global scale, per-tensor FP8's range: one per fused group, from the weights as they are
+        scales = global_scales(layers, quant) if quant is not None else {}
         solvable = enough_tokens(layers, observers, self.min_tokens, ctx, lambda name, module, tokens, why: self._magnitude(
-            name, module, ctx, tokens, f"{why}: magnitude pruning"))
+            name, module, ctx, tokens, f"{why}: magnitude pruning", scales.get(name)))
 
         def solve(name: str, device: torch.device) -> tuple:
             W, H = weight_and_hessian(name, layers[name], observers[name], device)
@@ -218,19 +229,23 @@ class SparseGPT(SolvesOutsideBlocks, EngineOptions, PruningStage):
             earlier = pruned_zeros(W, None, ctx.layers.get(name))  # an earlier pruning's zeros (GPTQ's rule)
             try:
                 Q, info = sparsegpt_prune(W, H, target, self.block_size, self.dampening_frac, quant, self.mask_selection,
-                                          keep_zero=earlier)
+                                          keep_zero=earlier, global_scale=scales.get(name))
             except FloatingPointError as exc:
                 raise CompressError(f"layer {name}: {exc}", "raise dampening_frac or give more calibration samples") from None
-            return W, Q, info, hessian_loss(W, Q, H), hessian_loss(W, magnitude_baseline(W, target, quant), H)
+            baseline = magnitude_baseline(W, target, quant, scales.get(name))
+            return W, Q, info, hessian_loss(W, Q, H), hessian_loss(W, baseline, H)
 
         def apply(name: str, result: tuple) -> None:
             W, Q, info, loss, base_loss = result
             module = layers[name]
             ctx.progress(f"{block_label(index)}: {name} loss {loss:.3g} (magnitude {base_loss:.3g})", order.index(name) + 1, len(order))
+            if quant is not None:
+                check_fits_dtype(name, Q, module.weight.dtype, quant)
             set_weight(module, Q.to(module.weight.device))
             extra = {"sparsegpt_loss": loss, "magnitude_loss": base_loss, "tokens": observers[name].tokens, **info}
             if quant is not None:
-                extra["weights"] = quant.model_dump(mode="json")
+                extra.update(weights=quant.model_dump(mode="json"), **scale_record(quant, scales.get(name)))
+                forget_shared_scale(ctx, name)
             if info["damp_retries"]:
                 extra["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"
             record_layer(ctx, name, "sparsegpt", self._targets[name], W, Q, **extra)
@@ -238,14 +253,22 @@ class SparseGPT(SolvesOutsideBlocks, EngineOptions, PruningStage):
 
         solve_layers(solvable, solve, apply, ctx.devices)
 
-    def _magnitude(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str) -> None:
-        """The fallback for a layer SparseGPT cannot solve, recorded as such."""
+    def _magnitude(self, name: str, module: torch.nn.Module, ctx: StageContext, tokens: int, note: str,
+                   global_scale: float | None = None) -> None:
+        """The fallback for a layer SparseGPT cannot solve, recorded as such (`global_scale`: its
+        fused group's, see sparsegpt_prune; without one, its own)."""
         quant = self.quantize.args() if self.quantize is not None else None
         W = get_weight(module)
         check_weight(name, W)
-        Q = magnitude_baseline(W, self._targets[name], quant)
+        if quant is not None and global_scale is None:
+            global_scale = global_scales({name: module}, quant).get(name)
+        Q = magnitude_baseline(W, self._targets[name], quant, global_scale)
+        if quant is not None:
+            check_fits_dtype(name, Q, module.weight.dtype, quant)
         set_weight(module, Q)
-        extra = {"weights": quant.model_dump(mode="json")} if quant is not None else {}
+        extra = {"weights": quant.model_dump(mode="json"), **scale_record(quant, global_scale)} if quant is not None else {}
+        if quant is not None:
+            forget_shared_scale(ctx, name)
         record_layer(ctx, name, "sparsegpt", self._targets[name], W, Q, sparsegpt_loss=None, magnitude_loss=None,
                      tokens=tokens, damp_retries=0, note=note, **extra)
         self._done.add(name)
