@@ -117,9 +117,25 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
             continue
         elif w["strategy"] not in ("tensor", "channel", "group", "tensor_group", "block"):
             problems.append(f"{name}, with weight strategy {w['strategy']}")
+        elif w["strategy"] == "block" and _padded_tile_values(module.weight.shape, w["block_structure"]) > \
+                max(4 * module.weight.numel(), TILE_PADDING_LIMIT):
+            (rows, cols), (br, bc) = module.weight.shape, w["block_structure"]
+            padded = _padded_tile_values(module.weight.shape, w["block_structure"])
+            problems.append(f"{name}, whose {rows}x{cols} weight compressed-tensors would pad to whole {br}x{bc} tiles "
+                            f"({padded:,} values) to pack it: choose a block_structure no larger than the layers")
         elif id(module.weight) in shared:
             problems.append(f"{name}, whose weight is tied to another parameter")
     return problems
+
+
+# compressed-tensors pads a weight to whole tiles when it packs it; past this many values (and
+# four times the weight; 256 MiB as float32) a tile far larger than the layer would take gigabytes
+TILE_PADDING_LIMIT = 1 << 26
+
+
+def _padded_tile_values(shape, block_structure: list[int]) -> int:
+    (rows, cols), (br, bc) = shape, block_structure
+    return -(-rows // br) * br * -(-cols // bc) * bc
 
 
 def _narrow_inputs_off_the_librarys_grid(a: dict | None) -> bool:
@@ -185,11 +201,12 @@ def dense_notes(layers: dict, kv_cache) -> str:
 
 
 def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloaded: bool = False,
-           kv_cache: dict | None = None, known: list[str] = ()) -> Decision:
+           kv_cache: dict | None = None, known: list[str] = (), dtype: torch.dtype | None = None) -> Decision:
     """`auto`: packed when every quantized layer can be expressed, else dense; `packed` insists.
     A KV cache alone (no quantized layer) is written in the format too: its scales need it.
     `known`: layers the caller already knows the format cannot hold (compress plan: a grid the
-    stages will leave, which the weights before them cannot show)."""
+    stages will leave, which the weights before them cannot show). `dtype`: the dtype the model
+    is saved in, where `net` does not hold it (compress plan's meta model, before --dtype)."""
     quantized = [n for n, r in layers.items() if "weights" in r]
     notes = dense_notes(layers, kv_cache)
     if requested == "dense":
@@ -216,15 +233,15 @@ def decide(net: torch.nn.Module, layers: dict, requested: str = "auto", offloade
             raise not_packable(problems)
         return Decision("dense", f"the packed format cannot express {_first_of(problems)}", problems)
     return Decision("packed", f"compressed-tensors: each of the {len(quantized)} quantized layers has a scheme the format expresses"
-                              + _experts_plain_transformers_cannot_load(net, layers) + _decompressed_to_bfloat16(net, layers))
+                              + _experts_plain_transformers_cannot_load(net, layers) + _decompressed_to_bfloat16(net, layers, dtype))
 
 
-def _decompressed_to_bfloat16(net: torch.nn.Module, layers: dict) -> str:
+def _decompressed_to_bfloat16(net: torch.nn.Module, layers: dict, dtype: torch.dtype | None = None) -> str:
     """A note for FP4, MXFP6 or MXFP8 layers in a model not held in bfloat16: compressed-tensors 0.20
     decompresses those weights to bfloat16 whatever the model's dtype, and plain transformers'
     forward then fails on the mixed dtypes (tests/test_packed.py, README: FP4); compress reads
     them in any dtype."""
-    dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.bfloat16)
+    dtype = dtype or next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.bfloat16)
     kinds = sorted({(mx_format(r["weights"]) or "FP4").upper() for r in layers.values()
                     if "weights" in r and (mx_format(r["weights"]) or fp4_format(r["weights"]))})
     if dtype == torch.bfloat16 or not kinds:

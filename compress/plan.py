@@ -114,7 +114,8 @@ def _smoothing_alphas(net: torch.nn.Module, stage) -> dict[str, float]:
     return alphas
 
 
-def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable: list[str], exact: bool) -> tuple[str, str, str | None]:
+def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable: list[str], exact: bool,
+            dtype: torch.dtype) -> tuple[str, str, str | None]:
     """(format, why, refusal): what the run will write, decided as the run decides it
     (packing.decide, on the recipe's `format`), on the model as it will be saved. `unpackable`:
     layers the stages will leave off any grid the format holds. `refusal`: `format: packed` that
@@ -127,7 +128,7 @@ def _format(recipe: Recipe, net: torch.nn.Module, assignments: dict, unpackable:
     kv_cache = any(name == "kv_cache" for name, _ in recipe.stages)
     try:
         decision = packing.decide(net, planned, recipe.format, offloaded=recipe.offload == "disk", kv_cache=kv_cache,
-                                  known=unpackable)
+                                  known=unpackable, dtype=dtype)
     except CompressError as exc:  # format: packed, and some layer cannot be
         return "packed", exc.message, str(exc)
     return decision.format, decision.reason, None
@@ -319,7 +320,7 @@ def make_plan(recipe: Recipe, model_ref: str, dtype: str = "auto") -> dict:
     for (i, name, earlier), layers in requantized.items():
         warnings.append(f"{requantized_warning(i, name, earlier, len(layers))}: {_listed(layers)}")
     saved = walk.model  # as it will be saved: reshaped, experts fused
-    fmt, fmt_reason, refused = _format(recipe, saved, assignments, list(unpackable.values()), walk.exact)
+    fmt, fmt_reason, refused = _format(recipe, saved, assignments, list(unpackable.values()), walk.exact, dtype)
     if refused:
         refusals.append(refused)
     if fmt == "packed":

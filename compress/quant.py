@@ -288,8 +288,11 @@ def float_qparams(absmax: torch.Tensor, element_bits: int, power_of_two: bool = 
 
 def as_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """A 2-D tensor as one row per tile of `rows` x `cols` (row-major over tiles), zero-padded at
-    the edges: [ceil(R/rows) * ceil(C/cols), rows * cols]."""
+    the edges: [ceil(R/rows) * ceil(C/cols), rows * cols]. A tile taller or wider than the tensor
+    is cut to it: the same single tile down or across, without padding that holds nothing (a
+    [100000, 100000] tile would otherwise pad a small layer to 40 GB)."""
     R, C = x.shape
+    rows, cols = min(rows, R), min(cols, C)
     padded = torch.nn.functional.pad(x, (0, (-C) % cols, 0, (-R) % rows))
     tiles = padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols).transpose(1, 2)
     return tiles.reshape(-1, rows * cols)
@@ -298,6 +301,7 @@ def as_tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def from_tiles(tiles: torch.Tensor, rows: int, cols: int, shape: torch.Size) -> torch.Tensor:
     """The inverse of as_tiles: a [R, C] tensor of `shape` from its tiles, the padding dropped."""
     R, C = shape
+    rows, cols = min(rows, R), min(cols, C)
     n_rows, n_cols = -(-R // rows), -(-C // cols)
     whole = tiles.reshape(n_rows, n_cols, rows, cols).transpose(1, 2).reshape(n_rows * rows, n_cols * cols)
     return whole[:R, :C]
@@ -377,7 +381,8 @@ def _one_row_per_group(weight: torch.Tensor, strategy: str, group_size: int | No
         shape = (1, 1, rows * cols)
     elif strategy == "block" and block_structure:
         br, bc = block_structure
-        return as_tiles(weight, br, bc), (-(-rows // br), -(-cols // bc), br * bc)
+        tiles = as_tiles(weight, br, bc)
+        return tiles, (-(-rows // br), -(-cols // bc), tiles.shape[1])
     else:
         raise ValueError(f"weights cannot be packed with strategy {strategy!r}")
     return weight.reshape(-1, shape[-1]), shape

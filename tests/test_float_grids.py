@@ -252,3 +252,39 @@ def test_sparsegpt_2_4_with_joint_float_quantization_packs_with_its_pattern(tiny
         assert bool(((weight.reshape(weight.shape[0], -1, 4) == 0).sum(-1) >= 2).all()), name
         assert torch.equal(weight.to(torch.bfloat16), reloaded[f"{name}.weight"]), name
 
+
+def test_tiles_larger_than_a_layer_cover_it_whole_and_the_checkpoint_is_dense_as_planned(tiny, tmp_path):
+    """A tile taller or wider than a layer is the layer: compress rounds it as one tile without
+    padding it (a [100000, 100000] tile asked 40 GB of a 64x64 layer and stopped the run with an
+    internal error); compressed-tensors would pad it to pack it, so the checkpoint is dense, the
+    plan says so first, and the reason names the layer and what to change."""
+    from compress.plan import make_plan
+    from compress.quant import fake_quantize_fp8
+
+    W = torch.randn(64, 96)
+    whole = fake_quantize_fp8(W, "block", block_structure=[100000, 100000])
+    assert torch.equal(whole, fake_quantize_fp8(W, "block", block_structure=[64, 96]))
+    scale, _, failed = recover_qparams(whole, 8, True, "block", float8=True, block_structure=[100000, 100000])
+    assert failed == 0 and scale.shape == (1, 1)
+    stage = "{scheme: FP8_BLOCK, weights: {block_structure: [100000, 100000]}, input_activations: {group_size: 32}}"
+    recipe = parse_recipe(f"model: {tiny}\ncalibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}\n"
+                          f"stages:\n  - gptq: {stage}\n", "test")
+    why = "weight compressed-tensors would pad to whole 100000x100000 tiles (10,000,000,000 values) to pack it"
+    plan = make_plan(recipe, str(tiny))
+    assert plan["format"] == "dense" and why in plan["format_reason"]
+    report = gptq_float(tiny, tmp_path / "o", stage, "float32")
+    assert report["format"]["format"] == "dense" and why in report["format"]["reason"]
+    assert all(rec["gptq_loss"] < rec["rtn_loss"] for rec in report["layers"].values())
+
+
+def test_the_plans_note_on_mx_checkpoints_follows_the_dtype_asked_for(tiny):
+    """Plain transformers cannot run MX layers of a float32 model: the plan says so for the tiny
+    float32 model as it is, and not when --dtype bfloat16 saves it in bfloat16 (it read the dtype
+    on disk)."""
+    from compress.plan import make_plan
+
+    recipe = parse_recipe(f"model: {tiny}\ncalibration: {{dataset: calibration/default.txt, num_samples: 8, seq_len: 64}}\n"
+                          "stages:\n  - gptq: {scheme: MXFP6A16}\n", "test")
+    note = "cannot run MXFP6 layers of a float32 model"
+    assert note in make_plan(recipe, str(tiny))["format_reason"]
+    assert "plain transformers" not in make_plan(recipe, str(tiny), dtype="bfloat16")["format_reason"]
