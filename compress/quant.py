@@ -558,7 +558,7 @@ def _quick_groups(w: torch.Tensor, tops: list[float], qmin: float, qmax: float, 
         s0 = torch.where(s0 > 0, s0, torch.ones_like(s0))
         up, down = torch.full_like(s0, float("inf")), torch.full_like(s0, -float("inf"))
         cands = [s0, torch.nextafter(s0, up), torch.nextafter(s0, down)]
-        if w.dtype in (torch.bfloat16, torch.float16) and not float8:
+        if w.dtype in (torch.bfloat16, torch.float16):  # FP8's scales too (fp8_step's storable rounding)
             near = s0.to(w.dtype)
             cands += [near.float(), torch.nextafter(near, up.to(w.dtype)).float(), torch.nextafter(near, down.to(w.dtype)).float()]
         for cand in cands:
