@@ -60,7 +60,7 @@ from compress.schemes import QuantArgs
 from compress.seeding import seeded_generator
 from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
-from compress.stages.rtn import quantize_weight
+from compress.stages.rtn import forget_shared_scale, quantize_weight
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -308,8 +308,7 @@ class AutoRound(EngineOptions, QuantizationStage):
                 args: QuantArgs, info: dict) -> None:
         set_weight(module, Q)
         record = ctx.layers.setdefault(name, {})
-        record.pop("global_scale", None)  # from an earlier stage
-        record.pop("fp8_absmax", None)  # per-tensor FP8's (rtn)
+        forget_shared_scale(record)
         record.update({"stage": "autoround", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
                        "relative_error": relative_error(W, Q), **info})
 

@@ -55,7 +55,7 @@ from compress.quant import nvfp4_global_scale, quantize_dequantize, range_qparam
 from compress.schemes import QuantArgs
 from compress.seeding import seeded_generator
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
-from compress.stages.rtn import check_fits_dtype, global_scales, quantize_weight, scale_record
+from compress.stages.rtn import check_fits_dtype, forget_shared_scale, global_scales, quantize_weight, scale_record
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -334,8 +334,7 @@ class AWQ(EngineOptions, QuantizationStage):
             row = output_scale.get(name, torch.ones(W.shape[0])).to(W.device)
             W_in, Q_in = (T * row.unsqueeze(1) / col.unsqueeze(0) for T in (W, Q))
             record = ctx.layers.setdefault(name, {})
-            record.pop("global_scale", None)
-            record.pop("fp8_absmax", None)
+            forget_shared_scale(record)
             record.update(scale_record(args, scales.get(name)))
             record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
                            "relative_error": relative_error(W_in, Q_in), "clip_ratio": ratio,
@@ -353,8 +352,7 @@ class AWQ(EngineOptions, QuantizationStage):
         check_fits_dtype(name, Q, module.weight.dtype, args)
         set_weight(module, Q)
         record = ctx.layers.setdefault(name, {})
-        record.pop("global_scale", None)  # from an earlier stage
-        record.pop("fp8_absmax", None)
+        forget_shared_scale(record)
         record.update({"stage": "awq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
                        "relative_error": relative_error(W, Q), **extra, "note": note,
                        **scale_record(args, global_scale)})

@@ -56,7 +56,7 @@ from compress.quant import QParams, compute_qparams, quantize_dequantize, range_
 from compress.schemes import QuantArgs
 from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
-from compress.stages.rtn import check_fits_dtype, global_scales, quantize_weight, scale_record
+from compress.stages.rtn import check_fits_dtype, forget_shared_scale, global_scales, quantize_weight, scale_record
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -531,8 +531,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         record = {"stage": "gptq", "shape": list(Q.shape), "weights": scheme.weights.model_dump(mode="json"),
                   "relative_error": rel_error, "gptq_loss": gptq_loss, "rtn_loss": rtn_loss,
                   "tokens": obs.tokens, **info}
-        ctx.layers[name].pop("global_scale", None)  # from an earlier stage; `info` has this one's
-        ctx.layers[name].pop("fp8_absmax", None)  # per-tensor FP8's (rtn)
+        forget_shared_scale(ctx.layers[name])  # an earlier stage's; `info` has this one's
         if info["damp_retries"]:
             record["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"
         if self.reorders_columns and not self.fixed_group_scales and scheme.weights.column_groups:
@@ -567,8 +566,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
         check_fits_dtype(name, rtn, module.weight.dtype, args)
         set_weight(module, rtn)
         record = ctx.layers.setdefault(name, {})
-        record.pop("global_scale", None)
-        record.pop("fp8_absmax", None)  # per-tensor FP8's (rtn)
+        forget_shared_scale(record)
         record.update({
             "stage": "gptq", "shape": list(W.shape), "weights": args.model_dump(mode="json"),
             "relative_error": relative_error(W, rtn), "gptq_loss": None, "rtn_loss": None,

@@ -77,6 +77,13 @@ def scale_record(args: QuantArgs, shared: float | None) -> dict:
     return {"global_scale": shared} if args.fp4_format == "nvfp4" else {"fp8_absmax": shared}
 
 
+def forget_shared_scale(record: dict) -> None:
+    """Drop an earlier stage's scale_record from a layer's record, before a stage that quantizes
+    the layer anew adds its own (where its scheme has one)."""
+    record.pop("global_scale", None)
+    record.pop("fp8_absmax", None)
+
+
 class RangeObserver:
     """Min and max of a layer's input over the calibration tokens, padding excluded: its static
     activation range."""
@@ -111,8 +118,7 @@ class RoundToNearest(QuantizationStage):
             check_fits_dtype(name, q, module.weight.dtype, wargs)
             set_weight(module, q)
             record = ctx.layers.setdefault(name, {})
-            record.pop("global_scale", None)  # from an earlier stage
-            record.pop("fp8_absmax", None)
+            forget_shared_scale(record)
             record.update({
                 "stage": "rtn",
                 "shape": list(weight.shape),

@@ -55,7 +55,7 @@ from compress.stages.gptq import (HessianObserver, column_qparams, columns_ahead
                                   inverse_hessian_cholesky, weight_and_hessian)
 from compress.stages.magnitude import magnitude_prune
 from compress.stages.pruning import LayerTarget, PruningStage, check_weight, count_nonzero, prune_summary, record_layer
-from compress.stages.rtn import check_fits_dtype, global_scales, quantize_weight, scale_record
+from compress.stages.rtn import check_fits_dtype, forget_shared_scale, global_scales, quantize_weight, scale_record
 
 # ---------------------------------------------------------------------------------------------
 # The math
@@ -161,13 +161,6 @@ def magnitude_baseline(W: torch.Tensor, target: LayerTarget, quant: QuantArgs | 
 # The stage
 
 
-def forget_shared_scale(ctx: StageContext, name: str) -> None:
-    """Drop an earlier stage's shared scale from a layer's record before quantizing it anew
-    (scale_record adds this stage's, where its scheme has one)."""
-    for key in ("global_scale", "fp8_absmax"):
-        ctx.layers.get(name, {}).pop(key, None)
-
-
 class JointQuantization(BaseModel):
     """`quantize:` of a sparsegpt stage: the weights' scheme, as a quantization stage takes it."""
 
@@ -245,7 +238,7 @@ class SparseGPT(SolvesOutsideBlocks, EngineOptions, PruningStage):
             extra = {"sparsegpt_loss": loss, "magnitude_loss": base_loss, "tokens": observers[name].tokens, **info}
             if quant is not None:
                 extra.update(weights=quant.model_dump(mode="json"), **scale_record(quant, scales.get(name)))
-                forget_shared_scale(ctx, name)
+                forget_shared_scale(ctx.layers.setdefault(name, {}))
             if info["damp_retries"]:
                 extra["note"] = f"Hessian not positive definite: damping raised to {info['damp']:g}"
             record_layer(ctx, name, "sparsegpt", self._targets[name], W, Q, **extra)
@@ -268,7 +261,7 @@ class SparseGPT(SolvesOutsideBlocks, EngineOptions, PruningStage):
         set_weight(module, Q)
         extra = {"weights": quant.model_dump(mode="json"), **scale_record(quant, global_scale)} if quant is not None else {}
         if quant is not None:
-            forget_shared_scale(ctx, name)
+            forget_shared_scale(ctx.layers.setdefault(name, {}))
         record_layer(ctx, name, "sparsegpt", self._targets[name], W, Q, sparsegpt_loss=None, magnitude_loss=None,
                      tokens=tokens, damp_retries=0, note=note, **extra)
         self._done.add(name)
