@@ -117,10 +117,9 @@ def expressible(net: torch.nn.Module, layers: dict) -> list[str]:
             continue
         elif w["strategy"] not in ("tensor", "channel", "group", "tensor_group", "block"):
             problems.append(f"{name}, with weight strategy {w['strategy']}")
-        elif w["strategy"] == "block" and _padded_tile_values(module.weight.shape, w["block_structure"]) > \
+        elif w["strategy"] == "block" and (padded := _padded_tile_values(module.weight.shape, w["block_structure"])) > \
                 max(4 * module.weight.numel(), TILE_PADDING_LIMIT):
             (rows, cols), (br, bc) = module.weight.shape, w["block_structure"]
-            padded = _padded_tile_values(module.weight.shape, w["block_structure"])
             problems.append(f"{name}, whose {rows}x{cols} weight compressed-tensors would pad to whole {br}x{bc} tiles "
                             f"({padded:,} values) to pack it: choose a block_structure no larger than the layers")
         elif id(module.weight) in shared:

@@ -277,7 +277,7 @@ def float_qparams(absmax: torch.Tensor, element_bits: int, power_of_two: bool = 
     storable step that maps absmax onto 448 (fp8_step), or, with `power_of_two`, an MX block's
     step (mx_steps) for e4m3 (MXFP8) or e2m3 (6: MXFP6). FP4 blocks are fp4_qparams'."""
     if power_of_two:
-        largest, limit, _ = _MX_ELEMENTS[element_bits]
+        largest, limit = _MX_ELEMENTS[element_bits]
         step = mx_steps(absmax, limit)
     elif element_bits == 8:
         largest, step = FP8_E4M3_MAX, fp8_step(absmax, storable=True)
@@ -888,35 +888,31 @@ def _fp6_bit_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return const(0x7F800000), const(3 << 23), const(0x3E000000)  # exponent field, three binades, 1/8
 
 
-def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float8_e4m3fn).float()
-
-
 def _round_to_e4m3_(a: torch.Tensor) -> torch.Tensor:
     """a (float32) rounded in place to FP8 e4m3, saturating at ±448; NaN stays NaN."""
     return a.copy_(a.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn))
 
 
-# element bits -> (largest element, mx_steps' limit, rounding onto the element's grid). The limit
-# is compressed-tensors' rule: e4m3's extreme stays below 448 steps (so none saturates); e2m3's
-# below 7.75, so an extreme between 7.5 and 7.75 steps saturates to 7.5, by less than half a step.
-_MX_ELEMENTS = {8: (FP8_E4M3_MAX, FP8_E4M3_MAX, _to_e4m3), 6: (FP6_E2M3_MAX, MXFP6_LIMIT, round_to_fp6)}
-
-
-# element bits -> its rounding in place (float32, saturating, NaN kept): what QParams.element names
+# element bits -> its rounding in place (float32, saturating, NaN kept): what QParams.element
+# names, and what the MX formats round their blocks with
 _ROUND_TO_ELEMENT_ = {4: _round_to_fp4_, 6: _round_to_fp6_, 8: _round_to_e4m3_}
+
+# MX element bits -> (largest element, mx_steps' limit). The limit is compressed-tensors' rule:
+# e4m3's extreme stays below 448 steps (so none saturates); e2m3's below 7.75, so an extreme
+# between 7.5 and 7.75 steps saturates to 7.5, by less than half a step.
+_MX_ELEMENTS = {8: (FP8_E4M3_MAX, FP8_E4M3_MAX), 6: (FP6_E2M3_MAX, MXFP6_LIMIT)}
 
 
 def fake_quantize_mx(x: torch.Tensor, element_bits: int) -> torch.Tensor:
     """x rounded to MXFP8 (`element_bits` 8) or MXFP6 (6) along its last dimension: blocks of 32,
     elements at each block's power-of-two step; float32 out, of x's shape. NaN/Inf elements stay as
     they are."""
-    _, limit, to_grid = _MX_ELEMENTS[element_bits]
+    _, limit = _MX_ELEMENTS[element_bits]
     flat = x.detach().reshape(-1, x.shape[-1])
     x32, finite = _finite_or_zero(flat.float())
     grouped, pad = _grouped(x32, MXFP8_GROUP)
     step = mx_steps(grouped.abs().amax(-1, keepdim=True), limit)
-    out = to_grid(grouped / step).mul_(step).clamp_(-_F32_MAX, _F32_MAX)
+    out = _ROUND_TO_ELEMENT_[element_bits](grouped / step).mul_(step).clamp_(-_F32_MAX, _F32_MAX)
     out = out.reshape(flat.shape[0], grouped.shape[1] * MXFP8_GROUP)
     out = out[:, : flat.shape[1]] if pad else out
     out = out if finite is None else torch.where(finite, out, flat.float())
@@ -930,14 +926,15 @@ def recover_mx_steps(weight: torch.Tensor, element_bits: int = 8) -> tuple[torch
     are), then half of it (when e4m3 rounded the block's extreme up to exactly 448 steps, that
     rule lands one power higher, and a block with an element only the finer step holds needs it).
     Returns (steps [rows, cols / 32] float32, number of blocks that failed)."""
-    largest, limit, to_grid = _MX_ELEMENTS[element_bits]
+    largest, limit = _MX_ELEMENTS[element_bits]
+    to_grid_ = _ROUND_TO_ELEMENT_[element_bits]
     rows, cols = weight.shape
     w, x, top = _blocks(weight, MXFP8_GROUP)
     steps = torch.ones_like(top)
     ok = top == 0  # an all-zero block holds at any step: 1, as mx_steps gives it
     for cand in (mx_steps(top, limit), mx_steps(top, limit) / 2):
         storable = (cand >= 2.0**-127) & (cand <= 2.0**127)
-        exact = ((to_grid(x / cand) * cand).to(w.dtype) == w).all(-1, keepdim=True)
+        exact = ((to_grid_(x / cand) * cand).to(w.dtype) == w).all(-1, keepdim=True)
         good = storable & exact & ~ok & (top / cand <= largest)
         steps = torch.where(good, cand, steps)
         ok = ok | good

@@ -50,7 +50,7 @@ from pydantic import Field, field_validator, model_validator
 from compress import activations
 from compress.engine import SolvesOutsideBlocks, block_label, solve_layers, token_rows
 from compress.errors import CompressError
-from compress.modeling import get_weight, set_weight
+from compress.modeling import get_weight, set_weight, weight_shape
 from compress.moe import static_input_range
 from compress.quant import QParams, compute_qparams, quantize_dequantize, range_qparams, relative_error
 from compress.schemes import QuantArgs
@@ -197,8 +197,6 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, args: QuantArgs, block_size:
     `global_scale`: NVFP4's per-tensor scale (a float, or [out, 1] for stacked weights); its block
     scales are then chosen as the columns are reached, like integer group scales. For per-tensor
     FP8, the largest |w| of the layer's fused group, which its one scale is taken from.
-    Every grid rtn rounds to is GPTQ's too: integer, FP4 (NVFP4, MXFP4), FP8 per tensor, channel,
-    group or tile, MXFP8 and MXFP6 (float grids saturate at their largest value, as rtn's do).
     """
     W = W.clone().float()
     H = H.clone().float()
@@ -517,7 +515,7 @@ class GPTQ(SolvesOutsideBlocks, EngineOptions, QuantizationStage):
 
         groups = []  # layers sharing a Hessian are solved stacked where their scales allow it
         for group in shared_hessian_groups(solvable, observers):
-            together = stackable(args, [get_weight(layers[n]).shape[0] for n in group])
+            together = stackable(args, [weight_shape(layers[n])[0] for n in group])
             groups += [group] if together else [(n,) for n in group]
         solve_layers(groups, solve, apply, ctx.devices)
 
