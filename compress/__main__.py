@@ -9,6 +9,7 @@ import signal
 import sys
 
 from compress.errors import WRITING_COMMANDS  # plain Python, as this whole module: nothing heavy
+from compress.launcher import process_rank
 
 
 def _interrupt(signum, frame):
@@ -22,6 +23,8 @@ def run() -> int:
             os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("COMPRESS_TEST_KILL_SIGNAL", "KILL").upper()))
         from compress.cli import main
     except KeyboardInterrupt:
+        if process_rank() != 0:  # under a launcher the main process says it (cli._interrupted)
+            return 130
         argv = sys.argv[1:]
         writes = bool(WRITING_COMMANDS & set(argv))  # as cli._interrupted says of them
         message = "interrupted: no output was written" if writes else "interrupted"

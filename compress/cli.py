@@ -1060,6 +1060,11 @@ def _main(argv: list[str] | None) -> int:
         return rc if isinstance(rc, int) else 0
     except CompressError as exc:
         if _other_process() and not debug:  # under a launcher every process refuses the same input: the main one says it
+            if _outlived_the_main_process():  # refused here alone: nobody else will say it
+                from compress.launcher import process_rank
+
+                console.print(f"[red]error:[/red] process {process_rank()}: {escape(exc.message)}"
+                              + (f" [dim]({escape(exc.hint)})[/dim]" if exc.hint else ""), soft_wrap=True, highlight=False)
             return 2
         if debug:  # the traceback, and still the exit code a script tells bad input by
             traceback.print_exc()
@@ -1079,7 +1084,7 @@ def _main(argv: list[str] | None) -> int:
         console.print("aborted")
         return 130
     except KeyboardInterrupt:
-        return 130 if _other_process() else _interrupted(argv)
+        return _interrupted(argv)
     except Exception as exc:  # click usage errors come here too
         if _caused_by_interrupt(exc):
             return _interrupted(argv)
@@ -1115,9 +1120,28 @@ _PATH_HINTS = {errno.ENAMETOOLONG: "use a shorter name (compress adds a prefix a
 def _other_process() -> bool:
     """Whether this is a process other than the main one of several a launcher started
     (`accelerate launch`, torchrun): those stay silent about what the main one reports."""
-    from compress.training import process_rank
+    from compress.launcher import process_rank
 
     return process_rank() != 0
+
+
+# How long a process other than the main one waits, after refusing its input, for the main one to
+# say so. The launcher stops every process once one has ended, so a process that ended at once could
+# cut the main one off before it reported (it then said only "interrupted"); seen under load with
+# torchrun. Only an error of this process's own (the main one carries on) pays the wait.
+OTHER_PROCESS_WAIT_S = 30.0
+
+
+def _outlived_the_main_process() -> bool:
+    """Wait for the launcher to stop this process, as it does once the main one has reported the
+    same refusal and ended; False when it did, True when the wait ran out."""
+    import time
+
+    try:
+        time.sleep(OTHER_PROCESS_WAIT_S)
+    except KeyboardInterrupt:  # the launcher's SIGTERM (cli._terminate_as_interrupt)
+        return False
+    return True
 
 
 def _caused_by_interrupt(exc: BaseException) -> bool:
@@ -1176,7 +1200,11 @@ def _json_error(argv: list[str], code: int, message: str, hint: str | None) -> i
 
 def _interrupted(argv: list[str]) -> int:
     """Ctrl-C (or SIGTERM): the output is written atomically, so nothing partial exists; say how
-    to go on, on stderr and, with --json, on stdout as any failure is. Returns the exit code, 130."""
+    to go on, on stderr and, with --json, on stdout as any failure is. Returns the exit code, 130.
+    Under a launcher only the main process says it: the launcher stops the others once one process
+    has ended (often the main one, having reported bad input), and their words would follow its."""
+    if _other_process():
+        return 130
     message, hint = "interrupted", None
     if WRITING_COMMANDS & set(argv):  # eval, analyze, bench: nothing to resume
         from compress.pipeline import RUNNING, kept_training_step

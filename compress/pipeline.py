@@ -19,11 +19,12 @@ from typing import Callable
 import torch
 import yaml
 
-from compress import activations, modeling, packing, tasks as lm_tasks, training
+from compress import activations, modeling, packing, tasks as lm_tasks
 from compress.calibration import build_calibration, draw_seed, is_local_spec, read_texts, resolve_data_path
 from compress.checkpoint import INCOMPLETE_MARKER, AtomicOutput, PeakMemory, dir_weight_bytes, kill_point, watch_progress
 from compress.errors import CompressError
 from compress.evaluate import eval_sentences, eval_windows, evaluate, gate, task_gate, threshold_problem
+from compress.launcher import process_rank
 from compress.moe import fuse_experts, fused_experts_of, unfuse_experts
 from compress.quant import scales_stored_as
 from compress.recipe import EvaluationConfig, Recipe
@@ -102,7 +103,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
     # inputs that must survive the output's replacement: the model, a distillation teacher
     inputs = [model_path] + [modeling.resolve_model(t) for _, st in recipe.stages if isinstance(t := getattr(st, "teacher", None), str)]
     protect = [p for p in inputs if Path(p).exists()]
-    main_process = training.process_rank() == 0
+    main_process = process_rank() == 0
     # refuses a bad destination before any work
     atomic = AtomicOutput(out_dir, force=force, protect=protect) if main_process else nullcontext()
     dest = Path(out_dir).expanduser().resolve()
@@ -214,7 +215,7 @@ def run_recipe(recipe: Recipe, model: str | None = None, output: str | None = No
             ctx.offload.load_outside(path)
         report["stages"] = _run_stages(recipe, net, ctx, cache)
         if not main_process:
-            return {"skipped": True, "rank": training.process_rank()}
+            return {"skipped": True, "rank": process_rank()}
         if cache is not None:
             report["cache"] = cache.describe()
         report["layers"] = ctx.layers

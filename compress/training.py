@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import shutil
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from compress.errors import CompressError
+from compress.launcher import process_count
 from compress.moe import fused_layout
 from compress.seeding import seeded_generator
 
@@ -155,31 +155,6 @@ def in_float32(model: torch.nn.Module):
     finally:
         for t, dtype in zip(tensors, dtypes):
             t.data = t.data.to(dtype)
-
-
-# Where a launcher says which process this is: torchrun (and `accelerate launch` on GPUs) set
-# RANK and WORLD_SIZE; MPI launchers (`accelerate launch --cpu` over mpirun) their own, which
-# accelerate reads only once an Accelerator exists: too late for who writes the output.
-_RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
-_WORLD_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def _first_int(names: tuple[str, ...], default: int) -> int:
-    for name in names:
-        value = os.environ.get(name, "")
-        if value.strip().lstrip("-").isdigit():
-            return int(value)
-    return default
-
-
-def process_rank() -> int:
-    """This process's rank among those a launcher started (0 when run alone)."""
-    return _first_int(_RANK_VARIABLES, 0)
-
-
-def process_count() -> int:
-    """How many processes a launcher started (1 when run alone)."""
-    return max(1, _first_int(_WORLD_VARIABLES, 1))
 
 
 def make_accelerator(cfg: TrainingConfig, device: torch.device):

@@ -366,7 +366,7 @@ def test_the_main_process_is_known_under_an_mpi_launcher(monkeypatch, ref_llama,
     """`accelerate launch --cpu` runs several processes through mpirun, which sets OMPI_COMM_WORLD_*
     and not RANK: every process took itself for the main one, and two raced to write the output
     (one left it without weights, exit 0)."""
-    from compress.training import process_count, process_rank
+    from compress.launcher import process_count, process_rank
 
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
@@ -376,6 +376,33 @@ def test_the_main_process_is_known_under_an_mpi_launcher(monkeypatch, ref_llama,
     report = run_recipe(parse_recipe("stages:\n  - rtn: {scheme: W8A16}\n", "t"), model=str(ref_llama),
                         output=str(tmp_path / "out"), device="cpu")
     assert report == {"skipped": True, "rank": 1} and not (tmp_path / "out").exists()
+
+
+def test_another_process_waits_for_the_main_one_to_report_a_refusal(monkeypatch, capsys, tmp_path):
+    """Under a launcher a process other than the main one used to end at once on bad input; the
+    launcher then stopped the main one before it said why (seen under load: its only word was
+    "interrupted"). It now waits to be stopped; a refusal of its own is said once the wait runs out."""
+    import time
+
+    from compress import cli
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["quantize", "--recipe", str(tmp_path / "missing.yaml"), "--output", str(tmp_path / "out")]
+    waits = []
+
+    def stopped(seconds):  # the launcher's SIGTERM arrives during the wait
+        waits.append(seconds)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(time, "sleep", stopped)
+    assert cli.main(argv) == 2 and waits == [cli.OTHER_PROCESS_WAIT_S]
+    assert "missing.yaml" not in capsys.readouterr().err  # the main process says it
+
+    monkeypatch.setattr(time, "sleep", waits.append)  # nobody stopped it: the refusal was its own
+    assert cli.main(argv) == 2 and len(waits) == 2
+    err = capsys.readouterr().err
+    assert "process 1:" in err and err.count("missing.yaml") == 1
 
 
 def test_data_free_distillation_on_teacher_samples(tmp_path, capsys, monkeypatch):

@@ -398,6 +398,21 @@ def test_ctrl_c_while_the_command_is_still_importing_is_one_line(repo):
     assert proc.returncode == 130 and json.loads(proc.stdout)["error"] == "interrupted: no output was written", proc.stderr
 
 
+def test_under_a_launcher_only_the_main_process_says_it_was_interrupted(repo, tmp_path, monkeypatch):
+    """A launcher stops every process once one has ended: when the main one had just refused bad
+    input, another process stopped while importing or loading printed "interrupted" after it, a
+    second JSON document on stdout (seen under torchrun on a loaded 16-core machine)."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    recipe = write_recipe(tmp_path / "r.yaml", RECIPE)
+    for point in ("importing", "loaded"):
+        proc = run_killed(["--json", *argv_for(recipe, tmp_path / "out")], repo, point, "TERM")
+        assert proc.returncode == 130 and proc.stdout == "" and "interrupted" not in proc.stderr, (point, proc.stdout, proc.stderr)
+    monkeypatch.setenv("RANK", "0")  # the main process says it, as ever
+    proc = run_killed(["--json", *argv_for(recipe, tmp_path / "out")], repo, "loaded", "TERM")
+    assert proc.returncode == 130 and json.loads(proc.stdout)["error"] == "interrupted: no output was written", proc.stderr
+
+
 def test_an_interrupt_a_library_wrapped_in_its_own_error_is_still_an_interrupt(monkeypatch, capsys):
     """transformers' lazy import turns a Ctrl-C during it into ModuleNotFoundError("Could not
     import module 'LlamaConfig'"), which was reported as an internal error, exit 3."""

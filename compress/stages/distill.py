@@ -32,7 +32,8 @@ from compress.sparsity import pruned_zeros
 from compress.errors import CompressError
 from compress.stages.base import Stage, StageContext, from_input
 from compress.targets import LINEAR_TYPES, Pattern, matches
-from compress.training import StartingValues, TrainingConfig, in_float32, process_count, run_fingerprint, train
+from compress.launcher import process_count
+from compress.training import StartingValues, TrainingConfig, in_float32, run_fingerprint, train
 from compress.training_data import TrainingData, check_generated_count, training_sequences
 
 
