@@ -22,6 +22,11 @@ STAGES = {
     "structured": "structured: {structure: mlp-channels, ratio: 0.25}",
     "autoround": "autoround: {scheme: W4A16, weights: {group_size: 64}, iters: 40}",
     "gptq-nvfp4-w4a4": "gptq: {scheme: NVFP4}",
+    # the float grids: FP8 tiles (rows of a tile share a scale), MX blocks with power-of-two scales
+    "gptq-fp8-block": "gptq: {scheme: FP8_BLOCK, weights: {block_structure: [64, 64]}}",
+    "gptq-mxfp6": "gptq: {scheme: MXFP6A16}",
+    "awq-mxfp8": "awq: {scheme: MXFP8A16}",
+    "sparsegpt-2:4-joint-mxfp6": "sparsegpt: {pattern: '2:4', quantize: {scheme: MXFP6A16}}",
     "fp8-kv-cache": "rtn: {scheme: FP8_DYNAMIC}\n  - kv_cache: {}",
 }
 # AutoRound's signed-gradient steps move by a fixed amount whatever the gradient's size, so a float
