@@ -4,6 +4,7 @@ saved baseline; report.md / .json / .html with a row and a plotted point per rec
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +199,23 @@ def test_a_benchmark_row_names_the_scheme_of_each_of_its_stages():
     assert _row_scheme(report, mixed) == "W4 + W3 + W2"
     smoothed = Row("ref-llama", "W8A8", {}, stage_name="rtn", before=({"smoothquant": {}},))
     assert _row_scheme({"stages": [stage("smoothquant", "alpha 0.5"), stage("rtn", "W8A8")]}, smoothed) == "W8A8"
+
+
+def test_the_block_benchmark_runs_every_row_and_cleans_up(shared, tmp_path, monkeypatch, capsys):
+    """compress.bench_block (README's per-block GPU figures) at toy shapes on the CPU: every row
+    runs, GPTQ beats round-to-nearest on its own Hessians, the 2:4 row is pruned, and the work
+    directory (GBs at 7B shapes) is gone afterwards."""
+    import sys
+
+    from compress import bench_block
+
+    made = []
+    mkdtemp = bench_block.tempfile.mkdtemp
+    monkeypatch.setattr(bench_block.tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(dir=tmp_path, **kw)) or made[-1])
+    monkeypatch.setattr(sys, "argv", ["bench_block", "--shared", str(shared), "--device", "cpu", "--small"])
+    bench_block.main()
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["row"] for r in rows] == [label for label, _ in bench_block.ROWS]
+    assert all(0 < r["loss_gptq_over_rtn"] < 1 for r in rows if r["row"].startswith("gptq"))
+    assert all(r["format"] == "packed" for r in rows if not r["row"].startswith("sparsegpt"))
+    assert len(made) == 1 and not Path(made[0]).exists()
