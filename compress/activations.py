@@ -14,8 +14,7 @@ import weakref
 
 import torch
 
-from compress.errors import CompressError
-from compress.quant import (FP8_E4M3_MAX, QParams, absmax_qparams, compute_qparams, fake_quantize, fake_quantize_fp4,
+from compress.quant import (FP8_E4M3_MAX, QParams, absmax_qparams, fake_quantize, fake_quantize_fp4,
                             fake_quantize_fp8, nvfp4_input_global_scale, scales_stored_as, zeropoint_qparams)
 from compress.schemes import QuantArgs
 
@@ -88,6 +87,11 @@ class ActivationFakeQuant:
         if reuse:
             self._last.put(x, self._key, (self.static_qparams, out[0], tensor_version(out[0])))
         return out
+
+    def rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` as this hook rounds it, without the reuse of __call__ (QAT's straight-through input)."""
+        with scales_stored_as(torch.float32):
+            return self._fake_quantize((x,))[0]
 
     def _fake_quantize(self, inputs: tuple) -> tuple:
         x = inputs[0]

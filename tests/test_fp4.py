@@ -318,9 +318,14 @@ def test_fp4_layer_changed_after_quantization_is_not_packed():
         pack_layer("proj", layer, rec)
 
 
-def test_qat_refuses_fp4_weights():
-    with pytest.raises(Exception, match="float weights"):
-        parse_recipe("model: default\ncalibration: {dataset: calibration/default.txt}\nstages:\n  - qat: {scheme: NVFP4A16}\n", "test")
+def test_qat_takes_fp4_weights_with_round_to_nearest_scales_only():
+    """FP4's block scales follow the weights (tests/test_qat.py trains through them); LSQ's learned
+    or fixed step sizes are for integer grids."""
+    head = "model: default\ncalibration: {dataset: calibration/default.txt}\nstages:\n  - qat: "
+    recipe = parse_recipe(head + "{scheme: NVFP4A16}\n", "test")
+    assert recipe.stages[0][1].scale_mode == "rtn"
+    with pytest.raises(Exception, match="use scales: rtn"):
+        parse_recipe(head + "{scheme: NVFP4A16, scales: learned}\n", "test")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -371,8 +371,10 @@ def keep_blocks(model: torch.nn.Module, keep: list[int], records: dict[str, dict
 def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: Optional[torch.nn.Module],
                  teacher_ref: Optional[str], ctx: StageContext, data: TrainingData, cfg: TrainingConfig,
                  trainable: list[torch.nn.Parameter], extra_groups: list[dict] = (), masks: Optional[list] = None,
-                 settle: Callable[[], None] = lambda: None, starting: str = "the starting weights") -> dict:
-    """Data, objective, loop, and the summary both training stages report. `settle`: the stage's
+                 settle: Callable[[], None] = lambda: None, starting: str = "the starting weights",
+                 begin: Callable[[], None] = lambda: None) -> dict:
+    """Data, objective, loop, and the summary both training stages report. `begin`: the stage's
+    own step once the trained tensors are float32, before the first (QAT's tie breaking). `settle`: the stage's
     own step from trained float32 values to saved ones (QAT's grid), before they are rounded to
     the model's dtype and the final held-out figures measured. With the stage's
     keep_start_if_worse, a CPU copy of every trained parameter (`extra_groups`' too) is kept, and
@@ -401,6 +403,7 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
         fingerprint = run_fingerprint(name, stage.model_dump(mode="json"), ctx.source_hash, teacher_hash,
                                       train_ids.shape, float(train_ids.float().sum()), ctx.seed, ctx.stage_index, layout)
         checkpoint_dir = ctx.work_dir / f"{ctx.stage_index}-{name}" if ctx.work_dir is not None else None
+        begin()
         result = train(objective, train_ids, eval_ids, cfg, param_groups=groups, device=ctx.device, seed=ctx.seed,
                        masks=masks, checkpoint_dir=checkpoint_dir, resume=ctx.resume, fingerprint=fingerprint,
                        progress=ctx.progress, name=name, stop_after=ctx.stop_after_steps,

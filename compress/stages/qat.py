@@ -3,7 +3,8 @@
     - qat:
         scheme: W3A16
         weights: {strategy: channel}
-        scales: learned          # LSQ (Esser et al. 2020); `fixed` keeps the initial scales
+        scales: learned          # LSQ (Esser et al. 2020); `fixed` keeps the initial scales;
+                                 # `rtn` takes them from the current weights each step (float grids)
         kd_weight: 1.0           # distill from the full-precision input model (the default)...
         ce_weight: 0.0           # ...or train on the text itself (kd_weight: 0, ce_weight: 1)
         data: {dataset: calibration/default.txt, num_samples: 512}
@@ -18,8 +19,18 @@ weight is set to its final quantized values, recorded like any quantization stag
 in the same packed format. A run whose held-out KD (or loss) ends above its start gives the start back
 (`keep_start_if_worse`).
 
-Dynamic per-token activation quantization can be trained through too (the inputs are rounded in
-the forward pass, their gradient passed straight through).
+Float grids (FP8, MXFP8, MXFP6, MXFP4, NVFP4) train with `scales: rtn`, their default: each step
+the layer computes with exactly what the rtn stage makes of its current weights (FP8's storable
+step, an MX block's power of two, NVFP4's FP8 group scales), the rounding passed straight through.
+Their scales are a function of the weights, as every tool derives them, so there is nothing else
+to learn; the value a fused group shares (NVFP4's global scale, per-tensor FP8's range) is fixed
+at the start from the group's weights, as rtn fixes it, and recorded for packing. The last
+step's rounding is the saved model. An earlier stage's float grid is kept where rtn's rounding of
+its weights gives them back (`qat_init` in the report says which).
+
+Dynamic activation quantization can be trained through too (the inputs are rounded in the
+forward pass as the saved model rounds them, integer or float, their gradient passed straight
+through).
 """
 
 from __future__ import annotations
@@ -33,12 +44,15 @@ from torch.nn.utils import parametrize
 from compress import activations
 from compress.errors import CompressError
 from compress.modeling import get_weight, set_weight
-from compress.quant import (QParams, compute_qparams, fake_quantize, fake_quantize_ste, int_range, lsq_gradient_factor,
-                            recover_qparams, relative_error, scale_gradient, scales_stored_as, storable_scale)
+from compress.quant import (QParams, compute_qparams, fake_quantize_ste, int_range, lsq_gradient_factor, recover_qparams,
+                            relative_error, scale_gradient, storable_scale)
 from compress.schemes import QuantArgs
+from compress.seeding import seeded_generator
 from compress.stages.base import QuantizationStage, StageContext, check_weight
 from compress.stages.distill import (DistillLoss, check_training, input_is_quantized, load_teacher, pruning_masks,
                                      run_training, trainable_parameters, uses_teacher)
+from compress.stages.rtn import (check_fits_dtype, forget_shared_scale, global_scales, quantize_weight, recorded_shared_scale,
+                                 scale_record)
 from compress.stages.structured import input_layer_name
 from compress.targets import Pattern
 from compress.training import TrainingConfig
@@ -85,6 +99,43 @@ class FakeQuantWeight(torch.nn.Module):
         return q.t() if self.transposed else q
 
 
+class RoundToNearestWeight(torch.nn.Module):
+    """A parametrization for `scales: rtn`: the layer computes with the rtn stage's rounding of its
+    current weight (scales derived from the weight at every step), the gradient passed straight
+    through to the float weight. `shared`: the fused group's value (rtn.global_scales), fixed."""
+
+    def __init__(self, weight: torch.Tensor, args: QuantArgs, shared: float | None, transposed: bool):
+        super().__init__()
+        self.args, self.shared, self.transposed = args, shared, transposed
+        self.stored_dtype = weight.dtype  # as FakeQuantWeight: the rounded weights as the checkpoint holds them
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        w = weight.t() if self.transposed else weight
+        with torch.no_grad():
+            q = quantize_weight(w.detach().float(), self.args, self.shared).to(self.stored_dtype).to(w.dtype)
+        out = w + (q - w).detach()
+        return out.t() if self.transposed else out
+
+
+def break_half_precision_ties(latent: torch.Tensor, fq: RoundToNearestWeight, generator: torch.Generator) -> None:
+    """Move each float32 training copy of a half-precision weight a random part of half its dtype's
+    spacing towards the grid point rtn rounds it to. A bfloat16 weight carries 8 significant bits
+    and an MX or FP4 step a power of two, so about one weight in 16 sits exactly halfway between two
+    grid points; any first update would carry every such tie across at once, on the gradient's
+    side: on ref-llama in bfloat16 that one step raised MXFP6's KL to the teacher 27-fold, whatever
+    the learning rate. Spread within the interval the half-precision value stands for, as a float32
+    weight would be, the ties cross only as training moves them, and the rounding at the start is
+    unchanged (checked; a layer where it would change is left as it was)."""
+    q = fq(latent)
+    mantissa, exponent = torch.frexp(latent)  # latent = m * 2^exponent, |m| in [0.5, 1)
+    # half the spacing of the dtype's values there (eps = 2^-mantissa bits), the one below at a power of two
+    exponent = exponent - 2 - (mantissa.abs() == 0.5).int()
+    half_spacing = torch.ldexp(torch.full_like(latent, torch.finfo(fq.stored_dtype).eps), exponent)
+    moved = latent + torch.sign(q - latent) * half_spacing * torch.rand(latent.shape, generator=generator).to(latent.device)
+    if torch.equal(fq(moved), q):
+        latent.copy_(moved)
+
+
 def _source_weight(source: torch.nn.Module | None, name: str, shape: torch.Size, rec: dict) -> torch.Tensor | None:
     """The float weight of the input model's layer `name`, where it is comparable: same shape
     (structured pruning changes it) and no smoothing folded into it (AWQ, SmoothQuant scale the
@@ -108,23 +159,20 @@ class _ActivationSTE:
     """Forward pre-hook: round the layer's input per token, pass the gradient straight through."""
 
     def __init__(self, args: QuantArgs):
-        self.args = args
+        self.quantizer = activations.ActivationFakeQuant(args)  # the saved model's own input rounding
 
     def __call__(self, module, inputs):
         x = inputs[0]
-        flat = x.reshape(-1, x.shape[-1])
-        # float32 per-token scales, as the saved model's activation quantizer computes them (the
-        # stage runs where weight scales are held in the model's dtype: scales_stored_as)
-        with scales_stored_as(torch.float32):
-            q = fake_quantize(flat.detach(), self.args.num_bits, self.args.symmetric, self.args.strategy,
-                              full_range=self.args.full_range).to(x.dtype)
-        return (x + (q.reshape(x.shape) - x).detach(), *inputs[1:])
+        q = self.quantizer.rounded(x.detach())
+        return (x + (q - x).detach(), *inputs[1:])
 
 
 class QAT(DistillLoss, QuantizationStage):
     """Fine-tune the target layers through fake quantization, distilling from the input model."""
 
-    scales: Literal["learned", "fixed"] = Field("learned", description="learned: LSQ step sizes; fixed: the starting ones")
+    scales: Optional[Literal["learned", "fixed", "rtn"]] = Field(
+        None, description="learned: LSQ step sizes; fixed: the starting ones; rtn: round-to-nearest's of the current weights "
+        "at every step (default: learned on integer grids, rtn on float grids, which take only rtn)")
     scale_lr: Optional[float] = Field(None, gt=0, description="peak learning rate of the scales' logarithm: about the share by which a "
                                     "step size changes per step (default: train.lr)")
     freeze: list[Pattern] = Field(default_factory=list, description="parameters kept fixed: name patterns (suffix, or re:)")
@@ -136,12 +184,19 @@ class QAT(DistillLoss, QuantizationStage):
     @model_validator(mode="after")
     def _trainable_scheme(self) -> "QAT":
         scheme = self.resolved_scheme()
-        if scheme.weights.type != "int":
-            raise ValueError("qat trains integer weight grids; float weights (FP8, FP6, FP4) are not supported")
+        if scheme.weights.type != "int" and self.scales not in (None, "rtn"):
+            raise ValueError(f"scales: {self.scales} trains integer grids' step sizes; a float grid's scales follow its "
+                             "weights (FP8's step, MX's powers of two, NVFP4's group scales): use scales: rtn, the default there")
         act = scheme.input_activations
-        if act is not None and (not act.dynamic or act.type != "int"):
-            raise ValueError("qat trains through dynamic integer activations only; use a dynamic activation scheme")
+        if act is not None and not act.dynamic:
+            raise ValueError("qat trains through dynamic activations only (a static range is calibrated on the final "
+                             "weights: add an rtn stage after qat, or use a dynamic activation scheme)")
         return self
+
+    @property
+    def scale_mode(self) -> str:
+        """The scales as trained: `scales`, or its default for the weights' grid."""
+        return self.scales or ("learned" if self.resolved_scheme().weights.type == "int" else "rtn")
 
     @property
     def needs_calibration(self) -> bool:
@@ -167,28 +222,57 @@ class QAT(DistillLoss, QuantizationStage):
         masks = pruning_masks(model, ctx)  # before the weights become parametrized
         self._check_teacher(ctx.layers, ctx.source_model)
         teacher, teacher_ref = load_teacher(self.teacher, model, ctx, "qat") if uses_teacher(self, "qat") else (None, None)
-        before, scales, hooks = {}, [], []
         # Layers that arrive quantized (an earlier stage's grid, or the input's): what QAT received
         # is not float, so its change from them is not the layer's error. Where QAT keeps that grid,
         # the earlier error still describes it; on another grid (W8 in, W4 out) it does not.
         arrived_quantized = {n: _arrives_on(ctx.layers[n], wargs) for n in modules if "weights" in ctx.layers.get(n, {})}
+        mode = self.scale_mode
+        # the value a fused group shares, fixed for the run as rtn fixes it: the earlier stage's own
+        # where the layer arrives on this scheme (from its rounded weights it could differ)
+        shared = global_scales(modules, wargs) if mode == "rtn" else {}
+        for name in shared:
+            recorded = recorded_shared_scale(wargs, ctx.layers[name]) if arrived_quantized.get(name) else None
+            shared[name] = shared[name] if recorded is None else recorded
+        before, scales, hooks = {}, [], []
         for name, module in modules.items():
             weight = get_weight(module)
             check_weight(name, weight)
             before[name] = weight
-            qparams, origin = self._initial_qparams(name, module, weight, wargs, ctx)
-            fq = FakeQuantWeight(module.weight, wargs, qparams, self.scales == "learned",
-                                 type(module).__name__ == "Conv1D")
+            transposed = type(module).__name__ == "Conv1D"
+            if mode == "rtn":
+                fq = RoundToNearestWeight(module.weight, wargs, shared.get(name), transposed)
+                with torch.no_grad():
+                    start = fq(module.weight)
+                check_fits_dtype(name, start.float(), module.weight.dtype, wargs)  # refused before training, not as a NaN loss
+                origin = "round-to-nearest"
+                if arrived_quantized.get(name):  # an earlier stage's weights on this grid: what rtn's rounding keeps of them
+                    earlier = ctx.layers[name].get("stage", "earlier stage")
+                    moved = int((start != module.weight).sum())
+                    # a group whose largest code is below the grid's largest (GPTQ's NVFP4 or FP8 steps,
+                    # fixed before its updates) takes a smaller step from rtn: those groups are re-rounded
+                    origin = (f"{earlier} grid" if not moved else
+                              f"round-to-nearest of {earlier}'s weights ({moved} of {start.numel()} moved)")
+            else:
+                qparams, origin = self._initial_qparams(name, module, weight, wargs, ctx)
+                fq = FakeQuantWeight(module.weight, wargs, qparams, mode == "learned", transposed)
+                if mode == "learned":
+                    scales.append(fq.log_scale)
             parametrize.register_parametrization(module, "weight", fq)
             ctx.layers.setdefault(name, {})["qat_init"] = origin
-            if self.scales == "learned":
-                scales.append(fq.log_scale)
             if scheme.input_activations is not None:
                 hooks.append(module.register_forward_pre_hook(_ActivationSTE(scheme.input_activations)))
 
         trainable = trainable_parameters(model, self.freeze, "qat")
         trainable = [p for p in trainable if not any(p is s for s in scales)]
         extra = [{"params": scales, "lr": self.scale_lr or self.train.lr, "weight_decay": 0.0}] if scales else []
+        def break_ties() -> None:
+            generator = seeded_generator(ctx.seed)
+            with torch.no_grad():
+                for module in modules.values():
+                    fq = module.parametrizations.weight[0]
+                    if isinstance(fq, RoundToNearestWeight) and fq.stored_dtype in (torch.bfloat16, torch.float16):
+                        break_half_precision_ties(module.parametrizations.weight.original, fq, generator)
+
         def onto_grid() -> None:
             """After the last step: each float32 weight becomes its quantized value, so the codes
             saved are those training reached (rounding the float32 weights to a half-precision
@@ -201,7 +285,7 @@ class QAT(DistillLoss, QuantizationStage):
         try:
             summary = run_training(self, "qat", model, teacher, teacher_ref, ctx, self.data, self.train,
                                    trainable=trainable, extra_groups=extra, masks=masks, settle=onto_grid,
-                                   starting="the starting weights and grid")
+                                   starting="the starting weights and grid", begin=break_ties)
         finally:
             for h in hooks:
                 h.remove()
@@ -213,11 +297,14 @@ class QAT(DistillLoss, QuantizationStage):
         for name, module in modules.items():
             with torch.no_grad():
                 fq = module.parametrizations.weight[0]
-                fq.fix_scale(storable_scale(fq.current_scale()))  # learned steps, as the checkpoint's dtype holds them
+                if isinstance(fq, FakeQuantWeight):
+                    fq.fix_scale(storable_scale(fq.current_scale()))  # learned steps, as the checkpoint's dtype holds them
                 final = module.weight.detach().clone()  # the parametrized, quantized weight
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+            check_fits_dtype(name, final, module.weight.dtype, wargs)
             set_weight(module, (final.t() if type(module).__name__ == "Conv1D" else final).float())
             rec = ctx.layers[name]
+            forget_shared_scale(rec)
             final = get_weight(module)
             change = relative_error(before[name], final)
             err, against = change, "the weights qat received"
@@ -234,11 +321,11 @@ class QAT(DistillLoss, QuantizationStage):
             errors.append(err)
             rec.update({"stage": "qat", "shape": list(before[name].shape), "weights": wargs.model_dump(mode="json"),
                         "relative_error": err, "relative_error_against": against, "qat_relative_change": change,
-                        "scales": self.scales})
+                        "scales": mode, **scale_record(wargs, shared.get(name))})
             if scheme.input_activations is not None:
                 activations.attach(module, scheme.input_activations)
                 rec["input_activations"] = scheme.input_activations.model_dump(mode="json")
-        summary.update({"scheme": scheme.describe() + f", QAT ({self.scales} scales)", "layers": len(modules),
+        summary.update({"scheme": scheme.describe() + f", QAT ({mode} scales)", "layers": len(modules),
                         "mean_relative_error": sum(errors) / len(errors), "max_relative_error": max(errors)})
         return summary
 

@@ -77,6 +77,11 @@ def scale_record(args: QuantArgs, shared: float | None) -> dict:
     return {"global_scale": shared} if args.fp4_format == "nvfp4" else {"fp8_absmax": shared}
 
 
+def recorded_shared_scale(args: QuantArgs, record: dict) -> float | None:
+    """scale_record's value read back from a layer's record (None where it holds none)."""
+    return record.get("global_scale" if args.fp4_format == "nvfp4" else "fp8_absmax")
+
+
 def forget_shared_scale(record: dict) -> None:
     """Drop an earlier stage's scale_record from a layer's record, before a stage that quantizes
     the layer anew adds its own (where its scheme has one)."""
