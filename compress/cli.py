@@ -27,6 +27,7 @@ from rich.table import Table
 
 from compress.checkpoint import check_side_output, write_whole
 from compress.errors import WRITING_COMMANDS, CompressError
+from compress.launcher import process_rank
 from compress.schemes import activations_label, weights_label
 
 app = typer.Typer(
@@ -1061,8 +1062,6 @@ def _main(argv: list[str] | None) -> int:
     except CompressError as exc:
         if _other_process() and not debug:  # under a launcher every process refuses the same input: the main one says it
             if _outlived_the_main_process():  # refused here alone: nobody else will say it
-                from compress.launcher import process_rank
-
                 console.print(f"[red]error:[/red] process {process_rank()}: {escape(exc.message)}"
                               + (f" [dim]({escape(exc.hint)})[/dim]" if exc.hint else ""), soft_wrap=True, highlight=False)
             return 2
@@ -1120,8 +1119,6 @@ _PATH_HINTS = {errno.ENAMETOOLONG: "use a shorter name (compress adds a prefix a
 def _other_process() -> bool:
     """Whether this is a process other than the main one of several a launcher started
     (`accelerate launch`, torchrun): those stay silent about what the main one reports."""
-    from compress.launcher import process_rank
-
     return process_rank() != 0
 
 

@@ -476,24 +476,25 @@ stages:
     assert report["format"]["format"] == "packed"
 
 
-def test_half_precision_ties_are_broken_on_the_side_rtn_chose():
-    """A bfloat16 weight often sits exactly halfway between two MX grid points; QAT moves its
-    float32 training copy a little towards the point rtn chose, so the start rounds as before and
-    no first update, however small, carries the ties across at once."""
+@pytest.mark.parametrize("scheme", ["MXFP6A16", "MXFP8A16", "MXFP4A16", "NVFP4A16"])
+def test_half_precision_ties_are_broken_on_the_side_rtn_chose(scheme):
+    """A bfloat16 weight often sits exactly halfway between two MX or FP4 grid points; QAT moves
+    its float32 training copy a little towards the point rtn chose, so the start rounds as before
+    and no first update, however small, carries the ties across at once."""
     from compress.schemes import resolve_scheme
     from compress.stages.qat import RoundToNearestWeight, break_half_precision_ties
 
-    args = resolve_scheme("MXFP6A16", None, None).weights
+    args = resolve_scheme(scheme, None, None).weights
     weight = (torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     fq = RoundToNearestWeight(weight, args, None, transposed=False)
     latent = weight.float()
     start = fq(latent)
     nudge = torch.full_like(latent, 1e-7)
     ties = (fq(latent + nudge) != fq(latent - nudge)).sum()
-    assert ties > 0.03 * latent.numel()  # about one weight in 16 sits on a tie
+    assert ties > 0.01 * latent.numel()  # 1.7 % (MXFP4) to 7.8 % (NVFP4) of these weights sit on a tie
     break_half_precision_ties(latent, fq, torch.Generator().manual_seed(0))
     assert torch.equal(fq(latent), start)
-    assert (fq(latent + nudge) != fq(latent - nudge)).sum() < 0.01 * ties
+    assert (fq(latent + nudge) != fq(latent - nudge)).sum() < 0.05 * ties
     assert torch.equal(latent.to(torch.bfloat16), weight)  # still within what the bfloat16 value stands for
 
 

@@ -125,13 +125,16 @@ def break_half_precision_ties(latent: torch.Tensor, fq: RoundToNearestWeight, ge
     side: on ref-llama in bfloat16 that one step raised MXFP6's KL to the teacher 27-fold, whatever
     the learning rate. Spread within the interval the half-precision value stands for, as a float32
     weight would be, the ties cross only as training moves them, and the rounding at the start is
-    unchanged (checked; a layer where it would change is left as it was)."""
+    unchanged (checked: a weight whose rounding it would change stays where it was)."""
     q = fq(latent)
     mantissa, exponent = torch.frexp(latent)  # latent = m * 2^exponent, |m| in [0.5, 1)
     # half the spacing of the dtype's values there (eps = 2^-mantissa bits), the one below at a power of two
     exponent = exponent - 2 - (mantissa.abs() == 0.5).int()
     half_spacing = torch.ldexp(torch.full_like(latent, torch.finfo(fq.stored_dtype).eps), exponent)
     moved = latent + torch.sign(q - latent) * half_spacing * torch.rand(latent.shape, generator=generator).to(latent.device)
+    # towards its own grid point no weight crosses a rounding boundary; should a group's step (set
+    # by its largest weight) still change, the weights whose rounding changed stay where they were
+    moved = torch.where(fq(moved) == q, moved, latent)
     if torch.equal(fq(moved), q):
         latent.copy_(moved)
 
