@@ -562,28 +562,34 @@ def _time_forward(model, tokenizer, recipe, device: str = "cpu") -> dict:
 # Memory scaling: synthetic wide Llama checkpoints, GPTQ in RAM vs offload: disk
 
 
+def write_synthetic_llama(ref_llama: Path, arch: dict, dest: Path, dtype: str = "float32"):
+    """A random-init Llama (`torch.manual_seed(0)`) of ref-llama's config with `arch` overriding
+    its shapes, saved to `dest` in `dtype` with ref-llama's tokenizer; returns the model. The
+    stand-in for a larger model where only its shapes matter (memory rows, compress.bench_block)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_dict({**LlamaConfig.from_pretrained(ref_llama).to_dict(), **arch, "dtype": dtype})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model.save_pretrained(dest)
+    AutoTokenizer.from_pretrained(ref_llama).save_pretrained(dest)
+    return model
+
+
 def run_mem_setup(setup: Setup) -> dict:
     """Write the synthetic checkpoints (fixed seed) with ref-llama's tokenizer."""
     import shutil
 
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     from compress.checkpoint import dir_weight_bytes
 
     t0 = time.perf_counter()
-    base_cfg = LlamaConfig.from_pretrained(setup.ref_llama)
-    tok = AutoTokenizer.from_pretrained(setup.ref_llama)
     made = {}
     for layers in MEM_LAYERS:
-        cfg = LlamaConfig.from_dict({**base_cfg.to_dict(), **MEM_ARCH, "num_hidden_layers": layers, "dtype": "float32"})
-        torch.manual_seed(0)
-        net = LlamaForCausalLM(cfg).float().eval()
         dest = setup.mem_model(layers)
         if dest.exists():
             shutil.rmtree(dest)
-        net.save_pretrained(dest)
-        tok.save_pretrained(dest)
+        net = write_synthetic_llama(setup.ref_llama, {**MEM_ARCH, "num_hidden_layers": layers}, dest)
         block = net.model.layers[0]
         made[str(layers)] = {
             "path": str(dest), "layers": layers, "parameters": sum(p.numel() for p in net.parameters()),

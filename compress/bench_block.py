@@ -42,18 +42,10 @@ def main() -> None:
 
 
 def run_rows(shared: Path, ref: Path, shape: dict, work: Path, device: str) -> None:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     from compress import parse_recipe, run_recipe
+    from compress.bench import write_synthetic_llama
 
-    config = LlamaConfig.from_dict({**LlamaConfig.from_pretrained(ref).to_dict(), **shape,
-                                    "num_hidden_layers": BLOCKS, "dtype": "bfloat16"})
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    model.save_pretrained(work / "model")
-    AutoTokenizer.from_pretrained(ref).save_pretrained(work / "model")
-    del model
+    write_synthetic_llama(ref, {**shape, "num_hidden_layers": BLOCKS}, work / "model", "bfloat16")
     calibration = f"{{dataset: {shared}/data/tinyshakespeare/train.txt, num_samples: 128, seq_len: 512}}"
     for label, stage in ROWS:
         recipe = parse_recipe(f"calibration: {calibration}\nstages:\n  - {stage}\n", "bench_block")

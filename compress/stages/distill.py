@@ -374,9 +374,9 @@ def run_training(stage: BaseModel, name: str, model: torch.nn.Module, teacher: O
                  settle: Callable[[], None] = lambda: None, starting: str = "the starting weights",
                  begin: Callable[[], None] = lambda: None) -> dict:
     """Data, objective, loop, and the summary both training stages report. `begin`: the stage's
-    own step once the trained tensors are float32, before the first (QAT's tie breaking). `settle`: the stage's
-    own step from trained float32 values to saved ones (QAT's grid), before they are rounded to
-    the model's dtype and the final held-out figures measured. With the stage's
+    own step once the trained tensors are float32, before the first step (QAT's tie breaking).
+    `settle`: the stage's own step from trained float32 values to saved ones (QAT's grid), before
+    they are rounded to the model's dtype and the final held-out figures measured. With the stage's
     keep_start_if_worse, a CPU copy of every trained parameter (`extra_groups`' too) is kept, and
     a run that ends worse gives them back; `starting` names them in the warning."""
     start = StartingValues([*trainable, *(p for g in extra_groups for p in g["params"])]) if stage.keep_start_if_worse else None

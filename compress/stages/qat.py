@@ -159,7 +159,7 @@ def _arrives_on(record: dict, args: QuantArgs) -> bool:
 
 
 class _ActivationSTE:
-    """Forward pre-hook: round the layer's input per token, pass the gradient straight through."""
+    """Forward pre-hook: round the layer's input as the saved model does, pass the gradient straight through."""
 
     def __init__(self, args: QuantArgs):
         self.quantizer = activations.ActivationFakeQuant(args)  # the saved model's own input rounding
