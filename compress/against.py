@@ -146,7 +146,7 @@ def llmcompressor_modifiers(recipe) -> tuple[list[dict], list[str]]:
                                   # its default compiles each block first: tens of seconds on a CPU
                                   "enable_torch_compile": False}})
             notes += _grid_note(name, cfg)
-            if cfg.resolved_scheme().weights.symmetric:
+            if cfg.resolved_scheme().weights.type == "int" and cfg.resolved_scheme().weights.symmetric:
                 notes.append("autoround: llm-compressor's AutoRound (Intel's auto-round) steps a symmetric group by "
                              "max|w| / 2^(b-1) with a signed scale (the larger extreme at code -2^(b-1)), a finer grid "
                              "than compress's max|w| / (2^(b-1) - 1) (absmax) or / (2^(b-1) - 0.5) (full_range)")

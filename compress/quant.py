@@ -902,6 +902,22 @@ _ROUND_TO_ELEMENT_ = {4: _round_to_fp4_, 6: _round_to_fp6_, 8: _round_to_e4m3_}
 # between 7.5 and 7.75 steps saturates to 7.5, by less than half a step.
 _MX_ELEMENTS = {8: (FP8_E4M3_MAX, FP8_E4M3_MAX), 6: (FP6_E2M3_MAX, MXFP6_LIMIT)}
 
+# element bits -> (mantissa bits, spacing of the subnormals, largest value) of E2M1, E2M3, E4M3
+ELEMENT_GRIDS = {4: (1, 0.5, FP4_E2M1_MAX), 6: (3, 0.125, FP6_E2M3_MAX), 8: (3, 2.0**-9, FP8_E4M3_MAX)}
+
+
+def element_spacing(magnitude: torch.Tensor, element: int) -> torch.Tensor:
+    """For magnitudes (float32, ≥ 0): the spacing of the float element's values (`element` bits:
+    4 E2M1, 6 E2M3, 8 E4M3) around each, from the value at or below it to the next one up. The
+    element is a fixed-point grid per binade: the spacing in [2^e, 2^(e+1)) is 2^(e - mantissa
+    bits), and below the smallest normal value the subnormals' (the smallest binade's). Read off
+    the bits as `_round_to_fp4_` reads its step: the exponent field alone is 2^e, and each mantissa
+    bit less in the field halves it. A power of two, so magnitude / spacing is exact."""
+    mantissa_bits, subnormal, _ = ELEMENT_GRIDS[element]
+    field = torch.bitwise_and(magnitude.contiguous().view(torch.int32), 0x7F800000)
+    smallest = int(torch.tensor(subnormal, dtype=torch.float32).view(torch.int32))
+    return field.sub_(mantissa_bits << 23).clamp_(min=smallest).view(torch.float32)
+
 
 def fake_quantize_mx(x: torch.Tensor, element_bits: int) -> torch.Tensor:
     """x rounded to MXFP8 (`element_bits` 8) or MXFP6 (6) along its last dimension: blocks of 32,

@@ -7,13 +7,14 @@ from safetensors import safe_open
 
 from compress import modeling, parse_recipe, run_recipe
 from compress.cli import main
-from compress.quant import recover_qparams
-from compress.schemes import QuantArgs
-from compress.stages.autoround import MIN_CLIP, V_BOUND, rounded_weight, sign_step
+from compress.quant import (FP4_E2M1_VALUES, FP6_E2M3_MAX, nvfp4_global_scale, recover_fp4_steps, recover_mx_steps,
+                            range_qparams, recover_qparams, round_to_fp6)
+from compress.schemes import QuantArgs, resolve_scheme
+from compress.stages.autoround import MIN_CLIP, V_BOUND, group_width, rounded_weight, sign_step
 from compress.stages.rtn import quantize_weight
 
 from tests.test_gptq import correlated_layer, tiny_models  # noqa: F401 (a fixture)
-from tests.test_packed import IDS, plain_transformers_logits, relative_difference
+from tests.test_packed import IDS, ct_decompress, plain_transformers_logits, relative_difference
 
 SCHEMES = [
     QuantArgs(num_bits=4, strategy="group", group_size=32),
@@ -28,7 +29,7 @@ SCHEMES = [
 
 def at_rest(W: torch.Tensor, args: QuantArgs):
     """V = 0 and no clipping (α = β = 1), the starting point."""
-    groups = -(-W.shape[1] // (args.group_size if args.strategy == "group" else W.shape[1]))
+    groups = -(-W.shape[1] // group_width(args, W.shape[1]))
     return torch.zeros_like(W), torch.ones(W.shape[0], groups, 1), torch.ones(W.shape[0], groups, 1)
 
 
@@ -55,30 +56,126 @@ def test_offsets_move_a_weight_at_most_one_step_and_stay_on_the_grid(args):
     assert (moved != base).any()
 
 
-@pytest.mark.parametrize("args", SCHEMES[:4], ids=str)
-def test_signed_descent_beats_round_to_nearest_on_a_layer(args):
-    """The paper's loop on one layer: ||W X - W̃ X||² on correlated inputs falls well below
-    round-to-nearest's, with V and the clipping inside their bounds."""
-    W, X, _ = correlated_layer()
+def signed_descent(W: torch.Tensor, X: torch.Tensor, args: QuantArgs, global_scale=None, iters: int = 200):
+    """The paper's loop on one layer, ||W X - W̃ X||² on inputs X: (round-to-nearest's loss, the
+    least loss reached, V, the clipping factors)."""
     V, alpha, beta = (t.requires_grad_() for t in at_rest(W, args))
+    clips = [alpha, beta] if args.type == "int" else [alpha]  # float grids are symmetric: α alone
 
     def loss() -> torch.Tensor:
-        return ((W - rounded_weight(W, V, alpha, beta, args)) @ X.t()).pow(2).mean()
+        return ((W - rounded_weight(W, V, alpha, beta, args, global_scale=global_scale)) @ X.t()).pow(2).mean()
 
-    rtn = float(loss().detach())
-    best = rtn
-    iters = 200
+    rtn = best = float(loss().detach())
     for step in range(iters):
         current = loss()
         best = min(best, float(current.detach()))
         current.backward()
         lr = (1 / iters) * (1 - step / iters)
         sign_step([V], lr, -V_BOUND, V_BOUND)
-        sign_step([alpha, beta], lr, MIN_CLIP, 1.0)
+        sign_step(clips, lr, MIN_CLIP, 1.0)
+    return rtn, best, V.detach(), [c.detach() for c in clips]
+
+
+@pytest.mark.parametrize("args", SCHEMES[:4], ids=str)
+def test_signed_descent_beats_round_to_nearest_on_a_layer(args):
+    """||W X - W̃ X||² on correlated inputs falls well below round-to-nearest's, with V and the
+    clipping inside their bounds."""
+    W, X, _ = correlated_layer()
+    rtn, best, V, clips = signed_descent(W, X, args)
     assert best < 0.8 * rtn
     assert V.abs().max() <= V_BOUND
-    for clip in (alpha, beta):
+    for clip in clips:
         assert MIN_CLIP <= clip.min() and clip.max() <= 1.0
+
+
+# The float grids: FP4 (NVFP4's e4m3 block scales under a global scale, MXFP4's powers of two),
+# MXFP6, MXFP8 and FP8 per channel
+FLOAT_SCHEMES = {name: resolve_scheme(name, None, None).weights for name in ("NVFP4A16", "MXFP4A16", "MXFP6A16", "MXFP8A16")}
+FLOAT_SCHEMES["FP8 channel"] = QuantArgs(num_bits=8, type="float", strategy="channel")
+
+
+def nvfp4_scale(W: torch.Tensor, args: QuantArgs):
+    return nvfp4_global_scale(W.abs().amax()) if args.fp4_format == "nvfp4" else None
+
+
+def element_values(args: QuantArgs) -> torch.Tensor:
+    """Every non-negative value of the scheme's element, listed independently of the rounding code."""
+    if args.num_bits == 4:
+        return torch.tensor(FP4_E2M1_VALUES)
+    if args.num_bits == 6:
+        return torch.unique(round_to_fp6(torch.linspace(0, FP6_E2M3_MAX, 2000)))
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    return torch.unique(every[torch.isfinite(every) & (every >= 0)])
+
+
+@pytest.mark.parametrize("name", FLOAT_SCHEMES)
+def test_at_rest_the_learned_rounding_is_round_to_nearest_on_float_grids(name):
+    args = FLOAT_SCHEMES[name]
+    W, _, _ = correlated_layer()
+    g = nvfp4_scale(W, args)
+    assert torch.equal(rounded_weight(W, *at_rest(W, args), args, global_scale=g), quantize_weight(W, args, g))
+
+
+@pytest.mark.parametrize("name", ["NVFP4A16", "MXFP4A16", "MXFP6A16", "MXFP8A16"])
+def test_at_rest_ties_round_to_even_as_round_to_nearest_does(name):
+    """Weights exactly midway between two element values (common in bfloat16 under power-of-two
+    steps) round as round-to-nearest rounds them, to the value with an even mantissa."""
+    args = FLOAT_SCHEMES[name]
+    values = element_values(args)
+    top = {4: 6.0, 6: 7.5, 8: 400.0}[args.num_bits]  # each group's largest, so its step is 1/8 exactly
+    midpoints = ((values[1:] + values[:-1]) / 2)[values[1:] <= top]
+    width = args.group_size
+    picks = torch.randint(len(midpoints), (64, width), generator=torch.Generator().manual_seed(0))
+    signs = torch.where(torch.rand(64, width, generator=torch.Generator().manual_seed(1)) < 0.5, -1.0, 1.0)
+    W = midpoints[picks] * signs
+    W[:, 0] = top
+    W = (W / 8).reshape(16, -1)
+    g = nvfp4_scale(W, args)
+    assert torch.equal(rounded_weight(W, *at_rest(W, args), args, global_scale=g), quantize_weight(W, args, g))
+
+
+@pytest.mark.parametrize("name", FLOAT_SCHEMES)
+def test_float_offsets_round_each_weight_to_a_neighbour_on_the_element_grid(name):
+    """An offset in [-0.5, 0.5] of the weight's own bracket takes it to the element value just
+    below or just above it (on FP4 the brackets are 0.5 wide near zero and 2 wide at the top), never
+    further; the steps stay storable, so packing recovers them from the weights."""
+    args = FLOAT_SCHEMES[name]
+    W, _, _ = correlated_layer()
+    g = nvfp4_scale(W, args)
+    V, alpha, beta = at_rest(W, args)
+    V = torch.empty_like(W).uniform_(-V_BOUND, V_BOUND, generator=torch.Generator().manual_seed(1))
+    alpha = alpha * 0.85
+    base = rounded_weight(W, torch.zeros_like(W), alpha, beta, args, global_scale=g)
+    moved = rounded_weight(W, V, alpha, beta, args, global_scale=g)
+    assert (moved != base).float().mean() > 0.05
+    width = group_width(args, W.shape[1])
+    if args.num_bits == 4:
+        assert recover_fp4_steps(moved, width, g)[1] == 0
+    elif args.strategy == "group":
+        assert recover_mx_steps(moved, args.num_bits)[1] == 0
+    # each weight's magnitude in element units, at its group's clipped and stored step, against
+    # the element's values either side of it
+    grouped = torch.nn.functional.pad(W, (0, -W.shape[1] % width)).reshape(W.shape[0], -1, width)
+    top = grouped.abs().amax(-1, keepdim=True) * alpha
+    steps = range_qparams(-top, top, args, g).scale
+    step = torch.repeat_interleave(steps.reshape(W.shape[0], -1), width, dim=1)[:, :W.shape[1]]
+    values = element_values(args)
+    a = (W / step).abs().clamp(max=float(values.max()))
+    below = values[torch.searchsorted(values, a, right=True) - 1]
+    above = values[torch.searchsorted(values, a, right=False).clamp(max=len(values) - 1)]
+    q = (moved / step).abs()
+    # (exact where steps are powers of two; FP8's float step can leave the last bit of q · step / step)
+    assert (torch.isclose(q, below, rtol=1e-6, atol=0) | torch.isclose(q, above, rtol=1e-6, atol=0)).all()
+
+
+@pytest.mark.parametrize("name", ["NVFP4A16", "MXFP4A16"])
+def test_signed_descent_beats_round_to_nearest_on_a_layer_on_fp4(name):
+    args = FLOAT_SCHEMES[name]
+    W, X, _ = correlated_layer()
+    rtn, best, V, (alpha,) = signed_descent(W, X, args, nvfp4_scale(W, args))
+    assert best < 0.9 * rtn
+    assert V.abs().max() <= V_BOUND
+    assert MIN_CLIP <= alpha.min() and alpha.min() < 1.0  # the clipping moved through the stored (rounded) steps
 
 
 def autoround_recipe(path, extra="", samples=16, packing=True, scheme="W4A16", group_size=32):
@@ -180,9 +277,11 @@ def test_reference_same_inputs_and_no_clipping(tiny_models, tmp_path):  # noqa: 
 
 
 @pytest.mark.parametrize("stage,expected", [
-    ("autoround: {scheme: FP8}", "float weights (FP8, FP6, FP4) need rtn, gptq or awq"),
+    ("autoround: {weights: {num_bits: 8, type: float, strategy: block, block_structure: [128, 128]}}",
+     "FP8 tiles and per-tensor scales need rtn or gptq"),
+    ("autoround: {scheme: NVFP4}", "weight-only scheme"),
     ("autoround: {scheme: W8A8}", "weight-only scheme"),
-    ("autoround: {weights: {num_bits: 4, strategy: tensor}}", "strategy group or channel"),
+    ("autoround: {weights: {num_bits: 4, strategy: tensor}}", "use strategy group, tensor_group (NVFP4) or channel"),
 ])
 def test_schemes_it_cannot_learn_are_refused_in_one_line(stage, expected, tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
@@ -263,3 +362,34 @@ stages:
                progress=lambda text, *_: shown.append(text) if "autoround loss" in text else None)
     losses = [(float(t.split("autoround loss ")[1].split()[0]), float(t.split("(rtn ")[1].rstrip(")"))) for t in shown]
     assert len(set(losses)) == 2 and all(step == pytest.approx(rtn, rel=1e-3) for step, rtn in losses), losses  # 2 blocks
+
+
+@pytest.mark.parametrize("scheme,fmt", [("NVFP4A16", "nvfp4-pack-quantized"), ("MXFP4A16", "mxfp4-pack-quantized")])
+def test_fp4_autoround_packs_and_plain_transformers_computes_our_logits(scheme, fmt, tmp_path):
+    """On FP4 every block ends below round-to-nearest; the checkpoint is compressed-tensors' FP4
+    format, decompresses to the weights evaluated, and loads in plain transformers to our logits;
+    NVFP4's q/k/v and gate/up share one global scale each (one per fused matrix, as vLLM needs)."""
+    out = tmp_path / "o"
+    recipe = parse_recipe("model: default\ncalibration: {dataset: calibration/default.txt, num_samples: 8, seq_len: 64}\n"
+                          f"stages:\n  - autoround: {{scheme: {scheme}, iters: 16, samples_per_step: 4}}\n", "test")
+    report = run_recipe(recipe, output=str(out), device="cpu")
+    assert report["format"]["compressed_tensors_format"] == fmt
+    summary = report["stages"][0]["summary"]
+    assert len(summary["block_losses"]) == 4 and summary["blocks_kept_rtn"] == 0
+    for loss, rtn in summary["block_losses"]:
+        assert loss < rtn
+    layers = report["layers"]
+    assert all(0 < r["rounding_flipped"] < 0.5 and "clip_beta_mean" not in r for r in layers.values())
+    if scheme == "NVFP4A16":
+        p = "model.layers.0."
+        assert len({layers[p + f"self_attn.{x}_proj"]["global_scale"] for x in "qkv"}) == 1
+        assert len({layers[p + f"mlp.{x}_proj"]["global_scale"] for x in ("gate", "up")}) == 1
+    loaded, _, _ = modeling.load_model(str(out))
+    modules = dict(loaded.named_modules())
+    decompressed = ct_decompress(out)
+    assert len(decompressed) == len(layers) == 28
+    for name, weight in decompressed.items():
+        assert torch.equal(weight.to(modules[name].weight.dtype), modules[name].weight), name
+    with torch.no_grad():
+        ours = loaded(input_ids=IDS).logits
+    assert relative_difference(ours, plain_transformers_logits(out, tmp_path)) <= 1e-4

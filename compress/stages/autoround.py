@@ -15,13 +15,33 @@ quantized weights what it computed in float on the calibration set.
         V -= lr_t · sign(∂loss/∂V);   α, β -= minmax_lr_t · sign(∂loss/∂α, ∂loss/∂β)
         lr_t falls linearly from lr to 0; round() passes gradients straight through
         keep the V, α, β of the step with the least loss
-    write W̃ with those, in the same integer format as round-to-nearest and GPTQ
+    write W̃ with those, in the same format as round-to-nearest and GPTQ
 
 Only V, α and β are learned; the float weights never change, so the result is a rounding of the
 original weights, stored and loaded like any other. Signed steps make the learning rate mean
 something: `iters` steps of lr = 1 / iters, decaying linearly, move an offset by at most 0.5 in
 all, from 0 to either bound. The grid is the project's own (absmax, or `full_range`), as for RTN
 and GPTQ; Intel's auto-round steps a symmetric group by max|w| / 2^(b-1) instead.
+
+Float grids (NVFP4, MXFP4, MXFP6, MXFP8, FP8 per channel or group) learn the same two things.
+A float element is a grid whose spacing doubles from one binade to the next, so an offset of at
+most 0.5 in element units would reach past a small weight's neighbours (e4m3's spacing near zero
+is 2^-9) and leave most large ones where they are (e2m1's spacing above 4 is 2). Here V is in
+units of the weight's own bracket instead:
+
+    a = W / s,  s the stored step (an e4m3 value under NVFP4's global scale, a power of two for
+                MX) of the group's range shrunk to α · max|W|
+    l ≤ |a| < u  the element values either side, t = (|a| - l) / (u - l)
+    W̃ = s · sign(a) · (u if t + V > 1/2, l if t + V < 1/2, the nearest value on a tie)
+
+so every weight can round to either neighbour and no further, and V = 0, α = 1 is
+round-to-nearest exactly. The stored step is not differentiable (it is rounded to e4m3 or to a
+power of two); its gradient is taken as if it scaled with α, and α moves the step only where it
+crosses to another stored value. Intel's auto-round adds V to a in element units instead.
+Measured on ref-llama by the benchmark protocol (200 steps, `python -m compress.bench --only
+'ref-llama AutoRound NVFP4,ref-llama AutoRound MXFP4'` with either rounding), KL to the float
+model TS / WT2: NVFP4 1.78e-4 / 4.28e-4 here against 2.58e-4 / 6.18e-4 in element units, MXFP4
+2.65e-4 / 6.63e-4 against 2.61e-4 / 7.41e-4.
 
 One departure from auto-round: an asymmetric group's zero point is rounded without a gradient
 (auto-round passes it straight through). Measured on ref-llama (W4 zero-point g64, 32 windows, 50
@@ -39,7 +59,7 @@ best is not the set's) keeps round-to-nearest; the report says so.
 Sample recipe stage:
 
     - autoround:
-        scheme: W4A16           # integer weights, any group size, symmetric or not
+        scheme: W4A16           # integer weights, any group size, symmetric or not; or NVFP4A16, MXFP4A16, ...
         weights: {group_size: 64}
         iters: 200
         samples_per_step: 8
@@ -55,12 +75,12 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from compress.engine import ActivationStore, BlockRunner
 from compress.modeling import get_weight, set_weight
-from compress.quant import _grouped, range_qparams, relative_error, round_ste
+from compress.quant import ELEMENT_GRIDS, _grouped, element_spacing, range_qparams, relative_error, round_ste
 from compress.schemes import QuantArgs
 from compress.seeding import seeded_generator
 from compress.sparsity import pruned_zeros
 from compress.stages.base import EngineOptions, QuantizationStage, StageContext, check_weight
-from compress.stages.rtn import forget_shared_scale, quantize_weight
+from compress.stages.rtn import check_fits_dtype, forget_shared_scale, global_scales, quantize_weight, scale_record
 
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions on tensors
@@ -70,25 +90,58 @@ MIN_CLIP = 0.5  # a group's range may shrink to half, as far as AWQ's clipping s
 
 
 def group_width(args: QuantArgs, columns: int) -> int:
-    """Columns per scale: the group size, or the whole row per channel."""
-    return args.group_size if args.strategy == "group" else columns
+    """Columns per scale: the group (NVFP4's block) size, or the whole row per channel."""
+    return args.group_size if args.strategy in ("group", "tensor_group") else columns
 
 
 def rounded_weight(W: torch.Tensor, V: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, args: QuantArgs,
-                   keep_zero: torch.Tensor | None = None) -> torch.Tensor:
+                   keep_zero: torch.Tensor | None = None, global_scale: float | None = None) -> torch.Tensor:
     """W̃ for W [out, in] with offsets V [out, in] and clipping factors alpha, beta [out, groups, 1]
-    (on the group's max and min); differentiable in V, alpha and beta (round() straight through).
-    With V = 0 and alpha = beta = 1 this is round-to-nearest exactly. `keep_zero`: pruned weights
-    that stay zero."""
+    (on the group's max and min; a float grid is symmetric and takes alpha on max|W|);
+    differentiable in V, alpha and beta (round() straight through). With V = 0 and alpha = beta = 1
+    this is round-to-nearest exactly. `keep_zero`: pruned weights that stay zero. `global_scale`:
+    NVFP4's per-tensor scale (rtn.global_scales)."""
     rows, cols = W.shape
     width = group_width(args, cols)
     Wg, pad = _grouped(W, width)                     # [out, groups, width]
     Vg, _ = _grouped(V, width)
-    lo, hi = Wg.amin(-1, keepdim=True) * beta, Wg.amax(-1, keepdim=True) * alpha
-    qp = range_qparams(lo, hi, args)
-    codes = torch.clamp(round_ste(Wg / qp.scale + qp.zero_point + Vg), qp.qmin, qp.qmax)
-    out = ((codes - qp.zero_point) * qp.scale).reshape(rows, -1)[:, :cols]
+    if args.type == "float":
+        top = Wg.abs().amax(-1, keepdim=True) * alpha.detach()
+        qp = range_qparams(-top, top, args, global_scale)
+        step = qp.scale * (alpha / alpha.detach())  # the stored step; its gradient as if it scaled with alpha
+        out = element_offset_round(Wg / step, Vg, qp.element) * step
+    else:
+        lo, hi = Wg.amin(-1, keepdim=True) * beta, Wg.amax(-1, keepdim=True) * alpha
+        qp = range_qparams(lo, hi, args)
+        codes = torch.clamp(round_ste(Wg / qp.scale + qp.zero_point + Vg), qp.qmin, qp.qmax)
+        out = (codes - qp.zero_point) * qp.scale
+    out = out.reshape(rows, -1)[:, :cols]
     return out if keep_zero is None else out.masked_fill(keep_zero, 0.0)
+
+
+def element_offset_round(a: torch.Tensor, V: torch.Tensor, element: int) -> torch.Tensor:
+    """a (in element units) rounded on the float element's grid (4: E2M1, 6: E2M3, 8: E4M3),
+    saturating: each magnitude to the value above it where its place between the two values either
+    side plus V passes one half, to the one below where it falls short. On exactly one half (V = 0
+    and a midway) to the value with an even mantissa, as round-to-nearest does, so V = 0 is
+    round-to-nearest bit for bit (the last mantissa bit of the value below is that of its count of
+    spacings, an integer whose leading bit sits above the mantissa).
+    Positive V rounds away from zero. Straight through: the gradient is 1 in a and the bracket's
+    width in V, inside the grid's range."""
+    largest = ELEMENT_GRIDS[element][2]
+    magnitude = a.detach().abs().clamp_(max=largest)
+    spacing = element_spacing(magnitude, element)
+    scaled = magnitude.div_(spacing)  # in spacings: the value below, plus the place between it and the next
+    spacings_below = scaled.floor()  # the value at or below, in spacings
+    shifted = scaled.sub_(spacings_below).add_(V.detach())
+    up = shifted > 0.5
+    tie = shifted == 0.5
+    if bool(tie.any()):
+        up |= tie & (torch.remainder(spacings_below, 2) == 1)  # the value below has an odd mantissa
+    rounded = spacings_below.add_(up).mul_(spacing).clamp_(max=largest)
+    sign = torch.sign(a.detach())
+    proxy = torch.clamp(a + V * spacing * sign, -largest, largest)
+    return proxy + (rounded.mul_(sign) - proxy).detach()
 
 
 def sign_step(parameters: list[torch.Tensor], lr: float, low: float, high: float) -> None:
@@ -132,14 +185,13 @@ class AutoRound(EngineOptions, QuantizationStage):
     _blocks: list = PrivateAttr(default_factory=list)  # per block: its loss, round-to-nearest's, whether RTN was kept
 
     @model_validator(mode="after")
-    def _integer_weights_only(self) -> "AutoRound":
+    def _learnable_scheme(self) -> "AutoRound":
         scheme = self.resolved_scheme()
-        if scheme.weights.type != "int":
-            raise ValueError("AutoRound learns rounding on an integer grid: float weights (FP8, FP6, FP4) need rtn, gptq or awq")
-        if scheme.weights.strategy == "tensor":
-            raise ValueError("AutoRound learns per-group or per-channel clipping: use strategy group or channel")
+        if scheme.weights.strategy in ("tensor", "block"):
+            raise ValueError("AutoRound learns per-group or per-channel clipping: use strategy group, tensor_group (NVFP4) "
+                             "or channel (FP8 tiles and per-tensor scales need rtn or gptq)")
         if scheme.input_activations is not None:
-            raise ValueError("AutoRound tunes weights only: use a weight-only scheme (W4A16, W8A16, ...), "
+            raise ValueError("AutoRound tunes weights only: use a weight-only scheme (W4A16, W8A16, NVFP4A16, ...), "
                              "or gptq / rtn for activation quantization")
         return self
 
@@ -164,6 +216,7 @@ class AutoRound(EngineOptions, QuantizationStage):
                     keep_zero: dict, targets: ActivationStore, ctx: StageContext, runner: BlockRunner) -> None:
         args = self.resolved_scheme().weights
         native = {n: (type(layers[n]).__name__ == "Conv1D", layers[n].weight.dtype) for n in layers}
+        scales = global_scales(layers, args)  # NVFP4's per-tensor scale, shared by a fused group; else empty
 
         V = {n: torch.zeros_like(W, requires_grad=True) for n, W in weights.items()}
         shape = {n: (W.shape[0], math.ceil(W.shape[1] / group_width(args, W.shape[1])), 1) for n, W in weights.items()}
@@ -173,7 +226,7 @@ class AutoRound(EngineOptions, QuantizationStage):
         def parameters() -> dict[str, torch.Tensor]:
             out = {}
             for n, W in weights.items():
-                q = rounded_weight(W, V[n], alpha[n], beta[n], args, keep_zero[n])
+                q = rounded_weight(W, V[n], alpha[n], beta[n], args, keep_zero[n], scales.get(n))
                 transposed, dtype = native[n]
                 out[names[n]] = (q.t() if transposed else q).to(dtype)
             return out
@@ -232,19 +285,22 @@ class AutoRound(EngineOptions, QuantizationStage):
         final_loss = rtn_loss if kept_rtn else tuned_loss
         with torch.no_grad():
             for n, W in weights.items():
-                Q = quantize_weight(W, args) if kept_rtn else rounded_weight(W, V[n], alpha[n], beta[n], args)
+                g = scales.get(n)
+                Q = quantize_weight(W, args, g) if kept_rtn else rounded_weight(W, V[n], alpha[n], beta[n], args, global_scale=g)
                 if keep_zero[n] is not None:
                     Q = Q.masked_fill(keep_zero[n], 0.0)
                 # how many rounding decisions the offsets overturned, at the learned clipping
                 flipped = 0.0
                 if not kept_rtn:
-                    nearest = rounded_weight(W, torch.zeros_like(W), alpha[n], beta[n], args, keep_zero[n])
+                    nearest = rounded_weight(W, torch.zeros_like(W), alpha[n], beta[n], args, keep_zero[n], g)
                     flipped = float((Q != nearest).float().mean())
+                check_fits_dtype(n, Q, native[n][1], args)
                 self._record(ctx, n, layers[n], W, Q, args, {
-                    "autoround_loss": final_loss, "rtn_loss": rtn_loss,
+                    **scale_record(args, g), "autoround_loss": final_loss, "rtn_loss": rtn_loss,
                     "tuned_loss": tuned_loss if math.isfinite(tuned_loss) else None,
                     "kept_rtn": kept_rtn, "iters": self.iters, "rounding_flipped": flipped,
-                    "clip_alpha_mean": float(alpha[n].mean()), "clip_beta_mean": float(beta[n].mean()),
+                    "clip_alpha_mean": float(alpha[n].mean()),
+                    **({"clip_beta_mean": float(beta[n].mean())} if args.type == "int" else {}),
                     **({"sparsity_preserved": float(keep_zero[n].float().mean())} if keep_zero[n] is not None else {})})
         self._blocks.append({"block": index, "loss": final_loss, "rtn_loss": rtn_loss, "kept_rtn": kept_rtn,
                              "layers": list(layers)})
@@ -323,12 +379,15 @@ class AutoRound(EngineOptions, QuantizationStage):
         # Layers outside the transformer blocks (a BERT pooler, a targeted lm_head) have no block
         # output to learn from: round-to-nearest, and the report says so.
         tuned_layers = {n for b in self._blocks for n in b["layers"]}
-        for name, module in selected.items():
-            if name not in tuned_layers:
-                W = get_weight(module)
-                check_weight(name, W)
-                self._record(ctx, name, module, W, quantize_weight(W, args), args, {
-                    "autoround_loss": None, "rtn_loss": None, "note": "outside the transformer blocks: round-to-nearest"})
+        outside = {n: m for n, m in selected.items() if n not in tuned_layers}
+        scales = global_scales(outside, args)
+        for name, module in outside.items():
+            W = get_weight(module)
+            check_weight(name, W)
+            Q = quantize_weight(W, args, scales.get(name))
+            check_fits_dtype(name, Q, module.weight.dtype, args)
+            self._record(ctx, name, module, W, Q, args, {**scale_record(args, scales.get(name)), "autoround_loss": None,
+                                                          "rtn_loss": None, "note": "outside the transformer blocks: round-to-nearest"})
         blocks = self._blocks
         summary.update({
             "layers": len(selected), "rtn_fallback": len(selected) - len(tuned_layers),
