@@ -357,7 +357,8 @@ def saved_use_cache(configs: list, source_config):
 # (its fake-quant stays attached), zeros and smoothing still describe the layer and stay.
 DROPPED_WHEN_REQUANTIZED = ("gptq_loss", "rtn_loss", "autoround_loss", "tuned_loss", "tokens", "damp_retries", "note",
                             "solved_together", "mixed_group_scales", "output_error", "rtn_output_error", "clip_ratio",
-                            "search_tokens", "relative_error", "global_scale", "qat_init")
+                            "search_tokens", "relative_error", "global_scale", "qat_init", "kept_rtn", "rounding_flipped",
+                            "clip_alpha_mean", "clip_beta_mean")
 
 
 def forget_earlier_grids(index: int, name: str, stage, net: torch.nn.Module, layers: dict[str, dict]) -> list[str]:

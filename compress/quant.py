@@ -907,12 +907,14 @@ ELEMENT_GRIDS = {4: (1, 0.5, FP4_E2M1_MAX), 6: (3, 0.125, FP6_E2M3_MAX), 8: (3, 
 
 
 def element_spacing(magnitude: torch.Tensor, element: int) -> torch.Tensor:
-    """For magnitudes (float32, ≥ 0): the spacing of the float element's values (`element` bits:
-    4 E2M1, 6 E2M3, 8 E4M3) around each, from the value at or below it to the next one up. The
-    element is a fixed-point grid per binade: the spacing in [2^e, 2^(e+1)) is 2^(e - mantissa
-    bits), and below the smallest normal value the subnormals' (the smallest binade's). Read off
-    the bits as `_round_to_fp4_` reads its step: the exponent field alone is 2^e, and each mantissa
-    bit less in the field halves it. A power of two, so magnitude / spacing is exact."""
+    """For magnitudes (float32, from 0 to the element's largest value): the spacing of the float
+    element's values (`element` bits: 4 E2M1, 6 E2M3, 8 E4M3) around each, from the value at or
+    below it to the next one up. The element is a fixed-point grid per binade: the spacing in
+    [2^e, 2^(e+1)) is 2^(e - mantissa bits), and below the smallest normal value the subnormals'
+    (the smallest binade's). Read off the bits as `_round_to_fp4_` reads its step: the exponent
+    field alone is 2^e, and each mantissa bit less in the field halves it. A power of two, so
+    magnitude / spacing is exact. (Past the largest value it gives its binade's spacing, though no
+    value follows: clamp first.)"""
     mantissa_bits, subnormal, _ = ELEMENT_GRIDS[element]
     field = torch.bitwise_and(magnitude.contiguous().view(torch.int32), 0x7F800000)
     smallest = int(torch.tensor(subnormal, dtype=torch.float32).view(torch.int32))

@@ -23,7 +23,7 @@ something: `iters` steps of lr = 1 / iters, decaying linearly, move an offset by
 all, from 0 to either bound. The grid is the project's own (absmax, or `full_range`), as for RTN
 and GPTQ; Intel's auto-round steps a symmetric group by max|w| / 2^(b-1) instead.
 
-Float grids (NVFP4, MXFP4, MXFP6, MXFP8, FP8 per channel or group) learn the same two things.
+Float grids (NVFP4, MXFP4, MXFP6, MXFP8, FP8 per channel) learn the same two things.
 A float element is a grid whose spacing doubles from one binade to the next, so an offset of at
 most 0.5 in element units would reach past a small weight's neighbours (e4m3's spacing near zero
 is 2^-9) and leave most large ones where they are (e2m1's spacing above 4 is 2). Here V is in
@@ -32,10 +32,10 @@ units of the weight's own bracket instead:
     a = W / s,  s the stored step (an e4m3 value under NVFP4's global scale, a power of two for
                 MX) of the group's range shrunk to α · max|W|
     l ≤ |a| < u  the element values either side, t = (|a| - l) / (u - l)
-    W̃ = s · sign(a) · (u if t + V > 1/2, l if t + V < 1/2, the nearest value on a tie)
+    W̃ = s · sign(a) · (l + (u - l) · round(t + V)),  a tie to the value with an even mantissa
 
-so every weight can round to either neighbour and no further, and V = 0, α = 1 is
-round-to-nearest exactly. The stored step is not differentiable (it is rounded to e4m3 or to a
+so, as on the integer grid, every weight can round to either value beside it and no further,
+and V = 0, α = 1 is round-to-nearest exactly. The stored step is not differentiable (it is rounded to e4m3 or to a
 power of two); its gradient is taken as if it scaled with α, and α moves the step only where it
 crosses to another stored value. Intel's auto-round adds V to a in element units instead.
 Measured on ref-llama by the benchmark protocol (200 steps, `python -m compress.bench --only
@@ -121,26 +121,35 @@ def rounded_weight(W: torch.Tensor, V: torch.Tensor, alpha: torch.Tensor, beta: 
 
 def element_offset_round(a: torch.Tensor, V: torch.Tensor, element: int) -> torch.Tensor:
     """a (in element units) rounded on the float element's grid (4: E2M1, 6: E2M3, 8: E4M3),
-    saturating: each magnitude to the value above it where its place between the two values either
-    side plus V passes one half, to the one below where it falls short. On exactly one half (V = 0
-    and a midway) to the value with an even mantissa, as round-to-nearest does, so V = 0 is
-    round-to-nearest bit for bit (the last mantissa bit of the value below is that of its count of
-    spacings, an integer whose leading bit sits above the mantissa).
-    Positive V rounds away from zero. Straight through: the gradient is 1 in a and the bracket's
-    width in V, inside the grid's range."""
+    saturating, as the integer grid rounds a + V: with l ≤ |a| < u the element values either side
+    and t = (|a| - l) / (u - l), the magnitude becomes l + (u - l) · round(t + V), where round()
+    breaks a tie towards the value with an even mantissa (round-to-nearest's rule, so V = 0 is
+    round-to-nearest bit for bit). So a weight reaches the value below or above it and no further;
+    one exactly on a value moves only at V = ±0.5, to the one beside it with an even mantissa
+    (as integer code 3 goes to 2 or 4, and 2 stays). Positive V rounds away from zero. Straight
+    through: inside the grid's range the gradient is 1 in a and the bracket's width in V; a
+    saturated weight (|a| beyond the largest value, under a clipped range) passes none, as the
+    integer grid's clamp passes none."""
     largest = ELEMENT_GRIDS[element][2]
     magnitude = a.detach().abs().clamp_(max=largest)
     spacing = element_spacing(magnitude, element)
     scaled = magnitude.div_(spacing)  # in spacings: the value below, plus the place between it and the next
     spacings_below = scaled.floor()  # the value at or below, in spacings
-    shifted = scaled.sub_(spacings_below).add_(V.detach())
+    shifted = scaled.sub_(spacings_below).add_(V.detach())  # t + V, in [-0.5, 1.5)
     up = shifted > 0.5
-    tie = shifted == 0.5
-    if bool(tie.any()):
-        up |= tie & (torch.remainder(spacings_below, 2) == 1)  # the value below has an odd mantissa
+    ties = shifted.abs() == 0.5
+    if bool(ties.any()):
+        # The last mantissa bit of the value below is that of its count of spacings, an integer
+        # whose leading bit sits above the mantissa. Odd: the tie goes to the value above it
+        # (t + V = 0.5), or at t = 0, V = -0.5 to the one below, in the same binade (odd is never a
+        # binade's first value).
+        odd = torch.remainder(spacings_below, 2) == 1
+        up |= (shifted == 0.5) & odd
+        spacings_below -= ((shifted == -0.5) & odd).float()
     rounded = spacings_below.add_(up).mul_(spacing).clamp_(max=largest)
     sign = torch.sign(a.detach())
-    proxy = torch.clamp(a + V * spacing * sign, -largest, largest)
+    proxy = a + V * spacing * sign
+    proxy = torch.where(a.detach().abs() <= largest, proxy, proxy.detach())
     return proxy + (rounded.mul_(sign) - proxy).detach()
 
 
