@@ -21,6 +21,7 @@ STAGES = {
     "wanda-2:4": "wanda: {pattern: '2:4'}",
     "structured": "structured: {structure: mlp-channels, ratio: 0.25}",
     "autoround": "autoround: {scheme: W4A16, weights: {group_size: 64}, iters: 40}",
+    "autoround-nvfp4": "autoround: {scheme: NVFP4A16, iters: 40}",
     "gptq-nvfp4-w4a4": "gptq: {scheme: NVFP4}",
     # the float grids: FP8 tiles (rows of a tile share a scale), MX blocks with power-of-two scales
     "gptq-fp8-block": "gptq: {scheme: FP8_BLOCK, weights: {block_structure: [64, 64]}}",
@@ -31,7 +32,7 @@ STAGES = {
 }
 # AutoRound's signed-gradient steps move by a fixed amount whatever the gradient's size, so a float
 # difference between the devices that flips one step's sign changes its path more than GPTQ's
-KL_REL = {"autoround": 0.2}
+KL_REL = {"autoround": 0.2, "autoround-nvfp4": 0.2}
 
 
 def recipe(shared, stage: str):

@@ -38,10 +38,11 @@ so, as on the integer grid, every weight can round to either value beside it and
 and V = 0, α = 1 is round-to-nearest exactly. The stored step is not differentiable (it is rounded to e4m3 or to a
 power of two); its gradient is taken as if it scaled with α, and α moves the step only where it
 crosses to another stored value. Intel's auto-round adds V to a in element units instead.
-Measured on ref-llama by the benchmark protocol (200 steps, `python -m compress.bench --only
-'ref-llama AutoRound NVFP4,ref-llama AutoRound MXFP4'` with either rounding), KL to the float
-model TS / WT2: NVFP4 1.78e-4 / 4.28e-4 here against 2.58e-4 / 6.18e-4 in element units, MXFP4
-2.65e-4 / 6.63e-4 against 2.61e-4 / 7.41e-4.
+Measured on ref-llama by the benchmark protocol (200 steps; `python -m compress.bench --only
+'ref-llama AutoRound NVFP4,ref-llama AutoRound MXFP4'`, BENCHMARKS.md of 2026-11-28 05:17 here,
+the same rows with element-unit offsets patched in for the comparison), KL to the float model TS
+/ WT2: NVFP4 1.80e-4 / 4.04e-4 here against 2.58e-4 / 6.18e-4 in element units, MXFP4 2.53e-4 /
+6.19e-4 against 2.61e-4 / 7.41e-4.
 
 One departure from auto-round: an asymmetric group's zero point is rounded without a gradient
 (auto-round passes it straight through). Measured on ref-llama (W4 zero-point g64, 32 windows, 50
