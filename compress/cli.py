@@ -333,7 +333,8 @@ def distill(
         return  # a process other than the main one under `accelerate launch`: the main one reports
     s = report["stages"][-1]["summary"]
     details = [f"held-out KD loss {s['held_out_kd_before']:.4g} -> {s['held_out_kd_after']:.4g}"
-               + (" (worse: the starting weights are kept)" if "kept_start" in s else "")] if "held_out_kd_after" in s else []
+               + (f" (training reached {s['held_out_kd_trained']:.4g}, worse: the starting weights are kept)"
+                  if "held_out_kd_trained" in s else "")] if "held_out_kd_after" in s else []
     _show_run(report, output, details=details)
 
 

@@ -168,7 +168,9 @@ def keep_start_if_worse(summary: dict, start: Optional[StartingValues], stage: s
     """A run too short (or an lr too high) can end worse than it started: the start is given back
     (`start`; None: keep_start_if_worse: false, the worse model is kept), and either is said.
     Worse is judged on the held-out KD where there is a teacher (the fidelity the stage is for),
-    else the held-out loss, beyond the float noise of a loss that did not move."""
+    else the held-out loss, beyond the float noise of a loss that did not move. Given back, the
+    summary's `held_out_*_after` figures are the saved model's (the start's), and the run that was
+    turned down keeps its own as `held_out_*_trained`."""
     for label in ("held_out_kd", "held_out_loss"):
         before, after = summary.get(f"{label}_before"), summary.get(f"{label}_after")
         if before is None or after is None:
@@ -178,6 +180,10 @@ def keep_start_if_worse(summary: dict, start: Optional[StartingValues], stage: s
             if start is not None:
                 start.restore()
                 summary["kept_start"] = f"{what}: {starting} are kept (keep_start_if_worse)"
+                for figure in ("held_out_kd", "held_out_ppl", "held_out_loss"):
+                    if summary.get(f"{figure}_before") is not None and f"{figure}_after" in summary:
+                        summary[f"{figure}_trained"] = summary[f"{figure}_after"]
+                        summary[f"{figure}_after"] = summary[f"{figure}_before"]
             kept = f"{starting} are kept" if start is not None else "the model got worse"
             summary["warnings"] = [f"stage {index + 1} ({stage}): {what}: {kept}; train longer or with a lower lr"]
         return
