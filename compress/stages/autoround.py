@@ -35,9 +35,9 @@ units of the weight's own bracket instead:
     W̃ = s · sign(a) · (l + (u - l) · round(t + V)),  a tie to the value with an even mantissa
 
 so, as on the integer grid, every weight can round to either value beside it and no further,
-and V = 0, α = 1 is round-to-nearest exactly. The stored step is not differentiable (it is rounded to e4m3 or to a
-power of two); its gradient is taken as if it scaled with α, and α moves the step only where it
-crosses to another stored value. Intel's auto-round adds V to a in element units instead.
+and V = 0, α = 1 is round-to-nearest exactly. The stored step is not differentiable (it is
+rounded to e4m3 or to a power of two); its gradient is taken as if it scaled with α, and α moves
+the step only where it crosses to another stored value. Intel's auto-round adds V to a in element units instead.
 Measured on ref-llama by the benchmark protocol (200 steps; `python -m compress.bench --only
 'ref-llama AutoRound NVFP4,ref-llama AutoRound MXFP4'`, BENCHMARKS.md of 2026-11-28 05:17 here,
 the same rows with element-unit offsets patched in for the comparison), KL to the float model TS
